@@ -1,0 +1,64 @@
+"""The audit trail: ordered lifecycle events per request (DESIGN section 5).
+
+Events live in a bounded in-memory ring (the oldest requests fall out first) and, when a path is given,
+are appended to a JSONL file. The engine thread writes; the server reads: one lock guards both.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, TextIO
+
+EVENT_KINDS = frozenset(
+    {
+        "admitted", "rejected", "pages_allocated", "prefix_hit", "transfer_started", "page_received",
+        "transfer_complete", "validated", "step", "aborted", "quarantined", "drained", "released",
+        "preempted", "finished", "fault_injected", "write_refused",
+    }
+)
+
+
+class EventLog:
+    """Per-request event lists, bounded by `max_requests`; optionally mirrored to a JSONL file."""
+
+    def __init__(self, max_requests: int = 10_000, path: Path | None = None) -> None:
+        self._by_request: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._max_requests = max_requests
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._file: TextIO | None = path.open("a", encoding="utf-8") if path else None
+
+    def emit(self, request_id: str, kind: str, **fields: Any) -> None:
+        assert kind in EVENT_KINDS, f"unknown event kind {kind}"
+        with self._lock:
+            self._seq += 1
+            event = {"seq": self._seq, "ts": time.time(), "request_id": request_id, "kind": kind, **fields}
+            events = self._by_request.get(request_id)
+            if events is None:
+                events = self._by_request[request_id] = []
+                if len(self._by_request) > self._max_requests:
+                    self._by_request.popitem(last=False)
+            events.append(event)
+            if self._file is not None:
+                self._file.write(json.dumps(event) + "\n")
+                self._file.flush()
+
+    def for_request(self, request_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._by_request.get(request_id, ()))
+
+    def kinds(self, request_id: str) -> list[str]:
+        return [e["kind"] for e in self.for_request(request_id)]
+
+    def request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._by_request)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

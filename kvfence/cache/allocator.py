@@ -1,0 +1,124 @@
+"""Page allocator: the O(1) free queue, reference counts, and a new generation on every allocation.
+
+The allocator is the only code that edits a MappingRecord or a page's generation, owner and state.
+Handing a page out always starts a new generation, so any reference kept from an earlier life of the
+page stops matching; sharing a cached page (a prefix hit) does not, because its content is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from kvfence.audit.faults import FaultInjector
+from kvfence.cache.fence import MappingRecord
+from kvfence.cache.pool import NO_OWNER, KVPool, PageState
+from kvfence.cache.prefix import PrefixCache
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PageAllocator:
+    def __init__(self, pool: KVPool, prefix: PrefixCache | None, faults: FaultInjector) -> None:
+        self.pool = pool
+        self.prefix = prefix
+        self.faults = faults
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(pool.num_pages))
+        self.refcount = np.zeros(pool.num_pages, dtype=np.int64)
+        self._tenant_ids: dict[str, int] = {}
+
+    def tenant_id(self, tenant: str) -> int:
+        """A stable small integer per tenant name (the pool's `owner` values)."""
+        return self._tenant_ids.setdefault(tenant, len(self._tenant_ids))
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation can take now: free ones plus unreferenced cached ones (evicted on demand)."""
+        return len(self.free) + (len(self.prefix.evictable) if self.prefix else 0)
+
+    def allocate(self, record: MappingRecord, count: int) -> list[int]:
+        """Append `count` fresh pages to `record`, all or nothing."""
+        if count > self.num_free_pages:
+            raise OutOfPages(f"need {count} pages, {self.num_free_pages} free")
+        pages = [self._take_page(record) for _ in range(count)]
+        for page in pages:
+            self.pool.begin_generation(page, record.tenant)
+            self.refcount[page] += 1
+            record.pages.append(page)
+            record.generations.append(int(self.pool.generation[page]))
+        return pages
+
+    def _take_page(self, record: MappingRecord) -> int:
+        if self.faults.fire("double_allocation"):
+            held = np.flatnonzero(self.refcount > 0)
+            held = held[~np.isin(held, record.pages)]
+            if held.size:  # the bug: a page another request still holds is handed out again
+                return int(held[0])
+        if self.free:
+            return self.free.popitem(last=False)[0]
+        assert self.prefix is not None
+        page = self.prefix.evict_lru()
+        assert page is not None
+        return page
+
+    def share(self, record: MappingRecord, pages: list[int]) -> None:
+        """Take a reference on cached pages (a prefix hit) at their current generation."""
+        for page in pages:
+            if self.refcount[page] == 0 and self.prefix is not None:
+                self.prefix.acquire(page)
+            self.refcount[page] += 1
+            record.pages.append(page)
+            record.generations.append(int(self.pool.generation[page]))
+
+    def release(self, record: MappingRecord) -> None:
+        """Drop the record's references; pages nobody holds go back to the cache or the free queue.
+
+        Tail pages are released first so that, among a request's cached pages, the deepest are evicted
+        first: a shorter prefix is more likely to be shared.
+        """
+        for page in reversed(record.pages):
+            self._drop_reference(page)
+        record.pages.clear()
+        record.generations.clear()
+        if self.faults.fire("stale_mapping"):
+            self._free_a_held_page()
+
+    def _drop_reference(self, page: int) -> None:
+        self.refcount[page] -= 1
+        assert self.refcount[page] >= 0, f"page {page} released more often than acquired"
+        if self.refcount[page] > 0:
+            return
+        if self.prefix is not None and self.prefix.is_cached(page):
+            self.prefix.release_unreferenced(page)
+        else:
+            self.pool.mark_free(page)
+            self.free[page] = None
+
+    def _free_a_held_page(self) -> None:
+        """Fault: a refcount bug frees a page another request still maps; it is reused first."""
+        held = np.flatnonzero(self.refcount > 0)
+        if held.size:
+            page = int(held[-1])
+            self.refcount[page] = 0
+            self.pool.mark_free(page)
+            self.free[page] = None
+            self.free.move_to_end(page, last=False)
+
+    def check_integrity(self) -> None:
+        """Every page is in exactly one place: free queue, evictable cache, or held (refcount > 0)."""
+        pool = self.pool
+        held = set(np.flatnonzero(self.refcount > 0).tolist())
+        evictable = set(self.prefix.evictable) if self.prefix else set()
+        free = set(self.free)
+        assert not (free & evictable) and not (free & held) and not (evictable & held)
+        assert len(free) + len(evictable) + len(held) == pool.num_pages, "a page is lost"
+        for page in free:
+            assert pool.state[page] == PageState.FREE and pool.owner[page] == NO_OWNER
+        for page in held | evictable:
+            assert pool.state[page] == PageState.OWNED and pool.owner[page] != NO_OWNER
+        if self.prefix is not None:
+            self.prefix.check_integrity()
+            assert all(p not in free for p in self.prefix.hash_by_page), "a free page is still cached"

@@ -1,0 +1,112 @@
+"""The fence: expected-mapping records and the batched validation run before every model step.
+
+A request's MappingRecord says which pages it may touch, at which generation, for which tenant. The
+allocator creates and extends it; nothing else edits it. Before a step, `validate_step` compares every
+record in the batch with the pool's metadata in one vectorised pass (gathers and compares over flat
+arrays, no Python loop over pages) and names the requests that must be aborted. It is deliberately a
+separate check, not fused into attention: the model reads only pages the fence has already cleared.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvfence.cache.pool import KVPool, PageState
+
+STALE_GENERATION = "stale_generation"  # the page was reallocated since the request was given it
+FOREIGN_OWNER = "foreign_owner"  # the page belongs to another tenant, or to nobody
+UNWRITTEN_READ = "unwritten_read"  # the step would read slots never written at this generation
+STALE_WRITE = "stale_write"  # a KV write names a generation or owner that does not hold the page
+INTEGRITY_REASONS = frozenset({STALE_GENERATION, FOREIGN_OWNER, UNWRITTEN_READ, STALE_WRITE})
+
+
+@dataclass
+class MappingRecord:
+    """Pages in logical order with the generation each had when handed out. Allocator-edited only."""
+
+    tenant: int
+    pages: list[int] = field(default_factory=list)
+    generations: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepLayout:
+    """A batch flattened for one step: what each request reads and where each new token is written.
+
+    Row r of the batch reads its first `num_cached[r]` tokens from `pages[starts[r]:starts[r+1]]` and
+    writes new token t (at `write_positions[t]`) into `write_pages[t]`, slot `write_offsets[t]`.
+    """
+
+    tenants: np.ndarray  # [batch]
+    num_cached: np.ndarray  # [batch] tokens that must already be written before the step
+    starts: np.ndarray  # [batch + 1] offsets into pages
+    pages: np.ndarray  # [sum of mapped pages]
+    generations: np.ndarray
+    write_rows: np.ndarray  # [new tokens] batch row of each new token
+    write_pages: np.ndarray
+    write_generations: np.ndarray
+    write_offsets: np.ndarray
+    write_positions: np.ndarray  # token position of each new token in its sequence
+
+
+@dataclass
+class FenceStats:
+    checks: int = 0
+    seconds: float = 0.0
+    aborts: Counter[str] = field(default_factory=Counter)
+
+
+class Fence:
+    """Validates step layouts against a pool. With `enabled` False nothing is checked (lab/bench only)."""
+
+    def __init__(self, pool: KVPool, enabled: bool = True) -> None:
+        self.pool = pool
+        self.enabled = enabled
+        self.stats = FenceStats()
+
+    def validate_step(self, layout: StepLayout) -> dict[int, str]:
+        """Batch rows that must be aborted, each with its reason; empty when the whole batch is clean."""
+        if not self.enabled:
+            return {}
+        started = time.perf_counter()
+        verdict = self._check_reads(layout)
+        verdict.update({row: reason for row, reason in self._check_writes(layout).items() if row not in verdict})
+        self.stats.checks += 1
+        self.stats.seconds += time.perf_counter() - started
+        self.stats.aborts.update(verdict.values())
+        return verdict
+
+    def _check_reads(self, layout: StepLayout) -> dict[int, str]:
+        pool, pages = self.pool, layout.pages
+        if pages.size == 0:
+            return {}
+        counts = np.diff(layout.starts)
+        rows = np.repeat(np.arange(counts.size), counts)
+        logical = np.arange(pages.size) - layout.starts[rows]
+        required = np.clip(layout.num_cached[rows] - logical * pool.page_size, 0, pool.page_size)
+        failures = (
+            (STALE_GENERATION, pool.generation[pages] != layout.generations),
+            (FOREIGN_OWNER, (pool.owner[pages] != layout.tenants[rows]) | (pool.state[pages] != PageState.OWNED)),
+            (UNWRITTEN_READ, pool.written[pages] < required),
+        )
+        return _first_reason_per_row(rows, failures)
+
+    def _check_writes(self, layout: StepLayout) -> dict[int, str]:
+        if layout.write_pages.size == 0:
+            return {}
+        allowed = self.pool.authorize_writes(
+            layout.write_pages, layout.write_generations, layout.tenants[layout.write_rows]
+        )
+        return _first_reason_per_row(layout.write_rows, ((STALE_WRITE, ~allowed),))
+
+
+def _first_reason_per_row(rows: np.ndarray, failures: tuple[tuple[str, np.ndarray], ...]) -> dict[int, str]:
+    verdict: dict[int, str] = {}
+    for reason, bad in failures:
+        for row in np.unique(rows[bad]).tolist():
+            verdict.setdefault(row, reason)
+    return verdict

@@ -1,0 +1,99 @@
+"""The KV page pool: the tensors plus the per-page metadata that is the fence's ground truth.
+
+KV layout is [layers, 2, pages, page_size, kv_heads, head_dim] on the model's device. Pages are never
+zeroed on reuse (as in every fast engine): a recycled page holds its previous owner's data until it is
+overwritten, which is exactly why every read must be fenced.
+
+Metadata (DESIGN section 2) is host-side numpy, one entry per page:
+  generation  bumped on every allocation            (allocator only)
+  owner       tenant id allowed to read the page    (allocator only; NO_OWNER when free)
+  written     slots written at this generation      (the KV writer only; reset to 0 on allocation)
+  state       FREE / OWNED / QUARANTINED            (allocator only)
+  last_writer tenant whose data the page holds      (the KV writer; survives reallocation, for tracing)
+Bookkeeping lives on the host because the scheduler that edits it runs there, and so the fence check
+never has to synchronise with the device.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import torch
+
+NO_OWNER = -1
+
+
+class PageState(enum.IntEnum):
+    FREE = 0
+    OWNED = 1
+    QUARANTINED = 2
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
+                              device=device)
+        self.generation = np.zeros(num_pages, dtype=np.int64)
+        self.owner = np.full(num_pages, NO_OWNER, dtype=np.int64)
+        self.written = np.zeros(num_pages, dtype=np.int64)
+        self.state = np.full(num_pages, PageState.FREE, dtype=np.int8)
+        self.last_writer = np.full(num_pages, NO_OWNER, dtype=np.int64)
+        self.refused_writes = 0
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+        return num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [pages, page_size, kv_heads, head_dim] of one layer's K and V."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def authorize_writes(self, pages: np.ndarray, generations: np.ndarray, tenants: np.ndarray) -> np.ndarray:
+        """Fenced writes (invariant 2): a write is allowed only into a page that is OWNED by the writer's
+        tenant at the generation the writer names. Returns the allowed mask; refusals are counted."""
+        allowed = (
+            (self.generation[pages] == generations)
+            & (self.owner[pages] == tenants)
+            & (self.state[pages] == PageState.OWNED)
+        )
+        self.refused_writes += int(allowed.size - np.count_nonzero(allowed))
+        return allowed
+
+    def commit_writes(self, pages: np.ndarray, offsets: np.ndarray) -> None:
+        """Record that slots `offsets` of `pages` now hold data written at the page's current generation."""
+        np.maximum.at(self.written, pages, offsets + 1)
+        self.last_writer[pages] = self.owner[pages]
+
+    def begin_generation(self, page: int, owner: int) -> None:
+        """Allocator hook: `page` is handed out anew. Old references to it stop matching from here on."""
+        self.generation[page] += 1
+        self.owner[page] = owner
+        self.written[page] = 0
+        self.state[page] = PageState.OWNED
+
+    def mark_free(self, page: int) -> None:
+        """Allocator hook: nobody may read or write `page` until its next generation."""
+        self.owner[page] = NO_OWNER
+        self.written[page] = 0
+        self.state[page] = PageState.FREE

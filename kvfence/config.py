@@ -1,0 +1,80 @@
+"""All settings in one place, and the start-up capacity report.
+
+The capacity check is invariant 3 at start-up: the pool is sized from memory, the context window from the
+model, and nothing forces the two to agree — so the engine compares them before it serves anything.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'1GiB' -> 1073741824; plain integers are bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 1GiB or a byte count)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start. `model` None means the packaged SmolLM2 GGUF."""
+
+    model: Path | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    page_size: int = 16
+    num_pages: int | None = None  # wins over kv_cache_memory when set
+    kv_cache_memory: int = 256 * 2**20
+    max_model_len: int | None = None  # None: the model's context window
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    isolation: bool = True
+    faults: dict[str, float] = field(default_factory=dict)
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("page_size, max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class CapacityReport:
+    """Pool size next to the context window: the two numbers the incident showed must agree."""
+
+    num_pages: int
+    page_size: int
+    pool_bytes: int
+    context_window: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def fits(self) -> bool:
+        return self.context_window <= self.capacity_tokens
+
+    def describe(self) -> str:
+        return (
+            f"KV pool: {self.num_pages} pages x {self.page_size} tokens = {self.capacity_tokens} tokens "
+            f"({self.pool_bytes / 2**20:.1f} MiB); context window: {self.context_window} tokens"
+        )
+
+
+class CapacityError(RuntimeError):
+    """The context window does not fit in the pool: the engine refuses to start."""
+
+    def __init__(self, report: CapacityReport) -> None:
+        super().__init__(
+            f"{report.describe()}. The window does not fit in the pool: a request near the window could "
+            f"never be served. Start with --max-model-len {report.capacity_tokens} (or smaller), or give the "
+            f"pool more memory (--kv-cache-memory / --num-pages)."
+        )
+        self.report = report

@@ -1,0 +1,111 @@
+"""Drives an LLMEngine from one background thread for an asyncio server.
+
+Contract: every touch of engine state (admission, abort, step) happens on the engine thread; callers hand
+it closures through a queue. Outputs travel back as immutable RequestOutput snapshots on one asyncio
+queue per request. If a step raises, every in-flight request is aborted (fail closed) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvfence.engine.engine import LLMEngine, RequestOutput
+from kvfence.sampling import SamplingParams
+
+log = logging.getLogger("kvfence.engine")
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run `fn` on the engine thread between steps; the future holds its result or exception."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller, who decides
+                future.set_exception(exc)
+
+        self._commands.put(run)
+        return future
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Admit the request (AdmissionError propagates) and yield its outputs until it finishes.
+        Leaving the iterator early (client gone, task cancelled) aborts the request and frees its pages."""
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        try:
+            await asyncio.wrap_future(self.call(
+                lambda: self.engine.add_request(prompt_token_ids, params, tenant, request_id)))
+            while True:
+                output = await stream.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            self.abort(request_id, "client_disconnected")
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Abort if still running (a no-op for finished requests)."""
+        self.call(lambda: self.engine.abort(request_id, reason))
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self._run_commands(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                self._dispatch(self._safe_step())
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _safe_step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception:
+            log.exception("engine step failed; aborting every in-flight request")
+            outputs = []
+            for request in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+                output = self.engine.abort(request.request_id, "engine_error")
+                if output is not None:
+                    outputs.append(output)
+            return outputs
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            target = self._streams.get(output.request_id)
+            if target is not None:
+                loop, stream = target
+                loop.call_soon_threadsafe(stream.put_nowait, output)
+

@@ -1,0 +1,237 @@
+"""The engine: admission, the step loop, and turning sampled tokens into text and finishes.
+
+`LLMEngine` is synchronous and single-threaded: one `step()` schedules a batch, runs it through the
+fence and the model, and applies the results. `AsyncEngine` (async_engine.py) drives it from a thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvfence.audit.events import EventLog
+from kvfence.audit.faults import FaultInjector
+from kvfence.cache.allocator import PageAllocator
+from kvfence.cache.fence import Fence, MappingRecord
+from kvfence.cache.pool import KVPool
+from kvfence.cache.prefix import PrefixCache
+from kvfence.config import CapacityError, CapacityReport, EngineConfig
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.scheduler import Scheduler
+from kvfence.model.llama import LlamaModel
+from kvfence.model.tokenizer import IncrementalDecoder, Tokenizer
+from kvfence.request import Request, Status
+from kvfence.sampling import SamplingParams, make_generator
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+class AdmissionError(ValueError):
+    """A request refused before any page was reserved. `code` is the OpenAI error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """An immutable snapshot of what one step changed for one request (safe to hand to other threads)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    status: Status
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer | None = None,
+                 events: EventLog | None = None, log: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.events = events or EventLog()
+        mc = model.config
+        num_pages = config.num_pages or config.kv_cache_memory // KVPool.bytes_per_page(
+            mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, model.dtype)
+        self.max_model_len = config.max_model_len or mc.context_length
+        self.capacity = CapacityReport(
+            num_pages=num_pages, page_size=config.page_size,
+            pool_bytes=num_pages * KVPool.bytes_per_page(mc.num_layers, config.page_size, mc.num_kv_heads,
+                                                          mc.head_dim, model.dtype),
+            context_window=self.max_model_len)
+        log(self.capacity.describe())
+        if not self.capacity.fits:
+            raise CapacityError(self.capacity)
+        if self.max_model_len > mc.context_length:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {mc.context_length}")
+        if not config.isolation:
+            log("WARNING: isolation is OFF. KV pages are read and written without the fence. "
+                "Use this only for the lab and for benchmarks, never to serve tenants.")
+        self.faults = FaultInjector()
+        for name, rate in config.faults.items():
+            self.faults.arm(name, rate)
+        self.pool = KVPool(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
+                           model.dtype, model.device)
+        self.prefix = PrefixCache(self.pool, self.faults) if config.enable_prefix_caching else None
+        self.allocator = PageAllocator(self.pool, self.prefix, self.faults)
+        self.fence = Fence(self.pool, enabled=config.isolation)
+        self.scheduler = Scheduler(self.allocator, self.prefix, self.events, self.faults,
+                                   config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.pool, self.fence, self.faults)
+        self.requests: dict[str, Request] = {}
+        self._decoders: dict[str, IncrementalDecoder] = {}
+        self._ids = itertools.count()
+        self.stop_token_ids = tokenizer.stop_token_ids if tokenizer else set()
+        self.num_steps = 0
+
+    # ---- admission -------------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str = "default",
+                    request_id: str | None = None) -> Request:
+        """Admit a request or refuse it before any page is reserved (invariant 3)."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        assert request_id not in self.requests, f"duplicate request id {request_id}"
+        request = Request(request_id, tenant, list(prompt_token_ids), params,
+                          MappingRecord(self.allocator.tenant_id(tenant)),
+                          generator=make_generator(params, self.model.device))
+        refusal = self._admission_refusal(request)
+        if refusal is not None:
+            self.scheduler.finish(request, Status.REJECTED, refusal.code)
+            raise refusal
+        self.requests[request_id] = request
+        if self.tokenizer is not None:
+            self._decoders[request_id] = IncrementalDecoder(self.tokenizer)
+        self.scheduler.add(request)
+        self.events.emit(request_id, "admitted", tenant=tenant, prompt_tokens=len(prompt_token_ids),
+                         max_tokens=params.max_tokens)
+        return request
+
+    def _admission_refusal(self, request: Request) -> AdmissionError | None:
+        prompt, budget = len(request.prompt_token_ids), request.params.max_tokens
+        if prompt == 0:
+            return AdmissionError("empty_prompt", "the prompt is empty")
+        if prompt + budget > self.max_model_len:
+            return AdmissionError(CONTEXT_LENGTH_EXCEEDED, (
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt + budget} tokens ({prompt} in the prompt, {budget} for the completion)."))
+        if prompt + budget > self.capacity.capacity_tokens:
+            return AdmissionError(CONTEXT_LENGTH_EXCEEDED, (
+                f"The KV pool holds {self.capacity.capacity_tokens} tokens. However, you requested "
+                f"{prompt + budget} tokens ({prompt} in the prompt, {budget} for the completion)."))
+        return None
+
+    # ---- the step loop ---------------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        self._finish(request, Status.ABORTED, reason)
+        return self._snapshot(request, [], "")
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        self.num_steps += 1
+        result = self.runner.execute(batch.requests, batch.num_new_tokens)
+        outputs = []
+        for request_id, reason in result.aborted.items():
+            request = self.requests[request_id]
+            self._finish(request, Status.ABORTED, reason)
+            outputs.append(self._snapshot(request, [], ""))
+        for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            if request.request_id in result.aborted:
+                continue
+            self._record_step(request, n)
+            request.num_computed_tokens += n
+            token = result.sampled.get(request.request_id)
+            if token is not None:
+                outputs.append(self._append_token(request, token))
+            if not request.is_finished:
+                self.scheduler.publish_full_pages(request)
+        return outputs
+
+    def _finish(self, request: Request, status: Status, reason: str) -> None:
+        self.scheduler.finish(request, status, reason)
+        del self.requests[request.request_id]
+        self._decoders.pop(request.request_id, None)
+
+    def _record_step(self, request: Request, n: int) -> None:
+        """Every prefill chunk and the first decode step are on the record; later decode steps are counted
+        (they repeat the first with one more token) so the trail stays small."""
+        if n > 1 or request.num_computed_tokens < request.num_tokens - 1 or not request.output_token_ids:
+            pages = request.record.pages[:-(-(request.num_computed_tokens + n) // self.pool.page_size)]
+            if self.fence.enabled:
+                self.events.emit(request.request_id, "validated", pages=pages)
+            self.events.emit(request.request_id, "step", tokens=n, position=request.num_computed_tokens)
+
+    def _append_token(self, request: Request, token: int) -> RequestOutput:
+        request.output_token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        decoder = self._decoders.get(request.request_id)
+        text = decoder.step(token) if decoder else ""
+        request.output_text += text
+        reason = self._stop_reason(request, token)
+        if reason is not None:
+            self._finish(request, Status.FINISHED, reason)
+        return self._snapshot(request, [token], text)
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if token in self.stop_token_ids and not params.ignore_eos:
+            return "stop"
+        for stop in params.stop:
+            cut = request.output_text.find(stop)
+            if cut != -1:
+                request.output_text = request.output_text[:cut]
+                return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _snapshot(self, request: Request, tokens: list[int], text: str) -> RequestOutput:
+        return RequestOutput(request.request_id, tokens, text, request.is_finished, request.status,
+                             request.finish_reason, len(request.prompt_token_ids), len(request.output_token_ids))
+
+    # ---- offline use -----------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 tenant: str = "default") -> list[Request]:
+        """Run prompts to completion together (continuous batching); returns the finished requests."""
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [self.add_request(p, sp, tenant) for p, sp in zip(prompts, all_params, strict=True)]
+        while not all(r.is_finished for r in requests):
+            self.step()
+        return requests
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        for request in self.scheduler.running:
+            assert request.status is Status.RUNNING and not request.is_finished
+
+
+def load_engine(config: EngineConfig, events: EventLog | None = None,
+                log: Callable[[str], None] = print) -> LLMEngine:
+    """Load the GGUF model and tokenizer named by `config` (default: packaged SmolLM2) and start."""
+    from kvfence.model.gguf import default_model_path, load_gguf
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    path = config.model or default_model_path()
+    gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=config.device, progress=log)
+    model = LlamaModel(gguf.config, gguf.tensors)
+    return LLMEngine(config, model, Tokenizer.from_gguf(gguf), events, log)

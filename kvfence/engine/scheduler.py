@@ -1,0 +1,182 @@
+"""Continuous batching with chunked prefill and recompute preemption.
+
+Each step: running requests go first (a decode token each, or their next prefill chunk), then waiting
+requests join while the token budget, the sequence limit and the free pages allow. When a running request
+needs a page and none is free, the most recently admitted running request is preempted: its pages are
+released and it restarts from its tokens later (recompute), so the pool running dry is never a crash.
+
+`finish` is the one way a request leaves: it makes the terminal transition and releases the pages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvfence.audit.events import EventLog
+from kvfence.audit.faults import FaultInjector
+from kvfence.cache.allocator import PageAllocator
+from kvfence.cache.prefix import PrefixCache, extend_chain
+from kvfence.request import Request, Status
+
+
+@dataclass
+class Batch:
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, prefix: PrefixCache | None, events: EventLog,
+                 faults: FaultInjector, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.allocator = allocator
+        self.prefix = prefix
+        self.events = events
+        self.faults = faults
+        self.page_size = allocator.pool.page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        batch = Batch([], [])
+        budget = self.max_num_batched_tokens
+        preempted = False
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.is_finished or request.status is Status.WAITING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, n):
+                preempted = True
+                continue
+            batch.requests.append(request)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            n = self._admit(request, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            request.move_to(Status.RUNNING)
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _reserve(self, request: Request, n: int) -> bool:
+        """Pages for `request`'s next n tokens, preempting from the back of the running list as needed.
+        False when `request` itself had to be preempted."""
+        need = self._pages_needed(request, n)
+        while need > self.allocator.num_free_pages:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is request:
+                return False
+        self._allocate(request, need)
+        return True
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Prefix lookup and pages for the first chunk; returns the chunk size, 0 when it cannot start yet."""
+        if not request.record.pages:
+            self._share_cached_prefix(request)
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        need = self._pages_needed(request, n)
+        if need > self.allocator.num_free_pages:
+            self._release(request)  # give back prefix pages too: a waiting request holds nothing
+            request.num_computed_tokens = 0
+            return 0
+        self._allocate(request, need)
+        if request.num_computed_tokens == 0 and self.faults.fire("read_beyond_written"):
+            n = self._believe_unwritten_prefix(request, n)
+        return n
+
+    def _share_cached_prefix(self, request: Request) -> None:
+        if self.prefix is None:
+            return
+        # At least one token must be computed to produce logits, so never take the last token from cache.
+        full_pages = (request.num_tokens - 1) // self.page_size
+        extend_chain(request.tenant, request.page_hashes, request.all_token_ids, self.page_size)
+        pages = self.prefix.lookup(request.record.tenant, request.page_hashes[:full_pages])
+        if pages:
+            self.allocator.share(request.record, pages)
+            request.num_computed_tokens = len(pages) * self.page_size
+            self.events.emit(request.request_id, "prefix_hit", pages=pages, tokens=request.num_computed_tokens)
+
+    def _believe_unwritten_prefix(self, request: Request, n: int) -> int:
+        """Fault `read_beyond_written`: the request believes its first full pages already hold its prompt
+        (as decode did in the incident) and computes only the rest, reading pages nobody wrote for it."""
+        full = (request.num_computed_tokens + n - 1) // self.page_size * self.page_size
+        if full == 0:
+            return n
+        self.events.emit(request.request_id, "fault_injected", fault="read_beyond_written", tokens=full)
+        request.num_computed_tokens = full
+        return n - full
+
+    def _pages_needed(self, request: Request, n: int) -> int:
+        total = request.num_computed_tokens + n
+        return max(0, -(-total // self.page_size) - len(request.record.pages))
+
+    def _allocate(self, request: Request, count: int) -> None:
+        if count:
+            pages = self.allocator.allocate(request.record, count)
+            self.events.emit(request.request_id, "pages_allocated", pages=pages,
+                             generations=request.record.generations[-count:])
+
+    def preempt(self, request: Request) -> None:
+        """Release every page; the request restarts later from its tokens (prompt + output so far)."""
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_published_pages = 0
+        request.num_preemptions += 1
+        request.move_to(Status.WAITING)
+        self.waiting.appendleft(request)
+        self.events.emit(request.request_id, "preempted")
+
+    def finish(self, request: Request, status: Status, reason: str) -> None:
+        """The single exit: terminal transition, pages released, request out of every queue."""
+        request.finish(status, reason)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        if status is Status.ABORTED:
+            self.events.emit(request.request_id, "aborted", reason=reason)
+        elif status is Status.REJECTED:
+            self.events.emit(request.request_id, "rejected", reason=reason)
+        else:
+            self.events.emit(request.request_id, "finished", reason=reason,
+                             output_tokens=len(request.output_token_ids))
+
+    def _release(self, request: Request) -> None:
+        if request.record.pages:
+            pages = list(request.record.pages)
+            self.allocator.release(request.record)
+            self.events.emit(request.request_id, "released", pages=pages)
+
+    def publish_full_pages(self, request: Request) -> None:
+        """Offer pages that became full this step to the prefix cache (content is now final)."""
+        if self.prefix is None:
+            return
+        full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
+        done = request.num_published_pages
+        if full <= done:
+            return
+        extend_chain(request.tenant, request.page_hashes, request.all_token_ids, self.page_size)
+        for logical in range(done, full):
+            page = request.record.pages[logical]
+            if not self.prefix.is_cached(page):
+                self.prefix.insert(page, request.page_hashes[logical])
+        request.num_published_pages = full

@@ -1,0 +1,88 @@
+"""A request and its lifecycle state machine.
+
+`Request.finish` is the ONLY place a request becomes FINISHED, ABORTED or REJECTED, and `is_finished` is
+the one predicate every stage asks (invariant 5). There is no second flag that could disagree with it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfence.cache.fence import MappingRecord
+from kvfence.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+
+TERMINAL = frozenset({Status.FINISHED, Status.ABORTED, Status.REJECTED})
+_ALLOWED = {
+    Status.WAITING: {Status.RUNNING, Status.ABORTED, Status.REJECTED},
+    Status.RUNNING: {Status.WAITING, Status.FINISHED, Status.ABORTED},  # RUNNING -> WAITING: preemption
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    tenant: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    record: MappingRecord
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop"/"length" when FINISHED, the reason when ABORTED/REJECTED
+    # Tokens whose KV this request believes is in its pages (the fence checks the belief against `written`).
+    num_computed_tokens: int = 0
+    output_text: str = ""
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    page_hashes: list[int] = field(default_factory=list)  # prefix-cache chain over full pages of all tokens
+    num_published_pages: int = 0  # logical pages already offered to the prefix cache
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in TERMINAL
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def move_to(self, status: Status) -> None:
+        """Non-terminal transitions (WAITING <-> RUNNING)."""
+        assert status not in TERMINAL, "use finish() to end a request"
+        self._check_transition(status)
+        self.status = status
+
+    def finish(self, status: Status, reason: str) -> None:
+        """The single terminal transition. Finishing twice is a bug and raises."""
+        assert status in TERMINAL
+        self._check_transition(status)
+        self.status = status
+        self.finish_reason = reason
+        self.finish_time = time.monotonic()
+
+    def _check_transition(self, status: Status) -> None:
+        allowed = _ALLOWED.get(self.status, set())
+        if status not in allowed:
+            raise RuntimeError(f"request {self.request_id}: illegal transition {self.status} -> {status}")

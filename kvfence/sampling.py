@@ -1,0 +1,74 @@
+"""Sampling parameters and the batched sampler.
+
+Greedy rows are one argmax over the batch; random rows each use their own torch.Generator so that a
+request's seed gives the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A per-request generator; None for greedy requests (they need no randomness)."""
+    if params.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """One token per row of `logits` [batch, vocab] (float32)."""
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy:
+            tokens[row] = _sample_row(logits[row], p, generator)
+    return tokens
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    scaled = logits.float() / p.temperature
+    if p.top_k > 0:
+        kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the mass before it already reaches top_p; the first token always stays.
+        drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,49 @@
+"""Shared fixtures: a tiny randomly initialised Llama (fast unit tests) and the real SmolLM2 (correctness)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfence.config import EngineConfig
+from kvfence.engine.engine import LLMEngine
+from kvfence.model.gguf import LlamaConfig
+from kvfence.model.llama import LlamaModel
+
+TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, context_length=512,
+                   tie_word_embeddings=False)
+
+
+def tiny_model(seed: int = 0, config: LlamaConfig = TINY) -> LlamaModel:
+    """Random weights scaled so that greedy outputs depend strongly on every context token."""
+    gen = torch.Generator().manual_seed(seed)
+    h, i, kv = config.hidden_size, config.intermediate_size, config.num_kv_heads * config.head_dim
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    # An untied random LM head: tied to the embedding, argmax would mostly repeat the input token.
+    tensors = {"embed_tokens.weight": torch.randn(config.vocab_size, h, generator=gen),
+               "lm_head.weight": torch.randn(config.vocab_size, h, generator=gen), "norm.weight": torch.ones(h)}
+    for layer in range(config.num_layers):
+        p = f"layers.{layer}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": w(h, h) * 4, p + "self_attn.k_proj.weight": w(kv, h) * 4,
+            p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
+            p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+            p + "mlp.down_proj.weight": w(h, i),
+        }
+    return LlamaModel(config, tensors)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LlamaModel:
+    return tiny_model()
+
+
+def make_engine(model: LlamaModel, **overrides: object) -> LLMEngine:
+    settings: dict[str, object] = {"num_pages": 64, "page_size": 4, "max_num_batched_tokens": 64, "max_model_len": 48}
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings), model, log=lambda _: None)  # type: ignore[arg-type]
