@@ -7,12 +7,24 @@ import torch
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
-from kvfence.model.gguf import LlamaConfig
+from kvfence.model.gguf import GGUFModel, LlamaConfig, default_model_path, load_gguf
 from kvfence.model.llama import LlamaModel
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.request import Request
 
-TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, context_length=512,
-                   tie_word_embeddings=False)
+TINY = LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    context_length=512,
+    tie_word_embeddings=False,
+)
 
 
 def tiny_model(seed: int = 0, config: LlamaConfig = TINY) -> LlamaModel:
@@ -24,15 +36,22 @@ def tiny_model(seed: int = 0, config: LlamaConfig = TINY) -> LlamaModel:
         return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
 
     # An untied random LM head: tied to the embedding, argmax would mostly repeat the input token.
-    tensors = {"embed_tokens.weight": torch.randn(config.vocab_size, h, generator=gen),
-               "lm_head.weight": torch.randn(config.vocab_size, h, generator=gen), "norm.weight": torch.ones(h)}
+    tensors = {
+        "embed_tokens.weight": torch.randn(config.vocab_size, h, generator=gen),
+        "lm_head.weight": torch.randn(config.vocab_size, h, generator=gen),
+        "norm.weight": torch.ones(h),
+    }
     for layer in range(config.num_layers):
         p = f"layers.{layer}."
         tensors |= {
-            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
-            p + "self_attn.q_proj.weight": w(h, h) * 4, p + "self_attn.k_proj.weight": w(kv, h) * 4,
-            p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
-            p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": w(h, h) * 4,
+            p + "self_attn.k_proj.weight": w(kv, h) * 4,
+            p + "self_attn.v_proj.weight": w(kv, h),
+            p + "self_attn.o_proj.weight": w(h, h),
+            p + "mlp.gate_proj.weight": w(i, h),
+            p + "mlp.up_proj.weight": w(i, h),
             p + "mlp.down_proj.weight": w(h, i),
         }
     return LlamaModel(config, tensors)
@@ -44,6 +63,62 @@ def tiny() -> LlamaModel:
 
 
 def make_engine(model: LlamaModel, **overrides: object) -> LLMEngine:
-    settings: dict[str, object] = {"num_pages": 64, "page_size": 4, "max_num_batched_tokens": 64, "max_model_len": 48}
+    settings: dict[str, object] = {
+        "num_pages": 64,
+        "page_size": 4,
+        "max_num_batched_tokens": 64,
+        "max_model_len": 48,
+    }
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings), model, log=lambda _: None)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> GGUFModel:
+    """The real SmolLM2-135M-Instruct weights, float32, loaded once per test session."""
+    return load_gguf(default_model_path())
+
+
+def real_engine(gguf: GGUFModel, **overrides: object) -> LLMEngine:
+    settings: dict[str, object] = {"num_pages": 256, "max_model_len": 2048}
+    settings.update(overrides)
+    return LLMEngine(
+        EngineConfig(**settings),
+        LlamaModel(gguf.config, gguf.tensors),  # type: ignore[arg-type]
+        Tokenizer.from_gguf(gguf),
+        log=lambda _: None,
+    )
+
+
+class LogitsRecorder:
+    """Collects the logits of every sampled step per request id (the engine's runner hook)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.steps: dict[str, list[torch.Tensor]] = {}
+        engine.runner.logits_observer = self
+
+    def __call__(self, requests: list[Request], logits: torch.Tensor) -> None:
+        for request, row in zip(requests, logits, strict=True):
+            self.steps.setdefault(request.request_id, []).append(row.clone())
+
+
+def assert_same_greedy(
+    ours: list[int],
+    ours_logits: list[torch.Tensor],
+    ref: list[int],
+    ref_logits: list[torch.Tensor],
+    atol: float = 1e-4,
+    tie_gap: float = 1e-3,
+) -> None:
+    """Greedy tokens equal and logits within `atol` at every step. A divergence is accepted only where the
+    reference's own top-2 gap is below `tie_gap` (a near-tie); comparison stops there, as the contexts differ
+    from then on."""
+    assert len(ours) == len(ref) and len(ours_logits) == len(ours)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        diff = (ours_logits[step] - ref_logits[step]).abs().max().item()
+        assert diff <= atol, f"step {step}: logits differ by {diff:.2e}"
+        if a != b:
+            top2 = torch.topk(ref_logits[step], 2).values
+            gap = (top2[0] - top2[1]).item()
+            assert gap < tie_gap, f"step {step}: token {a} != {b} with a top-2 gap of {gap:.2e}"
+            return

@@ -15,9 +15,23 @@ from typing import Any, TextIO
 
 EVENT_KINDS = frozenset(
     {
-        "admitted", "rejected", "pages_allocated", "prefix_hit", "transfer_started", "page_received",
-        "transfer_complete", "validated", "step", "aborted", "quarantined", "drained", "released",
-        "preempted", "finished", "fault_injected", "write_refused",
+        "admitted",
+        "rejected",
+        "pages_allocated",
+        "prefix_hit",
+        "transfer_started",
+        "page_received",
+        "transfer_complete",
+        "validated",
+        "step",
+        "aborted",
+        "quarantined",
+        "drained",
+        "released",
+        "preempted",
+        "finished",
+        "fault_injected",
+        "write_refused",
     }
 )
 

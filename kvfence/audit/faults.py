@@ -12,10 +12,19 @@ from dataclasses import dataclass
 FAULTS = frozenset(
     {
         # single node
-        "stale_mapping", "double_allocation", "read_beyond_written", "cross_tenant_prefix_hit", "stale_write",
+        "stale_mapping",
+        "double_allocation",
+        "read_beyond_written",
+        "cross_tenant_prefix_hit",
+        "stale_write",
         # prefill/decode transfer
-        "placeholder_transfer", "partial_transfer", "late_write_after_cancel", "corrupt_page",
-        "transfer_failure_ack_mismatch", "abort_mid_transfer", "worker_crash_mid_transfer",
+        "placeholder_transfer",
+        "partial_transfer",
+        "late_write_after_cancel",
+        "corrupt_page",
+        "transfer_failure_ack_mismatch",
+        "abort_mid_transfer",
+        "worker_crash_mid_transfer",
     }
 )
 

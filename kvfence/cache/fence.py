@@ -74,7 +74,9 @@ class Fence:
             return {}
         started = time.perf_counter()
         verdict = self._check_reads(layout)
-        verdict.update({row: reason for row, reason in self._check_writes(layout).items() if row not in verdict})
+        verdict.update(
+            {row: reason for row, reason in self._check_writes(layout).items() if row not in verdict}
+        )
         self.stats.checks += 1
         self.stats.seconds += time.perf_counter() - started
         self.stats.aborts.update(verdict.values())
@@ -90,7 +92,10 @@ class Fence:
         required = np.clip(layout.num_cached[rows] - logical * pool.page_size, 0, pool.page_size)
         failures = (
             (STALE_GENERATION, pool.generation[pages] != layout.generations),
-            (FOREIGN_OWNER, (pool.owner[pages] != layout.tenants[rows]) | (pool.state[pages] != PageState.OWNED)),
+            (
+                FOREIGN_OWNER,
+                (pool.owner[pages] != layout.tenants[rows]) | (pool.state[pages] != PageState.OWNED),
+            ),
             (UNWRITTEN_READ, pool.written[pages] < required),
         )
         return _first_reason_per_row(rows, failures)

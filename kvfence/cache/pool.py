@@ -43,8 +43,9 @@ class KVPool:
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
-        self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype,
-                              device=device)
+        self.kv = torch.zeros(
+            num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
         self.generation = np.zeros(num_pages, dtype=np.int64)
         self.owner = np.full(num_pages, NO_OWNER, dtype=np.int64)
         self.written = np.zeros(num_pages, dtype=np.int64)
@@ -53,9 +54,12 @@ class KVPool:
         self.refused_writes = 0
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-        return num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )
 
     @property
     def nbytes(self) -> int:

@@ -22,7 +22,7 @@ def extend_chain(tenant: str, hashes: list[int], token_ids: list[int], page_size
     tenant and tokens [0, (i+1) * page_size), so equal hashes mean equal tenant and equal prefix."""
     prev = hashes[-1] if hashes else xxhash.xxh3_128_intdigest(b"kvfence-tenant:" + tenant.encode())
     for start in range(len(hashes) * page_size, len(token_ids) - page_size + 1, page_size):
-        page_tokens = np.asarray(token_ids[start:start + page_size], dtype=np.int64).tobytes()
+        page_tokens = np.asarray(token_ids[start : start + page_size], dtype=np.int64).tobytes()
         prev = xxhash.xxh3_128_intdigest(prev.to_bytes(16, "little") + page_tokens)
         hashes.append(prev)
 

@@ -50,15 +50,17 @@ class AsyncEngine:
         self._commands.put(run)
         return future
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         """Admit the request (AdmissionError propagates) and yield its outputs until it finishes.
         Leaving the iterator early (client gone, task cancelled) aborts the request and frees its pages."""
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         try:
-            await asyncio.wrap_future(self.call(
-                lambda: self.engine.add_request(prompt_token_ids, params, tenant, request_id)))
+            await asyncio.wrap_future(
+                self.call(lambda: self.engine.add_request(prompt_token_ids, params, tenant, request_id))
+            )
             while True:
                 output = await stream.get()
                 yield output
@@ -108,4 +110,3 @@ class AsyncEngine:
             if target is not None:
                 loop, stream = target
                 loop.call_soon_threadsafe(stream.put_nowait, output)
-

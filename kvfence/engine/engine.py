@@ -53,39 +53,65 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Tokenizer | None = None,
-                 events: EventLog | None = None, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        tokenizer: Tokenizer | None = None,
+        events: EventLog | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.events = events or EventLog()
         mc = model.config
         num_pages = config.num_pages or config.kv_cache_memory // KVPool.bytes_per_page(
-            mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, model.dtype)
+            mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, model.dtype
+        )
         self.max_model_len = config.max_model_len or mc.context_length
         self.capacity = CapacityReport(
-            num_pages=num_pages, page_size=config.page_size,
-            pool_bytes=num_pages * KVPool.bytes_per_page(mc.num_layers, config.page_size, mc.num_kv_heads,
-                                                          mc.head_dim, model.dtype),
-            context_window=self.max_model_len)
+            num_pages=num_pages,
+            page_size=config.page_size,
+            pool_bytes=num_pages
+            * KVPool.bytes_per_page(
+                mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, model.dtype
+            ),
+            context_window=self.max_model_len,
+        )
         log(self.capacity.describe())
         if not self.capacity.fits:
             raise CapacityError(self.capacity)
         if self.max_model_len > mc.context_length:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {mc.context_length}")
         if not config.isolation:
-            log("WARNING: isolation is OFF. KV pages are read and written without the fence. "
-                "Use this only for the lab and for benchmarks, never to serve tenants.")
+            log(
+                "WARNING: isolation is OFF. KV pages are read and written without the fence. "
+                "Use this only for the lab and for benchmarks, never to serve tenants."
+            )
         self.faults = FaultInjector()
         for name, rate in config.faults.items():
             self.faults.arm(name, rate)
-        self.pool = KVPool(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
-                           model.dtype, model.device)
+        self.pool = KVPool(
+            mc.num_layers,
+            num_pages,
+            config.page_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            model.dtype,
+            model.device,
+        )
         self.prefix = PrefixCache(self.pool, self.faults) if config.enable_prefix_caching else None
         self.allocator = PageAllocator(self.pool, self.prefix, self.faults)
         self.fence = Fence(self.pool, enabled=config.isolation)
-        self.scheduler = Scheduler(self.allocator, self.prefix, self.events, self.faults,
-                                   config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.allocator,
+            self.prefix,
+            self.events,
+            self.faults,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+        )
         self.runner = ModelRunner(model, self.pool, self.fence, self.faults)
         self.requests: dict[str, Request] = {}
         self._decoders: dict[str, IncrementalDecoder] = {}
@@ -95,14 +121,24 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str = "default",
-                    request_id: str | None = None) -> Request:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenant: str = "default",
+        request_id: str | None = None,
+    ) -> Request:
         """Admit a request or refuse it before any page is reserved (invariant 3)."""
         request_id = request_id or f"req-{next(self._ids)}"
         assert request_id not in self.requests, f"duplicate request id {request_id}"
-        request = Request(request_id, tenant, list(prompt_token_ids), params,
-                          MappingRecord(self.allocator.tenant_id(tenant)),
-                          generator=make_generator(params, self.model.device))
+        request = Request(
+            request_id,
+            tenant,
+            list(prompt_token_ids),
+            params,
+            MappingRecord(self.allocator.tenant_id(tenant)),
+            generator=make_generator(params, self.model.device),
+        )
         refusal = self._admission_refusal(request)
         if refusal is not None:
             self.scheduler.finish(request, Status.REJECTED, refusal.code)
@@ -111,22 +147,27 @@ class LLMEngine:
         if self.tokenizer is not None:
             self._decoders[request_id] = IncrementalDecoder(self.tokenizer)
         self.scheduler.add(request)
-        self.events.emit(request_id, "admitted", tenant=tenant, prompt_tokens=len(prompt_token_ids),
-                         max_tokens=params.max_tokens)
+        self.events.emit(
+            request_id,
+            "admitted",
+            tenant=tenant,
+            prompt_tokens=len(prompt_token_ids),
+            max_tokens=params.max_tokens,
+        )
         return request
 
     def _admission_refusal(self, request: Request) -> AdmissionError | None:
         prompt, budget = len(request.prompt_token_ids), request.params.max_tokens
         if prompt == 0:
             return AdmissionError("empty_prompt", "the prompt is empty")
+        asked = (f"However, you requested {prompt + budget} tokens "
+                 f"({prompt} in the prompt, {budget} for the completion).")
         if prompt + budget > self.max_model_len:
-            return AdmissionError(CONTEXT_LENGTH_EXCEEDED, (
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt + budget} tokens ({prompt} in the prompt, {budget} for the completion)."))
+            limit = f"This model's maximum context length is {self.max_model_len} tokens."
+            return AdmissionError(CONTEXT_LENGTH_EXCEEDED, f"{limit} {asked}")
         if prompt + budget > self.capacity.capacity_tokens:
-            return AdmissionError(CONTEXT_LENGTH_EXCEEDED, (
-                f"The KV pool holds {self.capacity.capacity_tokens} tokens. However, you requested "
-                f"{prompt + budget} tokens ({prompt} in the prompt, {budget} for the completion)."))
+            limit = f"The KV pool holds {self.capacity.capacity_tokens} tokens."
+            return AdmissionError(CONTEXT_LENGTH_EXCEEDED, f"{limit} {asked}")
         return None
 
     # ---- the step loop ---------------------------------------------------------------------------------
@@ -173,7 +214,7 @@ class LLMEngine:
         """Every prefill chunk and the first decode step are on the record; later decode steps are counted
         (they repeat the first with one more token) so the trail stays small."""
         if n > 1 or request.num_computed_tokens < request.num_tokens - 1 or not request.output_token_ids:
-            pages = request.record.pages[:-(-(request.num_computed_tokens + n) // self.pool.page_size)]
+            pages = request.record.pages[: -(-(request.num_computed_tokens + n) // self.pool.page_size)]
             if self.fence.enabled:
                 self.events.emit(request.request_id, "validated", pages=pages)
             self.events.emit(request.request_id, "step", tokens=n, position=request.num_computed_tokens)
@@ -204,13 +245,22 @@ class LLMEngine:
         return None
 
     def _snapshot(self, request: Request, tokens: list[int], text: str) -> RequestOutput:
-        return RequestOutput(request.request_id, tokens, text, request.is_finished, request.status,
-                             request.finish_reason, len(request.prompt_token_ids), len(request.output_token_ids))
+        return RequestOutput(
+            request.request_id,
+            tokens,
+            text,
+            request.is_finished,
+            request.status,
+            request.finish_reason,
+            len(request.prompt_token_ids),
+            len(request.output_token_ids),
+        )
 
     # ---- offline use -----------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 tenant: str = "default") -> list[Request]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], tenant: str = "default"
+    ) -> list[Request]:
         """Run prompts to completion together (continuous batching); returns the finished requests."""
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         requests = [self.add_request(p, sp, tenant) for p, sp in zip(prompts, all_params, strict=True)]
@@ -224,8 +274,9 @@ class LLMEngine:
             assert request.status is Status.RUNNING and not request.is_finished
 
 
-def load_engine(config: EngineConfig, events: EventLog | None = None,
-                log: Callable[[str], None] = print) -> LLMEngine:
+def load_engine(
+    config: EngineConfig, events: EventLog | None = None, log: Callable[[str], None] = print
+) -> LLMEngine:
     """Load the GGUF model and tokenizer named by `config` (default: packaged SmolLM2) and start."""
     from kvfence.model.gguf import default_model_path, load_gguf
 

@@ -24,6 +24,8 @@ from kvfence.sampling import sample
 # Called with the rows about to run and their layout, after validation and before the model reads
 # anything: tests and the lab use it to trace which pages each request really reads and writes.
 StepObserver = Callable[[list[Request], StepLayout], None]
+# Called with the sampled requests and their float32 logits [rows, vocab]: golden tests compare them.
+LogitsObserver = Callable[[list[Request], torch.Tensor], None]
 
 
 @dataclass
@@ -40,6 +42,7 @@ class ModelRunner:
         self.fence = fence
         self.faults = faults
         self.observer: StepObserver | None = None
+        self.logits_observer: LogitsObserver | None = None
 
     def execute(self, requests: list[Request], num_new: list[int]) -> StepResult:
         layout = build_layout(requests, num_new, self.pool.page_size)
@@ -59,21 +62,28 @@ class ModelRunner:
         logits = self.model.forward(inputs, self.pool.kv)
         self.pool.commit_writes(layout.write_pages, layout.write_offsets)
         sampled_requests = [requests[r] for r in sample_rows]
+        if self.logits_observer is not None:
+            self.logits_observer(sampled_requests, logits)
         tokens = sample(logits, [r.params for r in sampled_requests], [r.generator for r in sampled_requests])
         sampled = {r.request_id: t for r, t in zip(sampled_requests, tokens, strict=True)}
         return StepResult(sampled, aborted, sum(num_new))
 
-    def _model_inputs(self, requests: list[Request], num_new: list[int],
-                      layout: StepLayout) -> tuple[StepInputs, list[int]]:
+    def _model_inputs(
+        self, requests: list[Request], num_new: list[int], layout: StepLayout
+    ) -> tuple[StepInputs, list[int]]:
         device, ps = self.model.device, self.pool.page_size
         token_starts = np.concatenate([[0], np.cumsum(num_new)])
-        input_ids = list(chain.from_iterable(
-            r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n] for r, n in zip(requests, num_new)))
+        input_ids = list(
+            chain.from_iterable(
+                r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
+                for r, n in zip(requests, num_new, strict=True)
+            )
+        )
         decode, prefills, logits_rows, sample_rows = [], [], [], []
         for row, (req, n) in enumerate(zip(requests, num_new, strict=True)):
             start, end = int(token_starts[row]), int(token_starts[row + 1])
             context = req.num_computed_tokens + n
-            pages = torch.from_numpy(layout.pages[layout.starts[row]:layout.starts[row + 1]])
+            pages = torch.from_numpy(layout.pages[layout.starts[row] : layout.starts[row + 1]])
             if n == 1 and req.num_computed_tokens > 0:
                 decode.append((start, context, pages))
             else:
@@ -85,7 +95,7 @@ class ModelRunner:
         max_pages = max((len(p) for _, _, p in decode), default=0)
         tables = torch.zeros(len(decode), max_pages, dtype=torch.long)
         for i, (_, _, pages) in enumerate(decode):
-            tables[i, :len(pages)] = pages
+            tables[i, : len(pages)] = pages
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(layout.write_positions).to(device),
@@ -105,11 +115,16 @@ def build_layout(requests: list[Request], num_new: list[int], page_size: int) ->
     new = np.array(num_new, dtype=np.int64)
     mapped = -(-(cached + new) // page_size)  # pages covering every token the step touches
     starts = np.concatenate([[0], np.cumsum(mapped)]).astype(np.int64)
-    pages = np.fromiter(chain.from_iterable(r.record.pages[:m] for r, m in zip(requests, mapped.tolist())),
-                        dtype=np.int64, count=int(starts[-1]))
+    pages = np.fromiter(
+        chain.from_iterable(r.record.pages[:m] for r, m in zip(requests, mapped.tolist(), strict=True)),
+        dtype=np.int64,
+        count=int(starts[-1]),
+    )
     generations = np.fromiter(
-        chain.from_iterable(r.record.generations[:m] for r, m in zip(requests, mapped.tolist())),
-        dtype=np.int64, count=int(starts[-1]))
+        chain.from_iterable(r.record.generations[:m] for r, m in zip(requests, mapped.tolist(), strict=True)),
+        dtype=np.int64,
+        count=int(starts[-1]),
+    )
     write_rows = np.repeat(np.arange(len(requests)), new)
     token_starts = np.concatenate([[0], np.cumsum(new)])
     positions = cached[write_rows] + np.arange(int(token_starts[-1])) - token_starts[write_rows]

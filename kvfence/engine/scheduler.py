@@ -27,8 +27,15 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, prefix: PrefixCache | None, events: EventLog,
-                 faults: FaultInjector, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        prefix: PrefixCache | None,
+        events: EventLog,
+        faults: FaultInjector,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
         self.allocator = allocator
         self.prefix = prefix
         self.events = events
@@ -111,7 +118,9 @@ class Scheduler:
         if pages:
             self.allocator.share(request.record, pages)
             request.num_computed_tokens = len(pages) * self.page_size
-            self.events.emit(request.request_id, "prefix_hit", pages=pages, tokens=request.num_computed_tokens)
+            self.events.emit(
+                request.request_id, "prefix_hit", pages=pages, tokens=request.num_computed_tokens
+            )
 
     def _believe_unwritten_prefix(self, request: Request, n: int) -> int:
         """Fault `read_beyond_written`: the request believes its first full pages already hold its prompt
@@ -130,8 +139,12 @@ class Scheduler:
     def _allocate(self, request: Request, count: int) -> None:
         if count:
             pages = self.allocator.allocate(request.record, count)
-            self.events.emit(request.request_id, "pages_allocated", pages=pages,
-                             generations=request.record.generations[-count:])
+            self.events.emit(
+                request.request_id,
+                "pages_allocated",
+                pages=pages,
+                generations=request.record.generations[-count:],
+            )
 
     def preempt(self, request: Request) -> None:
         """Release every page; the request restarts later from its tokens (prompt + output so far)."""
@@ -157,8 +170,9 @@ class Scheduler:
         elif status is Status.REJECTED:
             self.events.emit(request.request_id, "rejected", reason=reason)
         else:
-            self.events.emit(request.request_id, "finished", reason=reason,
-                             output_tokens=len(request.output_token_ids))
+            self.events.emit(
+                request.request_id, "finished", reason=reason, output_tokens=len(request.output_token_ids)
+            )
 
     def _release(self, request: Request) -> None:
         if request.record.pages:

@@ -52,8 +52,9 @@ class LlamaModel:
         self.lm_head = tensors.get("lm_head.weight", embed)
         self.norm = tensors["norm.weight"]
         self.layers = [self._fuse_layer(tensors, i) for i in range(config.num_layers)]
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32)
-                                                / config.head_dim))
+        inv_freq = 1.0 / (
+            config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
+        )
         freqs = torch.outer(torch.arange(config.context_length, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1).to(self.device)
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
@@ -91,7 +92,7 @@ class LlamaModel:
         h = self.embed[inputs.input_ids]
         cos, sin = self.cos[inputs.positions].unsqueeze(1), self.sin[inputs.positions].unsqueeze(1)
         span = inputs.decode_block_tables.shape[1] * kv.shape[3]  # padded keys per decode row
-        decode_mask = (torch.arange(span, device=self.device) < inputs.decode_context_lens.unsqueeze(1))
+        decode_mask = torch.arange(span, device=self.device) < inputs.decode_context_lens.unsqueeze(1)
         decode_mask = decode_mask.view(len(inputs.decode_rows), 1, 1, span)
         for li, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["in_norm"])
@@ -105,9 +106,10 @@ class LlamaModel:
             attn = torch.empty_like(q)
             if inputs.decode_rows.numel():
                 attn[inputs.decode_rows] = self._decode_attention(
-                    q[inputs.decode_rows], k_cache, v_cache, inputs.decode_block_tables, decode_mask)
+                    q[inputs.decode_rows], k_cache, v_cache, inputs.decode_block_tables, decode_mask
+                )
             for seq in inputs.prefills:
-                attn[seq.start:seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq)
+                attn[seq.start : seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq)
             h = h + attn.view(-1, nq * hd) @ layer["o"].T
             x = self._rms_norm(h, layer["post_norm"])
             gate, up = (x @ layer["gate_up"].T).chunk(2, dim=-1)
@@ -116,8 +118,13 @@ class LlamaModel:
         return (out @ self.lm_head.T).float()
 
     @staticmethod
-    def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _decode_attention(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         """q [D, heads, hd] attends over each row's pages; padded slots are masked out."""
         d, max_pages = block_tables.shape
         ps, nkv, hd = k_cache.shape[1:]
@@ -127,20 +134,27 @@ class LlamaModel:
         return out.squeeze(2)
 
     @staticmethod
-    def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
-        qs = q[seq.start:seq.end].transpose(0, 1)
+    def _prefill_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq: PrefillSeq,
+    ) -> torch.Tensor:
+        qs = q[seq.start : seq.end].transpose(0, 1)
         if seq.block_table is None:
-            keys = k[seq.start:seq.end].transpose(0, 1)
-            values = v[seq.start:seq.end].transpose(0, 1)
+            keys = k[seq.start : seq.end].transpose(0, 1)
+            values = v[seq.start : seq.end].transpose(0, 1)
             out = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True)
             return out.transpose(0, 1)
-        ps, nkv, hd = k_cache.shape[1:]
+        nkv, hd = k_cache.shape[2:]
         n_new, ctx = seq.end - seq.start, seq.context_len
         keys = k_cache[seq.block_table].view(-1, nkv, hd)[:ctx].transpose(0, 1)
         values = v_cache[seq.block_table].view(-1, nkv, hd)[:ctx].transpose(0, 1)
         # Query i sits at position ctx - n_new + i and may see keys up to and including that position.
-        mask = (torch.arange(ctx, device=q.device).unsqueeze(0)
-                <= torch.arange(ctx - n_new, ctx, device=q.device).unsqueeze(1))
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= torch.arange(
+            ctx - n_new, ctx, device=q.device
+        ).unsqueeze(1)
         out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)
         return out.transpose(0, 1)
