@@ -30,7 +30,7 @@ class EngineConfig:
     device: str = "cpu"
     page_size: int = 16
     num_pages: int | None = None  # wins over kv_cache_memory when set
-    kv_cache_memory: int = 256 * 2**20
+    kv_cache_memory: int = 512 * 2**20  # SmolLM2 float32: 11,648 tokens, the 8,192 window fits
     max_model_len: int | None = None  # None: the model's context window
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

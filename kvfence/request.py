@@ -44,6 +44,7 @@ class Request:
     # Tokens whose KV this request believes is in its pages (the fence checks the belief against `written`).
     num_computed_tokens: int = 0
     output_text: str = ""
+    num_streamed_chars: int = 0  # prefix of output_text already handed out
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

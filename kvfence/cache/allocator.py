@@ -104,14 +104,14 @@ class PageAllocator:
             self.free[page] = None
 
     def _free_a_held_page(self) -> None:
-        """Fault: a refcount bug frees a page another request still maps; it is reused first."""
+        """Fault: a refcount bug drops every reference to a page another request still maps."""
         held = np.flatnonzero(self.refcount > 0)
         if held.size:
             page = int(held[-1])
-            self.refcount[page] = 0
-            self.pool.mark_free(page)
-            self.free[page] = None
-            self.free.move_to_end(page, last=False)
+            self.refcount[page] = 1
+            self._drop_reference(page)
+            if page in self.free:
+                self.free.move_to_end(page, last=False)  # reused first, as a LIFO free list would
 
     def check_integrity(self) -> None:
         """Every page is in exactly one place: free queue, evictable cache, or held (refcount > 0)."""

@@ -109,4 +109,5 @@ class AsyncEngine:
             target = self._streams.get(output.request_id)
             if target is not None:
                 loop, stream = target
-                loop.call_soon_threadsafe(stream.put_nowait, output)
+                if not loop.is_closed():  # a stream whose loop is gone has nobody left to tell
+                    loop.call_soon_threadsafe(stream.put_nowait, output)

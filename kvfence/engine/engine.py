@@ -213,9 +213,9 @@ class LLMEngine:
         self._decoders.pop(request.request_id, None)
 
     def _record_step(self, request: Request, n: int) -> None:
-        """Every prefill chunk and the first decode step are on the record; later decode steps are counted
-        (they repeat the first with one more token) so the trail stays small."""
-        if n > 1 or request.num_computed_tokens < request.num_tokens - 1 or not request.output_token_ids:
+        """Every prefill chunk and the first decode step are on the record. Later decode steps repeat the
+        first with one more token; the finish event's token count sums them up, so the trail stays small."""
+        if n > 1 or len(request.output_token_ids) <= 1:
             pages = request.record.pages[: -(-(request.num_computed_tokens + n) // self.pool.page_size)]
             if self.fence.enabled:
                 self.events.emit(request.request_id, "validated", pages=pages)
@@ -226,19 +226,32 @@ class LLMEngine:
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         decoder = self._decoders.get(request.request_id)
-        text = decoder.step(token) if decoder else ""
-        request.output_text += text
+        request.output_text += decoder.step(token) if decoder else ""
         reason = self._stop_reason(request, token)
         if reason is not None:
             self._finish(request, Status.FINISHED, reason)
-        return self._snapshot(request, [token], text)
+        return self._snapshot(request, [token], self._new_text(request))
+
+    @staticmethod
+    def _new_text(request: Request) -> str:
+        """Text not yet streamed. While running, the last len(longest stop)-1 characters are held back:
+        they may be the start of a stop string, which must never reach the client."""
+        end = len(request.output_text)
+        if not request.is_finished and request.params.stop:
+            end -= max(len(s) for s in request.params.stop) - 1
+        if end <= request.num_streamed_chars:
+            return ""
+        text = request.output_text[request.num_streamed_chars : end]
+        request.num_streamed_chars = end
+        return text
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params
         if token in self.stop_token_ids and not params.ignore_eos:
             return "stop"
         for stop in params.stop:
-            cut = request.output_text.find(stop)
+            # A stop string can only start in text not yet streamed (see _new_text).
+            cut = request.output_text.find(stop, request.num_streamed_chars)
             if cut != -1:
                 request.output_text = request.output_text[:cut]
                 return "stop"
@@ -263,7 +276,8 @@ class LLMEngine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], tenant: str = "default"
     ) -> list[Request]:
-        """Run prompts to completion together (continuous batching); returns the finished requests."""
+        """Run prompts to completion together (continuous batching); returns the finished requests.
+        For offline use only: outputs of other requests stepped meanwhile are not delivered anywhere."""
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         requests = [self.add_request(p, sp, tenant) for p, sp in zip(prompts, all_params, strict=True)]
         while not all(r.is_finished for r in requests):

@@ -1,0 +1,231 @@
+"""OpenAI-compatible request and response models for /v1/completions and /v1/chat/completions.
+
+Requests ignore unknown fields (OpenAI clients send extras), but a field asking for something this server
+does not do (n > 1, logprobs, echo, a batch of prompts) is refused with a clear message rather than
+silently dropped. api/server.py turns every validation failure into HTTP 400 `invalid_request_error`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from kvfence.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """Fields both endpoints share, and their translation into SamplingParams."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)  # None: OpenAI's default, 1
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's convention: -1 (or 0) means off
+    seed: int | None = Field(default=None, ge=0, lt=2**64)  # the range torch.Generator.manual_seed takes
+    stop: list[str] = Field(default_factory=list)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    user: str | None = None  # accepted for compatibility; the tenant always comes from the API key
+    ignore_eos: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, stop: object) -> object:
+        """A single string, a list of strings, or null; every stop string must be non-empty (an empty one
+        would match at once and end every generation with no output)."""
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if isinstance(stops, list):
+            if len(stops) > MAX_STOP_STRINGS:
+                raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
+            if any(s == "" for s in stops):
+                raise ValueError("stop strings must be non-empty")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's parameters; `default_max_tokens` applies when the client set no limit."""
+        limits = (self.max_completion_tokens, self.max_tokens, default_max_tokens)
+        return SamplingParams(
+            max_tokens=next(limit for limit in limits if limit is not None),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            stop=list(self.stop),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def _refuse_if_set(value: Any, info: ValidationInfo) -> Any:
+    if value:
+        raise ValueError(f"{info.field_name} is not supported by this server")
+    return value
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int]
+    logprobs: int | None = None
+    echo: bool | None = None
+
+    _unsupported = field_validator("logprobs", "echo")(_refuse_if_set)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: object) -> object:
+        """One string or one list of token ids: batches of prompts (OpenAI's list forms) are refused."""
+        if isinstance(prompt, list) and not all(_is_token_id(t) for t in prompt):
+            raise ValueError(
+                "prompt must be one string or one list of token ids; batches of prompts are not supported"
+            )
+        return prompt
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not token 1
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    _unsupported = field_validator("logprobs", "top_logprobs")(_refuse_if_set)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The conversation in the shape chat templates expect."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# ---- responses ----------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the non-streaming body and each streamed chunk (OpenAI uses one shape for the two)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvfence"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,235 @@
+"""The `kvfence` command: `serve` (the OpenAI-compatible server) and `generate` (one prompt, offline).
+
+Engine options are defined once (`add_engine_options`) and turned into an EngineConfig once
+(`engine_config`), so every subcommand that runs the engine takes the same flags with the same meaning.
+Progress and the capacity line go to stderr, so `generate` prints only the answer on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from kvfence.audit.events import EventLog
+from kvfence.audit.faults import FAULTS, parse_fault_spec
+from kvfence.config import CapacityError, EngineConfig, parse_size
+from kvfence.engine.engine import AdmissionError, LLMEngine, load_engine
+from kvfence.sampling import SamplingParams
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _fault(spec: str) -> tuple[str, float]:
+    try:
+        name, rate = parse_fault_spec(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad fault rate in {spec!r}") from exc
+    if name not in FAULTS:
+        raise argparse.ArgumentTypeError(f"unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}")
+    if not 0 < rate <= 1:
+        raise argparse.ArgumentTypeError(f"fault rate must be in (0, 1], got {rate}")
+    return name, rate
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The flags every engine-running subcommand shares."""
+    g = parser.add_argument_group("engine")
+    defaults = EngineConfig()  # one source of truth for default values
+    g.add_argument("--model", type=Path, help="GGUF file (default: the packaged SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument("--device", default=default_device(), help="torch device (default: %(default)s)")
+    g.add_argument("--page-size", type=int, default=defaults.page_size, help="tokens per KV page")
+    g.add_argument("--num-pages", type=int, help="KV pool size in pages (wins over --kv-cache-memory)")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_size,
+        default=defaults.kv_cache_memory,
+        help="KV pool size, e.g. 512MiB, 1GiB (default: %(default)s bytes)",
+    )
+    g.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests per batch")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="tokens per step"
+    )
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument(
+        "--isolation",
+        choices=["on", "off"],
+        default="on",
+        help="the KV fence; 'off' only for the lab and benchmarks, never to serve tenants",
+    )
+    g.add_argument(
+        "--inject-fault",
+        type=_fault,
+        action="append",
+        default=[],
+        metavar="NAME[:RATE]",
+        help="arm a named fault (repeatable): " + ", ".join(sorted(FAULTS)),
+    )
+    g.add_argument("--num-threads", type=int, help="torch CPU threads")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig named by the options `add_engine_options` defined."""
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        isolation=args.isolation == "on",
+        faults=dict(args.inject_fault),
+        num_threads=args.num_threads,
+    )
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """`KEY TENANT` entries, one per line or `;`-separated; `#` starts a comment. ValueError if malformed."""
+    keys: dict[str, str] = {}
+    for entry in text.replace(";", "\n").splitlines():
+        fields = entry.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2:
+            raise ValueError(f"API key entry {entry.strip()!r} is not 'KEY TENANT'")
+        key, tenant = fields
+        if key in keys:
+            raise ValueError(f"API key {key[:4]}… is listed twice")
+        keys[key] = tenant
+    if not keys:
+        raise ValueError("the API key list is empty")
+    return keys
+
+
+def _load_engine(args: argparse.Namespace, events: EventLog | None = None) -> LLMEngine | None:
+    """The engine, or None after printing why it refused to start (the window does not fit the pool)."""
+    try:
+        return load_engine(engine_config(args), events, log=_log)
+    except CapacityError as exc:
+        _log(str(exc))
+        return None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvfence.api.server import build_app
+    from kvfence.engine.async_engine import AsyncEngine
+    from kvfence.model.gguf import default_model_path
+
+    try:
+        api_keys = _api_keys(args.api_keys)
+    except (OSError, ValueError) as exc:
+        _log(f"error: {exc}")
+        return 2
+    admin_key = args.admin_key or os.environ.get("KVFENCE_ADMIN_KEY") or None
+    if admin_key and api_keys and admin_key in api_keys:
+        _log("error: the admin key is also a tenant key")
+        return 2
+    engine = _load_engine(args, EventLog(path=args.audit_log) if args.audit_log else None)
+    if engine is None:
+        return 1
+    if api_keys is None:
+        _log(
+            "WARNING: no API keys (--api-keys / KVFENCE_API_KEYS): auth is off, every request is tenant "
+            "'default'"
+        )
+    name = args.served_model_name or (args.model or default_model_path()).stem
+    app = build_app(AsyncEngine(engine), name, api_keys, admin_key)
+    _log(f"serving '{name}' on http://{args.host}:{args.port}/v1")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _api_keys(path: Path | None) -> dict[str, str] | None:
+    """From --api-keys FILE, else from $KVFENCE_API_KEYS, else None (auth off)."""
+    if path is not None:
+        return parse_api_keys(path.read_text(encoding="utf-8"))
+    env = os.environ.get("KVFENCE_API_KEYS")
+    return parse_api_keys(env) if env else None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    engine = _load_engine(args)
+    if engine is None:
+        return 1
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None, "load_engine always loads the tokenizer"
+    if args.raw:
+        prompt = tokenizer.encode(args.text, add_special_tokens=True)
+    else:
+        messages = [{"role": "user", "content": args.text}]
+        prompt = tokenizer.encode(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
+        )
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        (request,) = engine.generate([prompt], params)
+    except (AdmissionError, ValueError) as exc:
+        _log(f"error: {exc}")
+        return 1
+    print(request.output_text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfence", description="A paged-KV LLM server with fenced KV.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
+    add_engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-keys",
+        type=Path,
+        metavar="FILE",
+        help="'KEY TENANT' per line (# comments); else $KVFENCE_API_KEYS ('; '-separated)",
+    )
+    serve.add_argument("--admin-key", help="key for the audit endpoint (else $KVFENCE_ADMIN_KEY)")
+    serve.add_argument("--audit-log", type=Path, metavar="FILE", help="append audit events here as JSONL")
+    serve.add_argument("--served-model-name", help="model id in the API (default: the GGUF file stem)")
+    serve.set_defaults(run=_serve)
+
+    generate = commands.add_parser("generate", help="generate one answer offline and print it")
+    add_engine_options(generate)
+    generate.add_argument("text")
+    generate.add_argument("--raw", action="store_true", help="plain completion: no chat template")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    generate.add_argument("--seed", type=int)
+    generate.set_defaults(run=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
