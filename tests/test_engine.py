@@ -1,0 +1,126 @@
+"""Engine behaviour on the tiny model: admission, the one finish, preemption, prefix cache, sampling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import make_engine
+
+from kvfence.config import CapacityError
+from kvfence.engine.engine import CONTEXT_LENGTH_EXCEEDED, AdmissionError
+from kvfence.model.llama import LlamaModel
+from kvfence.request import Status
+from kvfence.sampling import SamplingParams
+
+_rng = random.Random(3)
+
+
+def prompt(n: int) -> list[int]:
+    return [_rng.randrange(256) for _ in range(n)]
+
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def test_refuses_to_start_when_the_window_does_not_fit(tiny: LlamaModel) -> None:
+    with pytest.raises(CapacityError) as err:
+        make_engine(tiny, num_pages=8, max_model_len=48)
+    assert "32 tokens" in str(err.value) and "48 tokens" in str(err.value)
+    assert "--max-model-len 32" in str(err.value)
+
+
+@pytest.mark.parametrize(("prompt_len", "max_tokens"), [(40, 9), (48, 1), (0, 4)])
+def test_rejection_happens_before_any_page_is_reserved(
+    tiny: LlamaModel, prompt_len: int, max_tokens: int
+) -> None:
+    engine = make_engine(tiny)
+    running = engine.add_request(prompt(12), GREEDY, "a")
+    engine.step()
+    free_before = engine.allocator.num_free_pages
+    generations = engine.pool.generation.copy()
+    with pytest.raises(AdmissionError) as err:
+        engine.add_request(prompt(prompt_len), SamplingParams(max_tokens=max_tokens), "b", request_id="big")
+    if prompt_len:
+        assert err.value.code == CONTEXT_LENGTH_EXCEEDED and "48 tokens" in str(err.value)
+    assert engine.events.kinds("big") == ["rejected"]
+    assert engine.allocator.num_free_pages == free_before
+    assert (engine.pool.generation == generations).all()
+    while not running.is_finished:
+        engine.step()
+    assert running.status is Status.FINISHED and "big" not in engine.requests
+
+
+def test_boundary_request_is_admitted(tiny: LlamaModel) -> None:
+    engine = make_engine(tiny)
+    request = engine.generate([prompt(38)], GREEDY)[0]  # 38 + 10 == 48, the window exactly
+    assert request.status is Status.FINISHED and len(request.output_token_ids) == 10
+
+
+def test_a_request_finishes_once(tiny: LlamaModel) -> None:
+    engine = make_engine(tiny)
+    request = engine.generate([prompt(5)], GREEDY)[0]
+    with pytest.raises(RuntimeError, match="illegal transition"):
+        request.finish(Status.ABORTED, "late")
+    assert engine.abort(request.request_id) is None
+    kinds = engine.events.kinds(request.request_id)
+    assert kinds[0] == "admitted" and kinds[-1] == "finished" and kinds.count("finished") == 1
+
+
+def test_abort_releases_every_page(tiny: LlamaModel) -> None:
+    engine = make_engine(tiny, enable_prefix_caching=False)
+    requests = [engine.add_request(prompt(n), GREEDY, t) for n, t in ((17, "a"), (9, "b"))]
+    engine.step()
+    output = engine.abort(requests[0].request_id, "cancelled")
+    assert output is not None and output.finished and output.status is Status.ABORTED
+    assert engine.events.kinds(requests[0].request_id)[-2:] == ["aborted", "released"]
+    while not requests[1].is_finished:
+        engine.step()
+    assert engine.allocator.num_free_pages == engine.pool.num_pages
+    engine.check_integrity()
+
+
+def test_preemption_completes_every_request_with_solo_tokens(tiny: LlamaModel) -> None:
+    prompts = [prompt(n) for n in (30, 25, 18, 33, 7, 21)]
+    solo = [make_engine(tiny).generate([p], GREEDY)[0].output_token_ids for p in prompts]
+    engine = make_engine(tiny, num_pages=12)  # 48 tokens: one request at a time fits, six do not
+    requests = engine.generate(prompts, GREEDY)
+    assert sum(r.num_preemptions for r in requests) > 0
+    assert [r.output_token_ids for r in requests] == solo
+    assert any(e == "preempted" for r in requests for e in engine.events.kinds(r.request_id))
+    engine.check_integrity()
+
+
+def test_prefix_cache_hits_within_a_tenant_only(tiny: LlamaModel) -> None:
+    shared = prompt(24)
+    first, second, other = shared + prompt(5), shared + prompt(6), shared + prompt(6)
+    uncached = make_engine(tiny, enable_prefix_caching=False).generate([second], GREEDY)[0].output_token_ids
+    engine = make_engine(tiny)
+    engine.generate([first], GREEDY, "a")
+    assert engine.prefix is not None and engine.prefix.hits == 0
+    hit = engine.generate([second], GREEDY, "a")[0]
+    assert engine.prefix.hits == 6  # the 24 shared tokens are six full pages
+    assert hit.output_token_ids == uncached
+    assert "prefix_hit" in engine.events.kinds(hit.request_id)
+    miss = engine.generate([other], GREEDY, "b")[0]
+    assert engine.prefix.hits == 6, "another tenant hit tenant a's pages"
+    assert "prefix_hit" not in engine.events.kinds(miss.request_id)
+    engine.check_integrity()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny: LlamaModel) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    p = prompt(9)
+    alone = make_engine(tiny).generate([p], params)[0].output_token_ids
+    others = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)]
+    together = make_engine(tiny).generate([prompt(5), p, prompt(7)], [others[0], params, others[1]])
+    assert together[1].output_token_ids == alone
+    other_seed = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
+    assert make_engine(tiny).generate([p], other_seed)[0].output_token_ids != alone
+
+
+def test_top_k_one_is_greedy(tiny: LlamaModel) -> None:
+    p = prompt(9)
+    greedy = make_engine(tiny).generate([p], GREEDY)[0].output_token_ids
+    top1 = SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=5, ignore_eos=True)
+    assert make_engine(tiny).generate([p], top1)[0].output_token_ids == greedy
