@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from kvfence.audit.events import EventLog
-from kvfence.audit.faults import FAULTS, parse_fault_spec
+from kvfence.audit.faults import FAULTS, FaultInjector, parse_fault_spec
 from kvfence.config import CapacityError, EngineConfig, parse_size
+from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError, LLMEngine, load_engine
 from kvfence.sampling import SamplingParams
 
@@ -106,6 +107,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def add_http_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of every command that serves the OpenAI API."""
+    g = parser.add_argument_group("http")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--api-keys",
+        type=Path,
+        metavar="FILE",
+        help="'KEY TENANT' per line (# comments); else $KVFENCE_API_KEYS ('; '-separated)",
+    )
+    g.add_argument("--admin-key", help="key for the audit endpoint (else $KVFENCE_ADMIN_KEY)")
+    g.add_argument("--audit-log", type=Path, metavar="FILE", help="append audit events here as JSONL")
+    g.add_argument("--served-model-name", help="model id in the API (default: the GGUF file stem)")
+
+
 def parse_api_keys(text: str) -> dict[str, str]:
     """`KEY TENANT` entries, one per line or `;`-separated; `#` starts a comment. ValueError if malformed."""
     keys: dict[str, str] = {}
@@ -134,10 +151,73 @@ def _load_engine(args: argparse.Namespace, events: EventLog | None = None) -> LL
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.role != "single":
+        from kvfence.disagg.launch import run_worker
+
+        run_worker(args.role, engine_config(args), args.listen)
+        return 0
+    if args.disaggregated:
+        return _serve_disaggregated(args)
+    events = EventLog(path=args.audit_log) if args.audit_log else None
+    engine = _load_engine(args, events)
+    if engine is None:
+        return 1
+    from kvfence.engine.async_engine import AsyncEngine
+
+    return _run_http(args, AsyncEngine(engine))
+
+
+def _serve_disaggregated(args: argparse.Namespace) -> int:
+    """One prefill and one decode worker process plus the router, all on this host."""
+    from kvfence.disagg.launch import spawn_worker
+
+    config = engine_config(args)
+    processes = []
+    try:
+        addresses = {}
+        for role in ("prefill", "decode"):
+            process, addresses[role] = spawn_worker(role, config)
+            processes.append(process)
+        return _run_router(args, addresses["prefill"], addresses["decode"])
+    finally:
+        for process in processes:
+            process.kill()
+
+
+def _router(args: argparse.Namespace) -> int:
+    return _run_router(args, args.prefill, args.decode)
+
+
+def _run_router(args: argparse.Namespace, prefill: str, decode: str) -> int:
+    from kvfence.disagg.router import Router
+    from kvfence.model.gguf import default_model_path, read_header
+    from kvfence.model.tokenizer import Tokenizer
+
+    config, metadata = read_header(args.model or default_model_path())
+    router = Router(
+        prefill,
+        decode,
+        Tokenizer(metadata),
+        config.vocab_size,
+        isolation=args.isolation == "on",
+        events=EventLog(path=args.audit_log) if args.audit_log else None,
+        faults=_faults(args.inject_fault),
+    )
+    return _run_http(args, router)
+
+
+def _faults(specs: list[tuple[str, float]]) -> FaultInjector:
+    faults = FaultInjector()
+    for name, rate in specs:
+        faults.arm(name, rate)
+    return faults
+
+
+def _run_http(args: argparse.Namespace, client: EngineClient) -> int:
+    """Serve `client` (engine thread or router) over HTTP until interrupted."""
     import uvicorn
 
     from kvfence.api.server import build_app
-    from kvfence.engine.async_engine import AsyncEngine
     from kvfence.model.gguf import default_model_path
 
     try:
@@ -149,16 +229,13 @@ def _serve(args: argparse.Namespace) -> int:
     if admin_key and api_keys and admin_key in api_keys:
         _log("error: the admin key is also a tenant key")
         return 2
-    engine = _load_engine(args, EventLog(path=args.audit_log) if args.audit_log else None)
-    if engine is None:
-        return 1
     if api_keys is None:
         _log(
             "WARNING: no API keys (--api-keys / KVFENCE_API_KEYS): auth is off, every request is tenant "
             "'default'"
         )
     name = args.served_model_name or (args.model or default_model_path()).stem
-    app = build_app(AsyncEngine(engine), name, api_keys, admin_key)
+    app = build_app(client, name, api_keys, admin_key)
     _log(f"serving '{name}' on http://{args.host}:{args.port}/v1")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
@@ -199,20 +276,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfence", description="A paged-KV LLM server with fenced KV.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server (or one PD worker)")
     add_engine_options(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    add_http_options(serve)
     serve.add_argument(
-        "--api-keys",
-        type=Path,
-        metavar="FILE",
-        help="'KEY TENANT' per line (# comments); else $KVFENCE_API_KEYS ('; '-separated)",
+        "--role",
+        choices=["single", "prefill", "decode"],
+        default="single",
+        help="single-node server, or one prefill/decode worker (no HTTP) for a router",
     )
-    serve.add_argument("--admin-key", help="key for the audit endpoint (else $KVFENCE_ADMIN_KEY)")
-    serve.add_argument("--audit-log", type=Path, metavar="FILE", help="append audit events here as JSONL")
-    serve.add_argument("--served-model-name", help="model id in the API (default: the GGUF file stem)")
+    serve.add_argument("--listen", default="tcp://127.0.0.1:5600", help="a worker's ZeroMQ address")
+    serve.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="start a prefill worker, a decode worker and the router on this host",
+    )
     serve.set_defaults(run=_serve)
+
+    router = commands.add_parser("router", help="the OpenAI front of a prefill and a decode worker")
+    add_http_options(router)
+    router.add_argument("--prefill", required=True, help="prefill worker address, e.g. tcp://10.0.0.1:5600")
+    router.add_argument("--decode", required=True, help="decode worker address")
+    router.add_argument("--model", type=Path, help="GGUF file for the tokenizer (default: packaged SmolLM2)")
+    router.add_argument(
+        "--isolation",
+        choices=["on", "off"],
+        default="on",
+        help="fail-closed admission against both pools ('off': window only, as in the incident)",
+    )
+    router.add_argument("--inject-fault", type=_fault, action="append", default=[], metavar="NAME[:RATE]")
+    router.set_defaults(run=_router)
 
     generate = commands.add_parser("generate", help="generate one answer offline and print it")
     add_engine_options(generate)

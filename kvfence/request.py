@@ -19,6 +19,7 @@ from kvfence.sampling import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    TRANSFERRING = "transferring"  # pages held while KV moves between prefill and decode workers
     FINISHED = "finished"
     ABORTED = "aborted"
     REJECTED = "rejected"
@@ -26,8 +27,12 @@ class Status(enum.Enum):
 
 TERMINAL = frozenset({Status.FINISHED, Status.ABORTED, Status.REJECTED})
 _ALLOWED = {
-    Status.WAITING: {Status.RUNNING, Status.ABORTED, Status.REJECTED},
-    Status.RUNNING: {Status.WAITING, Status.FINISHED, Status.ABORTED},  # RUNNING -> WAITING: preemption
+    # WAITING -> TRANSFERRING: a decode worker reserved pages and awaits the prompt's KV.
+    Status.WAITING: {Status.RUNNING, Status.TRANSFERRING, Status.ABORTED, Status.REJECTED},
+    # RUNNING -> WAITING: preemption. RUNNING -> TRANSFERRING: a prefill worker computed the prompt's KV.
+    Status.RUNNING: {Status.WAITING, Status.TRANSFERRING, Status.FINISHED, Status.ABORTED},
+    # TRANSFERRING -> WAITING: the decode side holds the whole prompt; FINISHED: the prefill side sent it.
+    Status.TRANSFERRING: {Status.WAITING, Status.FINISHED, Status.ABORTED},
 }
 
 
@@ -52,6 +57,7 @@ class Request:
     num_preemptions: int = 0
     page_hashes: list[int] = field(default_factory=list)  # prefix-cache chain over full pages of all tokens
     num_published_pages: int = 0  # logical pages already offered to the prefix cache
+    prefill_only: bool = False  # a prefill worker's request: compute the prompt's KV, sample nothing
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -120,24 +120,7 @@ class FenceMachine(RuleBasedStateMachine):
     def fence_flags_exactly_the_condemned(self) -> None:
         if not self.holders:
             return
-        counts = [len(h.record.pages) for h in self.holders]
-        layout = StepLayout(
-            tenants=np.array([h.record.tenant for h in self.holders]),
-            num_cached=np.array([h.written for h in self.holders]),
-            starts=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-            pages=np.array([p for h in self.holders for p in h.record.pages], dtype=np.int64),
-            generations=np.array([g for h in self.holders for g in h.record.generations], dtype=np.int64),
-            **{
-                k: np.zeros(0, dtype=np.int64)
-                for k in (
-                    "write_rows",
-                    "write_pages",
-                    "write_generations",
-                    "write_offsets",
-                    "write_positions",
-                )
-            },
-        )
+        layout = StepLayout.reads_only([h.record for h in self.holders], [h.written for h in self.holders])
         flagged = set(self.fence.validate_step(layout))
         assert flagged == {i for i, h in enumerate(self.holders) if self._condemned(h)}
 

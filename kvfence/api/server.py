@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import jinja2
-import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -52,14 +51,12 @@ from kvfence.api.protocol import (
     Usage,
 )
 from kvfence.cache.fence import INTEGRITY_REASONS
-from kvfence.cache.pool import PageState
-from kvfence.engine.async_engine import AsyncEngine
-from kvfence.engine.engine import AdmissionError, LLMEngine, RequestOutput
+from kvfence.engine.async_engine import EngineClient
+from kvfence.engine.engine import AdmissionError, RequestOutput
 from kvfence.request import Status
 
 _Outputs = AsyncGenerator[RequestOutput, None]
 DEFAULT_MAX_TOKENS = 256
-STATS_TIMEOUT_S = 10.0  # a scrape fails rather than hangs when the engine thread is stuck
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -166,35 +163,6 @@ Tenant = Annotated[str, Depends(_tenant)]
 # ---- metrics ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _EngineStats:
-    """Engine counters read together on the engine thread, so one scrape is one consistent picture."""
-
-    num_pages: int
-    pages_free: int
-    pages_by_state: dict[str, int]
-    prefix_hits: int
-    integrity_aborts: dict[str, int]
-    refused_writes: int
-    validation_checks: int
-    validation_seconds: float
-
-    @classmethod
-    def read(cls, engine: LLMEngine) -> _EngineStats:
-        counts = np.bincount(engine.pool.state, minlength=len(PageState))
-        fence = engine.fence.stats
-        return cls(
-            num_pages=engine.pool.num_pages,
-            pages_free=engine.allocator.num_free_pages,
-            pages_by_state={state.name.lower(): int(counts[state]) for state in PageState},
-            prefix_hits=engine.prefix.hits if engine.prefix else 0,
-            integrity_aborts={reason: fence.aborts[reason] for reason in sorted(INTEGRITY_REASONS)},
-            refused_writes=engine.pool.refused_writes,
-            validation_checks=fence.checks,
-            validation_seconds=fence.seconds,
-        )
-
-
 def _family(
     kind: type[GaugeMetricFamily | CounterMetricFamily],
     name: str,
@@ -211,13 +179,11 @@ def _family(
 class _EngineCollector:
     """Prometheus collector for the engine's own counters and gauges, read at scrape time."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        s: _EngineStats = self._engine.call(lambda: _EngineStats.read(self._engine.engine)).result(
-            timeout=STATS_TIMEOUT_S
-        )
+        s = self._engine.stats()
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         yield gauge(
             "kvfence_pages_free",
@@ -248,7 +214,7 @@ class _EngineCollector:
 class _Metrics:
     """The app's metrics, in a registry of its own (so several apps can live in one process)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvfence_requests", "Requests by final status", ["status"], registry=r)
@@ -414,7 +380,7 @@ class _EngineStreamResponse(StreamingResponse):
 class _Service:
     """Turns validated requests into engine requests and engine outputs into responses."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: _Metrics) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, metrics: _Metrics) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
@@ -422,7 +388,7 @@ class _Service:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     def models(self) -> ModelList:
         return ModelList(
@@ -434,7 +400,7 @@ class _Service:
             prompt = await run_in_threadpool(self._tokenizer().encode, body.prompt, True)
         else:
             prompt = body.prompt
-            vocab = self.engine.engine.model.config.vocab_size
+            vocab = self.engine.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return await self._generate(body, prompt, tenant, chat=False)
@@ -444,7 +410,7 @@ class _Service:
         return await self._generate(body, prompt, tenant, chat=True)
 
     def _tokenizer(self) -> Any:
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         return tokenizer
@@ -494,7 +460,7 @@ class _Service:
         return JSONResponse(body_model.model_dump(mode="json"), headers=headers)
 
     async def audit(self, request_id: str) -> dict[str, Any]:
-        events = self.engine.engine.events.for_request(request_id)
+        events = await run_in_threadpool(self.engine.audit_events, request_id)
         if not events:
             raise APIError(404, f"no audit trail for request '{request_id}'", code="request_not_found")
         return {"request_id": request_id, "events": events}
@@ -504,7 +470,7 @@ class _Service:
 
 
 def build_app(
-    engine: AsyncEngine, model_name: str, api_keys: dict[str, str] | None, admin_key: str | None
+    engine: EngineClient, model_name: str, api_keys: dict[str, str] | None, admin_key: str | None
 ) -> FastAPI:
     """The HTTP app. It owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 

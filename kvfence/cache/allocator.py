@@ -93,6 +93,18 @@ class PageAllocator:
         if self.faults.fire("stale_mapping"):
             self._free_a_held_page()
 
+    def quarantine(self, record: MappingRecord) -> list[int]:
+        """Block every read and write of the record's pages while a transfer into them may still be in
+        flight (invariant 4). The references stay: the pages return to the free queue only through
+        `release`, once the transfer is confirmed drained."""
+        pages = [
+            p
+            for p, g in zip(record.pages, record.generations, strict=True)
+            if self.pool.generation[p] == g and self.refcount[p] > 0
+        ]
+        self.pool.state[pages] = PageState.QUARANTINED
+        return pages
+
     def _drop_reference(self, page: int) -> None:
         self.refcount[page] -= 1
         if self.refcount[page] > 0:
@@ -123,8 +135,12 @@ class PageAllocator:
         assert len(free) + len(evictable) + len(held) == pool.num_pages, "a page is lost"
         for page in free:
             assert pool.state[page] == PageState.FREE and pool.owner[page] == NO_OWNER
-        for page in held | evictable:
+        for page in evictable:
             assert pool.state[page] == PageState.OWNED and pool.owner[page] != NO_OWNER
+        for page in held:
+            assert (
+                pool.state[page] in (PageState.OWNED, PageState.QUARANTINED) and pool.owner[page] != NO_OWNER
+            )
         if self.prefix is not None:
             self.prefix.check_integrity()
             assert all(p not in free for p in self.prefix.hash_by_page), "a free page is still cached"

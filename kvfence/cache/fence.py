@@ -21,7 +21,12 @@ STALE_GENERATION = "stale_generation"  # the page was reallocated since the requ
 FOREIGN_OWNER = "foreign_owner"  # the page belongs to another tenant, or to nobody
 UNWRITTEN_READ = "unwritten_read"  # the step would read slots never written at this generation
 STALE_WRITE = "stale_write"  # a KV write names a generation or owner that does not hold the page
-INTEGRITY_REASONS = frozenset({STALE_GENERATION, FOREIGN_OWNER, UNWRITTEN_READ, STALE_WRITE})
+# Handoff (prefill -> decode) failures, checked by the receiver before decode may start (invariant 6).
+INCOMPLETE_HANDOFF = "incomplete_handoff"  # "complete" arrived but `written` does not cover the prompt
+CHECKSUM_MISMATCH = "checksum_mismatch"  # a page's bytes do not match the checksum sent with them
+INTEGRITY_REASONS = frozenset(
+    {STALE_GENERATION, FOREIGN_OWNER, UNWRITTEN_READ, STALE_WRITE, INCOMPLETE_HANDOFF, CHECKSUM_MISMATCH}
+)
 
 
 @dataclass
@@ -52,6 +57,23 @@ class StepLayout:
     write_offsets: np.ndarray
     write_positions: np.ndarray  # token position of each new token in its sequence
 
+    @classmethod
+    def reads_only(cls, records: list[MappingRecord], num_cached: list[int]) -> StepLayout:
+        """A layout that reads each record's first `num_cached` tokens from all its pages and writes none."""
+        no_writes = np.zeros(0, dtype=np.int64)
+        return cls(
+            tenants=np.array([r.tenant for r in records], dtype=np.int64),
+            num_cached=np.array(num_cached, dtype=np.int64),
+            starts=np.concatenate([[0], np.cumsum([len(r.pages) for r in records])]).astype(np.int64),
+            pages=np.array([p for r in records for p in r.pages], dtype=np.int64),
+            generations=np.array([g for r in records for g in r.generations], dtype=np.int64),
+            write_rows=no_writes,
+            write_pages=no_writes,
+            write_generations=no_writes,
+            write_offsets=no_writes,
+            write_positions=no_writes,
+        )
+
 
 @dataclass
 class FenceStats:
@@ -81,6 +103,14 @@ class Fence:
         self.stats.seconds += time.perf_counter() - started
         self.stats.aborts.update(verdict.values())
         return verdict
+
+    def check_handoff(self, record: MappingRecord, num_tokens: int) -> str | None:
+        """Invariant 6: after a transfer, every page must be current, the tenant's, and written far enough
+        to hold `num_tokens` tokens. A "complete" message is never trusted on its own."""
+        verdict = self._check_reads(StepLayout.reads_only([record], [num_tokens]))
+        if verdict or len(record.pages) * self.pool.page_size < num_tokens:
+            return INCOMPLETE_HANDOFF
+        return None
 
     def _check_reads(self, layout: StepLayout) -> dict[int, str]:
         pool, pages = self.pool, layout.pages

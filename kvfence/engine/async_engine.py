@@ -13,17 +13,49 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvfence.engine.engine import LLMEngine, RequestOutput
+from kvfence.engine.stats import EngineStats
+from kvfence.model.tokenizer import Tokenizer
 from kvfence.sampling import SamplingParams
 
 log = logging.getLogger("kvfence.engine")
+STATS_TIMEOUT_S = 10.0  # a stats or audit read fails rather than hangs when the engine is stuck
+
+
+class EngineClient(Protocol):
+    """What the HTTP server needs from whatever generates: a local engine thread (AsyncEngine) or a router
+    in front of prefill and decode workers (disagg.router.Router)."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def stats(self) -> EngineStats:
+        """Pool and fence counters (blocking; call it off the event loop)."""
+        ...
+
+    def audit_events(self, request_id: str) -> list[dict[str, Any]]:
+        """The request's audit trail, empty when unknown (blocking)."""
+        ...
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        assert engine.tokenizer is not None, "serving needs the model's tokenizer"
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model.config.vocab_size
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._stopped = threading.Event()
@@ -69,6 +101,12 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             self.abort(request_id, "client_disconnected")
+
+    def stats(self) -> EngineStats:
+        return self.call(lambda: EngineStats.read(self.engine)).result(timeout=STATS_TIMEOUT_S)
+
+    def audit_events(self, request_id: str) -> list[dict[str, Any]]:
+        return self.engine.events.for_request(request_id)
 
     def abort(self, request_id: str, reason: str) -> None:
         """Abort if still running (a no-op for finished requests)."""

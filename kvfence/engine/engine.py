@@ -38,6 +38,18 @@ class AdmissionError(ValueError):
         self.code = code
 
 
+def context_refusal(prompt: int, budget: int, limits: list[tuple[str, int, int]]) -> AdmissionError | None:
+    """The first limit (text, limit in tokens, tokens needed) a request exceeds, as an OpenAI-style 400."""
+    for text, limit, need in limits:
+        if need > limit:
+            asked = (
+                f"However, you requested {prompt + budget} tokens "
+                f"({prompt} in the prompt, {budget} for the completion)."
+            )
+            return AdmissionError(CONTEXT_LENGTH_EXCEEDED, f"{text} {limit} tokens. {asked}")
+    return None
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """An immutable snapshot of what one step changed for one request (safe to hand to other threads)."""
@@ -127,8 +139,47 @@ class LLMEngine:
         params: SamplingParams,
         tenant: str = "default",
         request_id: str | None = None,
+        prefill_only: bool = False,
     ) -> Request:
-        """Admit a request or refuse it before any page is reserved (invariant 3)."""
+        """Admit a request or refuse it before any page is reserved (invariant 3).
+
+        `prefill_only` (a prefill worker's request): compute the prompt's KV, then park the request with
+        its pages for the transfer instead of sampling."""
+        request = self._admit(prompt_token_ids, params, tenant, request_id)
+        request.prefill_only = prefill_only
+        self.scheduler.add(request)
+        return request
+
+    def reserve(
+        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
+    ) -> Request | None:
+        """A decode worker's request: admit it and reserve pages for the KV of every prompt token but the
+        last (the decode side computes that one and samples from it), then park it until the KV arrives.
+        None when the pages are not free right now (nothing is then held)."""
+        request = self._admit(prompt_token_ids, params, tenant, request_id)
+        if not self.scheduler.reserve(request, len(prompt_token_ids) - 1):
+            self._finish(request, Status.ABORTED, "no_free_pages")
+            return None
+        self.scheduler.park(request)
+        return request
+
+    def resume(self, request_id: str) -> None:
+        """The decode side verified the transferred KV: the request believes its prompt but the last token
+        is cached, and is scheduled next."""
+        request = self.requests[request_id]
+        request.num_computed_tokens = request.num_tokens - 1
+        self.scheduler.resume(request)
+
+    def finish_transfer(self, request_id: str) -> None:
+        """The prefill side sent every page: its copy of the KV is no longer needed."""
+        self._finish(self.requests[request_id], Status.FINISHED, "transferred")
+
+    def drain(self, request_id: str, how: str) -> bool:
+        return self.scheduler.drain(request_id, how)
+
+    def _admit(
+        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str | None
+    ) -> Request:
         request_id = request_id or f"req-{next(self._ids)}"
         assert request_id not in self.requests, f"duplicate request id {request_id}"
         request = Request(
@@ -146,7 +197,6 @@ class LLMEngine:
         self.requests[request_id] = request
         if self.tokenizer is not None:
             self._decoders[request_id] = IncrementalDecoder(self.tokenizer)
-        self.scheduler.add(request)
         self.events.emit(
             request_id,
             "admitted",
@@ -160,28 +210,30 @@ class LLMEngine:
         prompt, budget = len(request.prompt_token_ids), request.params.max_tokens
         if prompt == 0:
             return AdmissionError("empty_prompt", "the prompt is empty")
-        asked = (
-            f"However, you requested {prompt + budget} tokens "
-            f"({prompt} in the prompt, {budget} for the completion)."
+        total = prompt + budget
+        return context_refusal(
+            prompt,
+            budget,
+            [
+                ("This model's maximum context length is", self.max_model_len, total),
+                ("The KV pool holds", self.capacity.capacity_tokens, total),
+            ],
         )
-        if prompt + budget > self.max_model_len:
-            limit = f"This model's maximum context length is {self.max_model_len} tokens."
-            return AdmissionError(CONTEXT_LENGTH_EXCEEDED, f"{limit} {asked}")
-        if prompt + budget > self.capacity.capacity_tokens:
-            limit = f"The KV pool holds {self.capacity.capacity_tokens} tokens."
-            return AdmissionError(CONTEXT_LENGTH_EXCEEDED, f"{limit} {asked}")
-        return None
 
     # ---- the step loop ---------------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> RequestOutput | None:
+    def abort(
+        self, request_id: str, reason: str = "cancelled", quarantine: bool = False
+    ) -> RequestOutput | None:
+        """Abort a live request (None if unknown or already finished). `quarantine`: a transfer into its
+        pages may still be in flight, so they stay blocked until `drain`."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
-        self._finish(request, Status.ABORTED, reason)
+        self._finish(request, Status.ABORTED, reason, quarantine)
         return self._snapshot(request, [], "")
 
     def step(self) -> list[RequestOutput]:
@@ -203,12 +255,16 @@ class LLMEngine:
             token = result.sampled.get(request.request_id)
             if token is not None:
                 outputs.append(self._append_token(request, token))
-            if not request.is_finished:
-                self.scheduler.publish_full_pages(request)
+            if request.is_finished:
+                continue
+            self.scheduler.publish_full_pages(request)
+            if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+                self.scheduler.park(request)
+                outputs.append(self._snapshot(request, [], ""))
         return outputs
 
-    def _finish(self, request: Request, status: Status, reason: str) -> None:
-        self.scheduler.finish(request, status, reason)
+    def _finish(self, request: Request, status: Status, reason: str, quarantine: bool = False) -> None:
+        self.scheduler.finish(request, status, reason, quarantine)
         del self.requests[request.request_id]
         self._decoders.pop(request.request_id, None)
 

@@ -89,7 +89,7 @@ class ModelRunner:
             else:
                 table = pages.to(device) if req.num_computed_tokens else None
                 prefills.append(PrefillSeq(start, end, context, table))
-            if context == req.num_tokens:
+            if context == req.num_tokens and not req.prefill_only:
                 logits_rows.append(end - 1)
                 sample_rows.append(row)
         max_pages = max((len(p) for _, _, p in decode), default=0)

@@ -45,11 +45,14 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.transferring: dict[str, Request] = {}  # pages held, not scheduled: KV is moving in or out
+        self.quarantined: dict[str, Request] = {}  # aborted mid-transfer: pages held until the drain
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
+        """Whether a step would compute anything (transferring requests wait for messages, not steps)."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
@@ -157,23 +160,62 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.events.emit(request.request_id, "preempted")
 
-    def finish(self, request: Request, status: Status, reason: str) -> None:
-        """The single exit: terminal transition, pages released, request out of every queue."""
+    def reserve(self, request: Request, tokens: int) -> bool:
+        """Allocate pages for the request's first `tokens` tokens now, or nothing."""
+        need = self._pages_needed(request, tokens)
+        if need > self.allocator.num_free_pages:
+            return False
+        self._allocate(request, need)
+        return True
+
+    def park(self, request: Request) -> None:
+        """Hold the request's pages without scheduling it while its KV is transferred."""
+        if request in self.running:
+            self.running.remove(request)
+        request.move_to(Status.TRANSFERRING)
+        self.transferring[request.request_id] = request
+
+    def resume(self, request: Request) -> None:
+        """The KV has arrived: schedule the request next, with the pages it already holds."""
+        del self.transferring[request.request_id]
+        request.move_to(Status.WAITING)
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: Status, reason: str, quarantine: bool = False) -> None:
+        """The single exit: terminal transition, request out of every queue, pages released — or, with
+        `quarantine`, blocked and kept until `drain` confirms no transfer into them is in flight."""
         request.finish(status, reason)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.transferring.pop(request.request_id, None)
         if status is Status.FINISHED:
             self._release(request)
             self.events.emit(
                 request.request_id, "finished", reason=reason, output_tokens=len(request.output_token_ids)
             )
-        else:  # the verdict goes on the record before anything else happens to the pages
-            self.events.emit(
-                request.request_id, "aborted" if status is Status.ABORTED else "rejected", reason=reason
-            )
+            return
+        # The verdict goes on the record before anything else happens to the pages.
+        self.events.emit(
+            request.request_id, "aborted" if status is Status.ABORTED else "rejected", reason=reason
+        )
+        if quarantine and request.record.pages:
+            pages = self.allocator.quarantine(request.record)
+            self.quarantined[request.request_id] = request
+            self.events.emit(request.request_id, "quarantined", pages=pages)
+        else:
             self._release(request)
+
+    def drain(self, request_id: str, how: str) -> bool:
+        """Release a quarantined request's pages: `how` says what proves nothing more can land in them
+        (the sender's abort-ack, or the sender's death fenced by the generation bump of reallocation)."""
+        request = self.quarantined.pop(request_id, None)
+        if request is None:
+            return False
+        self.events.emit(request_id, "drained", how=how)
+        self._release(request)
+        return True
 
     def _release(self, request: Request) -> None:
         if request.record.pages:

@@ -113,6 +113,13 @@ def load_gguf(
     return GGUFModel(config=config, tensors=tensors, metadata=metadata, path=path)
 
 
+def read_header(path: str | Path) -> tuple[LlamaConfig, dict[str, object]]:
+    """Config and metadata without reading any tensor data (enough for a tokenizer: the router)."""
+    reader = gguf.GGUFReader(Path(path))
+    metadata = _read_metadata(reader)
+    return _config_from(metadata, reader), metadata
+
+
 def _read_metadata(reader: gguf.GGUFReader) -> dict[str, object]:
     """Every key/value pair of the file; the "GGUF.*" header pseudo-fields are not metadata."""
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}

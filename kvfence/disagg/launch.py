@@ -1,0 +1,43 @@
+"""Start prefill and decode workers as real processes (for `serve --disaggregated` and the tests)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from multiprocessing.connection import Connection
+
+from kvfence.config import EngineConfig
+from kvfence.disagg.connector import ZmqConnector
+from kvfence.disagg.decode import DecodeWorker
+from kvfence.disagg.prefill import PrefillWorker
+from kvfence.disagg.worker import Worker
+
+WORKERS: dict[str, type[Worker]] = {"prefill": PrefillWorker, "decode": DecodeWorker}
+START_TIMEOUT_S = 120.0
+
+
+def run_worker(role: str, config: EngineConfig, bind: str, ready: Connection | None = None) -> None:
+    """Load the engine, bind, announce the bound address on `ready`, then serve until killed."""
+    from kvfence.engine.engine import load_engine
+
+    engine = load_engine(config, log=lambda line: print(f"[{role}] {line}", flush=True))
+    worker = WORKERS[role](engine, ZmqConnector(bind))
+    print(f"[{role}] listening on {worker.connector.address}", flush=True)
+    if ready is not None:
+        ready.send(worker.connector.address)
+        ready.close()
+    worker.serve_forever()
+
+
+def spawn_worker(role: str, config: EngineConfig, bind: str = "tcp://127.0.0.1:0") -> tuple[mp.Process, str]:
+    """A worker in a fresh process (spawned: no state inherited from this one) and its bound address."""
+    context = mp.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(
+        target=run_worker, args=(role, config, bind, sender), name=f"kvfence-{role}", daemon=True
+    )
+    process.start()
+    sender.close()
+    if not receiver.poll(START_TIMEOUT_S):
+        process.kill()
+        raise RuntimeError(f"the {role} worker did not start within {START_TIMEOUT_S:.0f}s")
+    return process, receiver.recv()

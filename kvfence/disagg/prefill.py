@@ -1,0 +1,134 @@
+"""The prefill worker: computes a prompt's KV in its own pool and sends it, page by page, to decode.
+
+Protocol (disagg/README.md): `prefill` from the router names the decode worker and the (page, generation)
+targets it reserved. Admission fails closed: a prompt this pool can never hold is answered `rejected`,
+and nothing is computed or sent. Otherwise the KV of every prompt token but the last is computed, each
+page is sent with its target, its slot count and an xxh3 checksum of its bytes, then `complete`.
+An `abort` from decode is answered with `abort_ack` on the same channel as the pages, so the ack proves
+nothing of that request is still on the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+from kvfence.disagg.connector import Connector, Message
+from kvfence.disagg.worker import Worker
+from kvfence.engine.engine import AdmissionError, LLMEngine, RequestOutput
+from kvfence.request import Status
+from kvfence.sampling import SamplingParams
+
+
+@dataclass
+class Transfer:
+    request_id: str
+    decode: str  # the decode worker's address
+    targets: list[tuple[int, int]]  # decode-side (page, generation) per logical page
+    num_tokens: int  # tokens whose KV decode expects
+    placeholder: bool = False  # fault `placeholder_transfer`: one token computed, "complete" claimed
+
+
+class PrefillWorker(Worker):
+    role = "prefill"
+
+    def __init__(self, engine: LLMEngine, connector: Connector) -> None:
+        super().__init__(engine, connector)
+        self.transfers: dict[str, Transfer] = {}
+        self.faults = engine.faults
+
+    def on_prefill(self, sender: str, message: Message) -> None:
+        f = message.fields
+        request_id, prompt = f["request_id"], f["prompt"]
+        transfer = Transfer(request_id, f["decode"], [tuple(t) for t in f["targets"]], len(prompt) - 1)
+        try:
+            self.engine.add_request(
+                prompt[:-1], SamplingParams(max_tokens=1), f["tenant"], request_id, prefill_only=True
+            )
+        except AdmissionError as refusal:
+            if not self.faults.fire("placeholder_transfer"):
+                self.reply(sender, "rejected", request_id=request_id, code=refusal.code, message=str(refusal))
+                return
+            # The incident: the over-long prompt is swapped for a one-token placeholder and the transfer
+            # of that single page is then reported complete.
+            self.engine.events.emit(request_id, "fault_injected", fault="placeholder_transfer")
+            self.engine.add_request(
+                prompt[:1], SamplingParams(max_tokens=1), f["tenant"], request_id, prefill_only=True
+            )
+            transfer.placeholder = True
+        self.transfers[request_id] = transfer
+        self.reply(sender, "accepted", request_id=request_id)
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            transfer = self.transfers.pop(output.request_id, None)
+            if transfer is None:
+                continue
+            if output.status is Status.TRANSFERRING:
+                self._send_pages(transfer)
+                self.engine.finish_transfer(output.request_id)
+            elif output.finished:  # aborted here (fence): decode must not wait for pages
+                self.reply(
+                    transfer.decode,
+                    "complete",
+                    request_id=output.request_id,
+                    pages=0,
+                    tokens=0,
+                    failed=output.finish_reason,
+                )
+
+    def _send_pages(self, transfer: Transfer) -> None:
+        request = self.engine.requests[transfer.request_id]
+        pool, ps = self.engine.pool, self.engine.pool.page_size
+        pages = list(zip(request.record.pages, transfer.targets, strict=False))
+        if self.faults.fire("partial_transfer"):
+            pages = pages[: len(pages) // 2]
+            self.engine.events.emit(transfer.request_id, "fault_injected", fault="partial_transfer")
+        lost = len(pages) - 1 if pages and self.faults.fire("transfer_failure_ack_mismatch") else None
+        corrupt = 0 if pages and self.faults.fire("corrupt_page") else None
+        self.engine.events.emit(transfer.request_id, "transfer_started", pages=len(pages))
+        for logical, (source, (page, generation)) in enumerate(pages):
+            payload = pool.kv[:, :, source].contiguous().cpu().numpy().tobytes()
+            checksum = xxhash.xxh3_64_intdigest(payload)
+            if logical == corrupt:  # a torn write: the first half of the page arrives as zeros
+                payload = bytes(len(payload) // 2) + payload[len(payload) // 2 :]
+            if logical == lost:
+                continue  # the transport drops it; the sender still believes it went out
+            slots = min(ps, transfer.num_tokens - logical * ps)
+            self.connector.send(
+                transfer.decode,
+                Message(
+                    "page",
+                    {
+                        "request_id": transfer.request_id,
+                        "logical": logical,
+                        "page": page,
+                        "generation": generation,
+                        "slots": slots,
+                        "checksum": checksum,
+                    },
+                    payload,
+                ),
+            )
+        self.reply(
+            transfer.decode,
+            "complete",
+            request_id=transfer.request_id,
+            pages=len(transfer.targets),
+            tokens=transfer.num_tokens,
+        )
+        self.engine.events.emit(transfer.request_id, "transfer_complete", pages=len(pages))
+
+    def on_abort(self, sender: str, message: Message) -> None:
+        """Decode gave up on a request: stop, free the source pages, and acknowledge on the data channel
+        (after every page already sent, so the ack proves nothing more is on the way)."""
+        request_id = message.fields["request_id"]
+        if self.faults.fire("late_write_after_cancel"):
+            # The bug: the ack goes out but the work does not stop; the request's pages follow the ack.
+            self.engine.events.emit(request_id, "fault_injected", fault="late_write_after_cancel")
+            self.reply(sender, "abort_ack", request_id=request_id)
+            return
+        self.transfers.pop(request_id, None)
+        self.engine.abort(request_id, message.fields.get("reason", "cancelled"))
+        self.reply(sender, "abort_ack", request_id=request_id)

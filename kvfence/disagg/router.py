@@ -1,0 +1,281 @@
+"""The router: the OpenAI-compatible front of a prefill worker and a decode worker.
+
+It implements the server's EngineClient, so the HTTP layer (auth, errors, SSE) is the single-node one.
+Per request: fail-closed admission against the window and BOTH pools (before anything is reserved), then
+decode `reserve` -> prefill `prefill` (with decode's targets) -> decode's outputs streamed back. Leaving
+early (client gone, router timeout) sends decode `abort`; decode then quarantines and drains.
+
+All sockets live on one I/O thread; asyncio callers talk to it through a queue and futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvfence.audit.events import EventLog
+from kvfence.audit.faults import FaultInjector
+from kvfence.disagg.connector import PEER_DOWN, Connector, Message, ZmqConnector
+from kvfence.engine.async_engine import STATS_TIMEOUT_S
+from kvfence.engine.engine import AdmissionError, RequestOutput, context_refusal
+from kvfence.engine.stats import EngineStats
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.request import Status
+from kvfence.sampling import SamplingParams
+
+ROUTER_TIMEOUT_S = 120.0  # no message from the workers for this long: the router gives up on the request
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    role: str
+    capacity_tokens: int
+    max_model_len: int
+    page_size: int
+    isolation: bool
+
+
+class Router:
+    def __init__(
+        self,
+        prefill: str,
+        decode: str,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        isolation: bool = True,
+        listen: str = "tcp://127.0.0.1:0",
+        events: EventLog | None = None,
+        faults: FaultInjector | None = None,
+        timeout_s: float = ROUTER_TIMEOUT_S,
+    ) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.isolation = isolation
+        self.events = events or EventLog()
+        self.faults = faults or FaultInjector()
+        self.timeout_s = timeout_s
+        self._listen = listen
+        self._outbox: queue.Queue[tuple[str, Message]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Message]]] = {}
+        self._replies: dict[str, concurrent.futures.Future[Message]] = {}
+        self._tokens = itertools.count()
+        self._stopped = threading.Event()
+        self._ready: concurrent.futures.Future[Connector] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
+        self.workers: dict[str, WorkerInfo] = {}
+        self.max_model_len = 0
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect, learn both workers' pools, and refuse to run if they cannot serve the window."""
+        self._thread.start()
+        self._ready.result(timeout=STATS_TIMEOUT_S)
+        for role, address in (("prefill", self.prefill), ("decode", self.decode)):
+            info = self._ask(address, "hello").fields
+            self.workers[role] = WorkerInfo(
+                info["role"],
+                info["capacity_tokens"],
+                info["max_model_len"],
+                info["page_size"],
+                info["isolation"],
+            )
+        prefill, decode = self.workers["prefill"], self.workers["decode"]
+        if prefill.page_size != decode.page_size:
+            raise RuntimeError(f"page sizes differ: prefill {prefill.page_size}, decode {decode.page_size}")
+        # With isolation off the router advertises decode's window alone, as the incident's deployment did.
+        self.max_model_len = (
+            min(prefill.max_model_len, decode.max_model_len) if self.isolation else decode.max_model_len
+        )
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=10)
+
+    def describe(self) -> str:
+        p, d = self.workers["prefill"], self.workers["decode"]
+        return (
+            f"prefill pool {p.capacity_tokens} tokens, decode pool {d.capacity_tokens} tokens, "
+            f"context window {self.max_model_len} tokens"
+        )
+
+    # ---- EngineClient -----------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        refusal = self._admission_refusal(len(prompt_token_ids), params.max_tokens)
+        if refusal is not None:
+            self.events.emit(request_id, "rejected", reason=refusal.code, where="router")
+            raise refusal
+        self.events.emit(
+            request_id, "admitted", tenant=tenant, prompt_tokens=len(prompt_token_ids), where="router"
+        )
+        stream: asyncio.Queue[Message] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        finished = False
+        try:
+            await self._handoff(request_id, prompt_token_ids, params, tenant, stream)
+            while not finished:
+                output = _output(await self._next(stream, request_id))
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(self.decode, "abort", request_id=request_id, reason="client_disconnected")
+
+    async def _handoff(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        tenant: str,
+        stream: asyncio.Queue[Message],
+    ) -> None:
+        """Reserve on decode, then start prefill; AdmissionError when either refuses."""
+        self._send(
+            self.decode,
+            "reserve",
+            request_id=request_id,
+            tenant=tenant,
+            prompt=prompt,
+            params=params.__dict__,
+            prefill=self.prefill,
+        )
+        reply = await self._next(stream, request_id)
+        if reply.kind == "rejected":
+            raise AdmissionError(reply.fields["code"], reply.fields["message"])
+        if len(prompt) == 1:
+            return
+        self._send(
+            self.prefill,
+            "prefill",
+            request_id=request_id,
+            tenant=tenant,
+            prompt=prompt,
+            decode=self.decode,
+            targets=reply.fields["targets"],
+        )
+        reply = await self._next(stream, request_id)
+        if reply.kind == "rejected":
+            self._send(self.decode, "abort", request_id=request_id, reason="prefill_rejected")
+            raise AdmissionError(reply.fields["code"], reply.fields["message"])
+        if self.faults.fire("abort_mid_transfer"):
+            self.events.emit(request_id, "fault_injected", fault="abort_mid_transfer", where="router")
+            raise TimeoutError("the router gave up on the transfer")
+
+    async def _next(self, stream: asyncio.Queue[Message], request_id: str) -> Message:
+        try:
+            return await asyncio.wait_for(stream.get(), self.timeout_s)
+        except TimeoutError:
+            self.events.emit(request_id, "aborted", reason="router_timeout", where="router")
+            raise
+
+    def _admission_refusal(self, prompt: int, budget: int) -> AdmissionError | None:
+        """Invariant 3 across processes: the window, and (isolation on) both pools, before any reservation.
+        With isolation off only the window is checked, as the incident's router did."""
+        limits = [("This model's maximum context length is", self.max_model_len, prompt + budget)]
+        if self.isolation:
+            limits += [
+                ("The prefill KV pool holds", self.workers["prefill"].capacity_tokens, prompt),
+                ("The decode KV pool holds", self.workers["decode"].capacity_tokens, prompt + budget),
+            ]
+        return context_refusal(prompt, budget, limits)
+
+    def stats(self) -> EngineStats:
+        prefill, decode = (
+            EngineStats.from_dict(self._ask(a, "stats").fields["stats"]) for a in (self.prefill, self.decode)
+        )
+        return prefill + decode
+
+    def audit_events(self, request_id: str) -> list[dict[str, Any]]:
+        """The request's trail across router, prefill and decode, in time order."""
+        events = [{**e, "where": "router"} for e in self.events.for_request(request_id)]
+        for address in (self.prefill, self.decode):
+            events += self._ask(address, "audit", request_id=request_id).fields["events"]
+        return sorted(events, key=lambda e: e["ts"])
+
+    # ---- the I/O thread ---------------------------------------------------------------------------------
+
+    def _send(self, peer: str, kind: str, **fields: Any) -> None:
+        self._outbox.put((peer, Message(kind, fields)))
+
+    def _ask(self, peer: str, kind: str, **fields: Any) -> Message:
+        """A blocking request/reply with a worker (never call it on the event loop)."""
+        token = f"q{next(self._tokens)}"
+        future: concurrent.futures.Future[Message] = concurrent.futures.Future()
+        self._replies[token] = future
+        self._send(peer, kind, token=token, **fields)
+        try:
+            return future.result(timeout=STATS_TIMEOUT_S)
+        finally:
+            self._replies.pop(token, None)
+
+    def _loop(self) -> None:
+        connector = ZmqConnector(self._listen)
+        for peer in (self.prefill, self.decode):
+            connector.connect(peer)
+        self._ready.set_result(connector)
+        try:
+            while not self._stopped.is_set():
+                while not self._outbox.empty():
+                    connector.send(*self._outbox.get_nowait())
+                received = connector.recv(0.005)
+                if received is not None:
+                    self._dispatch(received[1])
+        finally:
+            connector.close()
+
+    def _dispatch(self, message: Message) -> None:
+        if message.kind == PEER_DOWN and message.fields["peer"] == self.decode:
+            self._fail_all_streams("decode_lost")
+            return
+        token = message.fields.get("token")
+        if token is not None:
+            future = self._replies.get(token)
+            if future is not None:
+                future.set_result(message)
+            return
+        target = self._streams.get(message.fields.get("request_id", ""))
+        if target is not None and not target[0].is_closed():
+            target[0].call_soon_threadsafe(target[1].put_nowait, message)
+
+    def _fail_all_streams(self, reason: str) -> None:
+        """The decode worker is gone: every request it held ends with an error, none hangs."""
+        for request_id, (loop, stream) in list(self._streams.items()):
+            lost = Message(
+                "output",
+                {
+                    "request_id": request_id,
+                    "token_ids": [],
+                    "text": "",
+                    "finished": True,
+                    "status": Status.ABORTED.value,
+                    "finish_reason": reason,
+                    "prompt_tokens": 0,
+                    "completion_tokens": 0,
+                },
+            )
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(stream.put_nowait, lost)
+
+
+def _output(message: Message) -> RequestOutput:
+    f = message.fields
+    return RequestOutput(
+        f["request_id"],
+        f["token_ids"],
+        f["text"],
+        f["finished"],
+        Status(f["status"]),
+        f["finish_reason"],
+        f["prompt_tokens"],
+        f["completion_tokens"],
+    )

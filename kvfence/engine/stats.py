@@ -1,0 +1,59 @@
+"""Engine counters read together (on the engine's own thread), for /metrics and for workers' replies."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvfence.cache.fence import INTEGRITY_REASONS
+from kvfence.cache.pool import PageState
+from kvfence.engine.engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_pages: int
+    pages_free: int
+    pages_by_state: dict[str, int]
+    prefix_hits: int
+    integrity_aborts: dict[str, int]
+    refused_writes: int
+    validation_checks: int
+    validation_seconds: float
+
+    @classmethod
+    def read(cls, engine: LLMEngine) -> EngineStats:
+        counts = np.bincount(engine.pool.state, minlength=len(PageState))
+        fence = engine.fence.stats
+        return cls(
+            num_pages=engine.pool.num_pages,
+            pages_free=engine.allocator.num_free_pages,
+            pages_by_state={state.name.lower(): int(counts[state]) for state in PageState},
+            prefix_hits=engine.prefix.hits if engine.prefix else 0,
+            integrity_aborts={reason: fence.aborts[reason] for reason in sorted(INTEGRITY_REASONS)},
+            refused_writes=engine.pool.refused_writes,
+            validation_checks=fence.checks,
+            validation_seconds=fence.seconds,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineStats:
+        return cls(**data)
+
+    def __add__(self, other: EngineStats) -> EngineStats:
+        """Two pools seen as one (a router in front of a prefill and a decode worker)."""
+
+        def add(a: Any, b: Any) -> Any:
+            return (
+                {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()} if isinstance(a, dict) else a + b
+            )
+
+        return EngineStats(
+            **{f.name: add(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)}
+        )

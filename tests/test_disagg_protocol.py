@@ -1,0 +1,354 @@
+"""The prefill -> decode handoff, in process, with exact message interleavings (MemoryConnector).
+
+The test plays the router. Every transfer fault runs twice: isolation off shows the leak (decode reads a
+page holding another request's data, or its output changes) and isolation on aborts exactly the affected
+request with its reason, while the victim request that follows produces its solo tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from conftest import make_engine
+
+from kvfence.audit.trace import PageTrace
+from kvfence.cache.fence import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF
+from kvfence.cache.pool import PageState
+from kvfence.disagg.connector import PEER_DOWN, MemoryHub, Message
+from kvfence.disagg.decode import DecodeWorker
+from kvfence.disagg.prefill import PrefillWorker
+from kvfence.model.llama import LlamaModel
+from kvfence.sampling import SamplingParams
+
+_rng = random.Random(11)
+PROMPTS = {n: [_rng.randrange(256) for _ in range(n)] for n in (1, 6, 13, 22, 30, 40)}
+ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
+
+
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    status: str = ""
+    reason: str | None = None
+
+
+class Pipeline:
+    """A prefill and a decode worker on tiny engines, joined by an in-memory network."""
+
+    def __init__(
+        self, model: LlamaModel, isolation: bool = True, prefill_pages: int = 64, decode_pages: int = 64
+    ) -> None:
+        self.hub = MemoryHub()
+        self.router = self.hub.connector(ROUTER)
+        settings = {"isolation": isolation, "enable_prefix_caching": False}
+        # Each worker's window is what its own pool can hold (a prefill pool may be smaller than decode's).
+        self.prefill = PrefillWorker(
+            make_engine(model, num_pages=prefill_pages, max_model_len=min(48, prefill_pages * 4), **settings),
+            self.hub.connector(PREFILL),
+        )
+        self.decode = DecodeWorker(
+            make_engine(model, num_pages=decode_pages, max_model_len=min(48, decode_pages * 4), **settings),
+            self.hub.connector(DECODE),
+        )
+        self.trace = PageTrace(self.decode.engine.pool)
+        self.decode.engine.runner.observer = self.trace
+        self.results: dict[str, Result] = {}
+        self.replies: list[Message] = []
+
+    def reserve(self, request_id: str, tenant: str, prompt: list[int], max_tokens: int = 6) -> Message:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True).__dict__
+        self.router.send(
+            DECODE,
+            Message(
+                "reserve",
+                {
+                    "request_id": request_id,
+                    "tenant": tenant,
+                    "prompt": prompt,
+                    "params": params,
+                    "prefill": PREFILL,
+                },
+            ),
+        )
+        self.deliver(DECODE)
+        return self.reply(request_id)
+
+    def start_prefill(
+        self, request_id: str, tenant: str, prompt: list[int], targets: list[list[int]]
+    ) -> Message:
+        self.router.send(
+            PREFILL,
+            Message(
+                "prefill",
+                {
+                    "request_id": request_id,
+                    "tenant": tenant,
+                    "prompt": prompt,
+                    "decode": DECODE,
+                    "targets": targets,
+                },
+            ),
+        )
+        self.deliver(PREFILL)
+        return self.reply(request_id)
+
+    def submit(self, request_id: str, tenant: str, prompt: list[int], max_tokens: int = 6) -> None:
+        reserved = self.reserve(request_id, tenant, prompt, max_tokens)
+        assert reserved.kind == "reserved", reserved.fields
+        if len(prompt) > 1:
+            assert (
+                self.start_prefill(request_id, tenant, prompt, reserved.fields["targets"]).kind == "accepted"
+            )
+
+    def abort(self, request_id: str) -> None:
+        self.router.send(DECODE, Message("abort", {"request_id": request_id, "reason": "router_gave_up"}))
+
+    def deliver(self, address: str, count: int | None = None) -> None:
+        """Hand the next `count` (default: all) waiting messages of `address` to its worker."""
+        worker = self.prefill if address == PREFILL else self.decode
+        mailbox = self.hub.mailboxes[address]
+        for _ in range(len(mailbox) if count is None else count):
+            sender, message = mailbox.popleft()
+            getattr(worker, f"on_{message.kind}")(sender, message)
+
+    def run(self) -> None:
+        """Until quiet: messages delivered, engines stepped, outputs collected."""
+        while (
+            self.hub.mailboxes[PREFILL]
+            or self.hub.mailboxes[DECODE]
+            or self.prefill.engine.has_unfinished()
+            or self.decode.engine.has_unfinished()
+            or self.hub.mailboxes[ROUTER]
+        ):
+            self.prefill.run_once()
+            self.decode.run_once()
+            self._collect()
+
+    def reply(self, request_id: str) -> Message:
+        self._collect()
+        for i, message in enumerate(self.replies):
+            if message.fields.get("request_id") == request_id:
+                return self.replies.pop(i)
+        raise AssertionError(f"no reply for {request_id}")
+
+    def _collect(self) -> None:
+        while (received := self.router.recv(0)) is not None:
+            message = received[1]
+            if message.kind != "output":
+                self.replies.append(message)
+                continue
+            result = self.results.setdefault(message.fields["request_id"], Result())
+            result.tokens += message.fields["token_ids"]
+            result.status, result.reason = message.fields["status"], message.fields["finish_reason"]
+
+
+def lifecycle(pipe: Pipeline, request_id: str) -> list[str]:
+    """Decode's events for the request without the per-page ones (received or refused)."""
+    return [
+        k for k in pipe.decode.engine.events.kinds(request_id) if k not in ("page_received", "write_refused")
+    ]
+
+
+def solo(model: LlamaModel, prompt: list[int], max_tokens: int = 6) -> list[int]:
+    engine = make_engine(model, max_model_len=48)
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[
+        0
+    ].output_token_ids
+
+
+def test_disaggregated_tokens_equal_single_node(tiny: LlamaModel) -> None:
+    pipe = Pipeline(tiny)
+    lengths = [1, 6, 13, 22, 30]
+    for i, n in enumerate(lengths):
+        pipe.submit(f"r{i}", "t", PROMPTS[n])
+    pipe.run()
+    for i, n in enumerate(lengths):
+        assert pipe.results[f"r{i}"] == Result(solo(tiny, PROMPTS[n]), "finished", "length")
+        assert pipe.trace.foreign_reads(f"r{i}") == []
+    assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
+    assert pipe.prefill.engine.allocator.num_free_pages == pipe.prefill.engine.pool.num_pages
+    kinds = pipe.decode.engine.events.kinds("r3")
+    assert (
+        kinds.index("pages_allocated")
+        < kinds.index("page_received")
+        < kinds.index("transfer_complete")
+        < kinds.index("step")
+        < kinds.index("finished")
+    )
+
+
+def fill_decode_pool_with_a_secret(pipe: Pipeline) -> None:
+    """Tenant A's request runs to completion: its pages go back to the pool still holding A's KV."""
+    pipe.submit("a", "A", PROMPTS[22], max_tokens=4)
+    pipe.run()
+    assert pipe.results["a"].status == "finished"
+
+
+# ---- faults where the sender lies about completeness or content ------------------------------------------
+
+
+@dataclass(frozen=True)
+class SenderFault:
+    name: str
+    reason: str  # decode's abort reason with isolation on
+    prefill_pages: int = 64
+
+
+SENDER_FAULTS = {
+    f.name: f
+    for f in (
+        # The incident: prefill's pool cannot hold B's prompt; it swaps in a one-token placeholder.
+        SenderFault("placeholder_transfer", INCOMPLETE_HANDOFF, prefill_pages=8),
+        SenderFault("partial_transfer", INCOMPLETE_HANDOFF),
+        SenderFault("transfer_failure_ack_mismatch", INCOMPLETE_HANDOFF),
+        SenderFault("corrupt_page", CHECKSUM_MISMATCH),
+    )
+}
+
+
+def run_sender_fault(model: LlamaModel, fault: SenderFault, isolation: bool) -> Pipeline:
+    pipe = Pipeline(model, isolation, prefill_pages=fault.prefill_pages, decode_pages=12)
+    fill_decode_pool_with_a_secret(pipe)
+    pipe.prefill.engine.faults.arm(fault.name, times=1)
+    pipe.submit("b", "B", PROMPTS[40])  # 40 tokens: more than an 8-page prefill pool holds
+    pipe.run()
+    assert pipe.prefill.engine.faults.fired == {fault.name: 1}
+    return pipe
+
+
+@pytest.mark.parametrize("name", sorted(SENDER_FAULTS))
+def test_sender_fault_leaks_with_isolation_off(tiny: LlamaModel, name: str) -> None:
+    pipe = run_sender_fault(tiny, SENDER_FAULTS[name], isolation=False)
+    b = pipe.results["b"]
+    assert b.status == "finished", "without the fence decode answers as if nothing happened"
+    assert b.tokens != solo(tiny, PROMPTS[40])
+    if name != "corrupt_page":  # the others read pages never written for B, some holding tenant A's KV
+        tenant_a = pipe.decode.engine.allocator.tenant_id("A")
+        assert tenant_a in {access.last_writer for access in pipe.trace.foreign_reads("b")}
+
+
+@pytest.mark.parametrize("name", sorted(SENDER_FAULTS))
+def test_sender_fault_is_caught_with_isolation_on(tiny: LlamaModel, name: str) -> None:
+    fault = SENDER_FAULTS[name]
+    pipe = run_sender_fault(tiny, fault, isolation=True)
+    assert pipe.results["b"] == Result([], "aborted", fault.reason)
+    assert "step" not in pipe.decode.engine.events.kinds("b"), "decode ran a step on an incomplete handoff"
+    assert pipe.trace.reads.get("b") is None
+    pipe.run()  # the quarantine drains on prefill's abort-ack
+    assert lifecycle(pipe, "b")[-4:] == ["aborted", "quarantined", "drained", "released"]
+    pipe.submit("c", "C", PROMPTS[13])
+    pipe.run()
+    assert pipe.results["c"] == Result(solo(tiny, PROMPTS[13]), "finished", "length")
+    pipe.decode.engine.check_integrity()
+    assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
+
+
+# ---- faults where a write arrives after the pages were given up -----------------------------------------
+
+
+def abort_then_late_page(pipe: Pipeline, fault: str) -> None:
+    """R1 is aborted while its pages may still be on the way; they arrive after R2 got R1's pages."""
+    reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
+    pipe.start_prefill("r1", "A", PROMPTS[22], reserved.fields["targets"])
+    if fault == "abort_mid_transfer":
+        pipe.prefill.run_once()  # r1's pages are sent: in flight when the router gives up
+        pipe.abort("r1")
+        pipe.hub.mailboxes[DECODE].rotate(1)  # the router's abort overtakes the pages in flight
+        pipe.deliver(DECODE, 1)
+        pipe.deliver(PREFILL)  # prefill acks (r1 is already fully sent)
+    else:  # late_write_after_cancel: prefill acks the abort but keeps working on r1
+        pipe.prefill.engine.faults.arm(fault, times=1)
+        pipe.abort("r1")
+        pipe.deliver(DECODE)
+        pipe.deliver(PREFILL)
+    late = [
+        m
+        for m in pipe.hub.mailboxes[DECODE]
+        if m[1].fields.get("request_id") == "r1" and m[1].kind != "abort_ack"
+    ]
+    for message in late:
+        pipe.hub.mailboxes[DECODE].remove(message)  # held up in the network
+    pipe.deliver(DECODE)  # the ack: with isolation on, the quarantine drains only now
+    pipe.submit("r2", "B", PROMPTS[22], max_tokens=2)
+    pipe.prefill.run_once()  # r2's pages go out (and, with the bug, r1's pages again)
+    late += [m for m in pipe.hub.mailboxes[DECODE] if m[1].fields.get("request_id") == "r1"]
+    for message in late:
+        if message in pipe.hub.mailboxes[DECODE]:
+            pipe.hub.mailboxes[DECODE].remove(message)
+    pipe.hub.mailboxes[DECODE].extend(late)  # r1's pages land after r2's, in pages r2 now owns
+    pipe.run()
+
+
+@pytest.mark.parametrize("fault", ["late_write_after_cancel", "abort_mid_transfer"])
+def test_late_write_corrupts_the_next_owner_with_isolation_off(tiny: LlamaModel, fault: str) -> None:
+    pipe = Pipeline(tiny, isolation=False, decode_pages=6)  # r1 and r2 need every page: r2 reuses r1's
+    abort_then_late_page(pipe, fault)
+    assert pipe.results["r2"].status == "finished"
+    assert pipe.decode.engine.pool.refused_writes == 0
+    kinds = pipe.decode.engine.events.kinds("r1")
+    assert "quarantined" not in kinds and kinds.index("released") < len(kinds)  # released before any drain
+    # The late page landed in a page r2 owns; r2 decodes over it (page trace: r2 reads data r1's tenant wrote
+    # after r2's own write) and its output differs from the solo run.
+    assert pipe.results["r2"].tokens != solo(tiny, PROMPTS[22], max_tokens=2)
+
+
+@pytest.mark.parametrize("fault", ["late_write_after_cancel", "abort_mid_transfer"])
+def test_late_write_is_refused_with_isolation_on(tiny: LlamaModel, fault: str) -> None:
+    pipe = Pipeline(tiny, isolation=True, decode_pages=6)
+    abort_then_late_page(pipe, fault)
+    assert lifecycle(pipe, "r1")[-4:] == ["aborted", "quarantined", "drained", "released"]
+    assert (
+        "write_refused" in pipe.decode.engine.events.kinds("r1")
+        and pipe.decode.engine.pool.refused_writes >= 1
+    )
+    first_r2_allocation = min(
+        e["seq"] for e in pipe.decode.engine.events.for_request("r2") if e["kind"] == "pages_allocated"
+    )
+    drained = next(e["seq"] for e in pipe.decode.engine.events.for_request("r1") if e["kind"] == "drained")
+    assert drained < first_r2_allocation, "a quarantined page was reused before its transfer drained"
+    assert pipe.results["r2"] == Result(solo(tiny, PROMPTS[22], max_tokens=2), "finished", "length")
+
+
+def test_quarantined_pages_are_never_reused_before_the_drain(tiny: LlamaModel) -> None:
+    pipe = Pipeline(tiny, isolation=True, decode_pages=6)
+    reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
+    pages = [p for p, _ in reserved.fields["targets"]]
+    pipe.abort("r1")
+    pipe.deliver(DECODE)  # abort handled; the ack is not back yet
+    pool = pipe.decode.engine.pool
+    assert (pool.state[pages] == PageState.QUARANTINED).all()
+    assert (
+        pipe.reserve("r2", "B", PROMPTS[22], max_tokens=2).fields["code"] == "server_busy"
+    )  # no page may be taken
+    pipe.deliver(PREFILL)
+    pipe.deliver(DECODE)  # the ack: now the pages drain
+    assert (pool.state[pages] == PageState.FREE).all()
+    assert pipe.reserve("r3", "B", PROMPTS[22], max_tokens=2).kind == "reserved"
+
+
+def test_prefill_worker_loss_drains_its_quarantine(tiny: LlamaModel) -> None:
+    """worker_crash_mid_transfer at the protocol level: the connection to prefill drops mid-transfer."""
+    pipe = Pipeline(tiny, isolation=True, decode_pages=6)
+    reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
+    pipe.start_prefill("r1", "A", PROMPTS[30], reserved.fields["targets"])
+    pipe.prefill.run_once()
+    pipe.deliver(DECODE, 2)  # two pages arrived, then the worker died
+    pipe.hub.mailboxes[DECODE].clear()
+    pipe.hub.mailboxes[DECODE].append((PREFILL, Message(PEER_DOWN, {"peer": PREFILL})))
+    pipe.deliver(DECODE)
+    pipe.run()
+    assert pipe.results["r1"] == Result([], "aborted", "prefill_lost")
+    assert lifecycle(pipe, "r1")[-4:] == ["aborted", "quarantined", "drained", "released"]
+    assert pipe.decode.engine.events.for_request("r1")[-2]["how"] == "peer_down"
+    assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
+
+
+def test_prefill_rejection_reaches_the_router(tiny: LlamaModel) -> None:
+    pipe = Pipeline(tiny, prefill_pages=4)
+    reserved = pipe.reserve("big", "A", PROMPTS[30])
+    rejected = pipe.start_prefill("big", "A", PROMPTS[30], reserved.fields["targets"])
+    assert rejected.kind == "rejected" and rejected.fields["code"] == "context_length_exceeded"
+    assert pipe.prefill.engine.events.kinds("big") == ["rejected"]
+    assert pipe.prefill.engine.pool.generation.sum() == 0, "prefill allocated a page for a rejected prompt"
