@@ -86,6 +86,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="arm a named fault (repeatable): " + ", ".join(sorted(FAULTS)),
     )
     g.add_argument("--num-threads", type=int, help="torch CPU threads")
+    g.add_argument(
+        "--trace-pages",
+        action="store_true",
+        help="audit which pages each request reads and whose data they hold (lab, audits)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -104,6 +109,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         isolation=args.isolation == "on",
         faults=dict(args.inject_fault),
         num_threads=args.num_threads,
+        trace_pages=args.trace_pages,
     )
 
 
@@ -169,19 +175,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_disaggregated(args: argparse.Namespace) -> int:
     """One prefill and one decode worker process plus the router, all on this host."""
-    from kvfence.disagg.launch import spawn_worker
+    from kvfence.disagg.launch import spawn_workers
 
     config = engine_config(args)
-    processes = []
+    (prefill, prefill_address), (decode, decode_address) = spawn_workers(
+        [("prefill", config), ("decode", config)]
+    )
     try:
-        addresses = {}
-        for role in ("prefill", "decode"):
-            process, addresses[role] = spawn_worker(role, config)
-            processes.append(process)
-        return _run_router(args, addresses["prefill"], addresses["decode"])
+        return _run_router(args, prefill_address, decode_address)
     finally:
-        for process in processes:
-            process.kill()
+        prefill.kill()
+        decode.kill()
 
 
 def _router(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ class EngineConfig:
     isolation: bool = True
     faults: dict[str, float] = field(default_factory=dict)
     num_threads: int | None = None
+    trace_pages: bool = False  # audit `pages_read` events: which pages each request reads, whose data
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -442,7 +442,11 @@ class _Service:
             first = await anext(outputs)  # admission, then the first token (or an abort)
         except AdmissionError as exc:
             raise APIError(
-                400, str(exc), code=exc.code, param="messages" if chat else "prompt", request_id=request_id
+                exc.status,
+                str(exc),
+                code=exc.code,
+                param="messages" if chat else "prompt",
+                request_id=request_id,
             ) from exc
         fmt = _Format(request_id, self.model_name, chat, int(time.time()))
         headers = {"x-request-id": request_id}

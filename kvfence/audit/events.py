@@ -32,6 +32,7 @@ EVENT_KINDS = frozenset(
         "finished",
         "fault_injected",
         "write_refused",
+        "pages_read",
     }
 )
 

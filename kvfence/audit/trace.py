@@ -8,10 +8,12 @@ stay empty of foreign accesses.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvfence.audit.events import EventLog
 from kvfence.cache.fence import StepLayout
 from kvfence.cache.pool import KVPool
 from kvfence.request import Request
@@ -26,7 +28,12 @@ class PageAccess:
 
 @dataclass
 class PageTrace:
+    """With `events`, each access a request makes for the first time also goes on its audit trail as a
+    `pages_read` event naming tenants (`tenant_name`), so a trace can be read from another process."""
+
     pool: KVPool
+    events: EventLog | None = None
+    tenant_name: Callable[[int], str] = str
     reads: dict[str, list[PageAccess]] = field(default_factory=lambda: defaultdict(list))
     writes: dict[str, list[PageAccess]] = field(default_factory=lambda: defaultdict(list))
     tenants: dict[str, int] = field(default_factory=dict)
@@ -37,10 +44,25 @@ class PageTrace:
             self.tenants[request.request_id] = request.record.tenant
             pages = layout.pages[layout.starts[row] : layout.starts[row + 1]]
             read = pages[np.arange(pages.size) * ps < layout.num_cached[row]]  # pages holding cached tokens
-            self.reads[request.request_id].extend(self._accesses(read))
+            seen = set(self.reads[request.request_id])
+            new = [a for a in self._accesses(read) if a not in seen]
+            self.reads[request.request_id].extend(new)
             self.writes[request.request_id].extend(
                 self._accesses(layout.write_pages[layout.write_rows == row])
             )
+            if self.events is not None and new:
+                self.events.emit(
+                    request.request_id,
+                    "pages_read",
+                    pages=[
+                        {
+                            "page": a.page,
+                            "owner": self.tenant_name(a.owner),
+                            "last_writer": self.tenant_name(a.last_writer),
+                        }
+                        for a in new
+                    ],
+                )
 
     def _accesses(self, pages: np.ndarray) -> list[PageAccess]:
         return [

@@ -35,6 +35,11 @@ class PageAllocator:
         """A stable small integer per tenant name (the pool's `owner` values)."""
         return self._tenant_ids.setdefault(tenant, len(self._tenant_ids))
 
+    def tenant_name(self, tenant_id: int) -> str:
+        """The name behind a tenant id ("-" for NO_OWNER)."""
+        names = {i: name for name, i in self._tenant_ids.items()}
+        return names.get(tenant_id, "-")
+
     @property
     def num_free_pages(self) -> int:
         """Pages an allocation can take now: free ones plus unreferenced cached ones (evicted on demand)."""

@@ -23,6 +23,7 @@ import zmq
 import zmq.utils.monitor
 
 PEER_DOWN = "peer_down"  # synthetic message: the connection to `fields["peer"]` was lost
+PEER_UP = "peer_up"  # synthetic message: the connection to `fields["peer"]` is (re)established
 
 
 @dataclass
@@ -48,7 +49,8 @@ class Connector(ABC):
 
 class ZmqConnector(Connector):
     """A bound ROUTER socket receives; one DEALER per peer sends, its identity being our own address so the
-    receiver knows the sender. A monitor on each DEALER turns a dropped TCP connection into PEER_DOWN."""
+    receiver knows the sender. A monitor on each DEALER reports the TCP connection as PEER_UP / PEER_DOWN
+    (a DEALER reconnects by itself, so a restarted peer comes back as PEER_UP)."""
 
     def __init__(self, bind: str, context: zmq.Context[Any] | None = None) -> None:
         self._context = context or zmq.Context.instance()
@@ -68,7 +70,7 @@ class ZmqConnector(Connector):
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt_string(zmq.IDENTITY, self.address)
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         socket.connect(peer)
         self._peers[peer] = socket
         self._monitors[monitor] = peer
@@ -90,8 +92,9 @@ class ZmqConnector(Connector):
                 return sender.decode(), Message(fields.pop("kind"), fields, payload)
             for monitor, peer in self._monitors.items():
                 if monitor in ready:
-                    zmq.utils.monitor.recv_monitor_message(monitor)
-                    return peer, Message(PEER_DOWN, {"peer": peer})
+                    event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+                    kind = PEER_DOWN if event == zmq.EVENT_DISCONNECTED else PEER_UP
+                    return peer, Message(kind, {"peer": peer})
             if not ready and time.monotonic() >= deadline:
                 return None
 

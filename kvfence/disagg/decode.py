@@ -48,6 +48,7 @@ class DecodeWorker(Worker):
         ] = {}  # requests whose KV is on the way, or whose abort awaits a drain
         self.routers: dict[str, str] = {}  # request id -> router to stream outputs to
         self.transfer_timeout_s = transfer_timeout_s
+        self.down_peers: set[str] = set()  # prefill workers whose connection is lost
         pool = engine.pool
         self._page_shape = tuple(pool.kv[:, :, 0].shape)
         self._page_bytes = pool.kv[:, :, 0].numel() * pool.kv.element_size()
@@ -61,6 +62,16 @@ class DecodeWorker(Worker):
     def on_reserve(self, sender: str, message: Message) -> None:
         f = message.fields
         request_id, prompt = f["request_id"], f["prompt"]
+        if f["prefill"] in self.down_peers:
+            self.reply(
+                sender,
+                "rejected",
+                request_id=request_id,
+                code="prefill_unavailable",
+                status=503,
+                message="The prefill worker is unreachable; retry later.",
+            )
+            return
         try:
             request = self.engine.reserve(prompt, SamplingParams(**f["params"]), f["tenant"], request_id)
         except AdmissionError as refusal:
@@ -154,11 +165,15 @@ class DecodeWorker(Worker):
         """The prefill worker's connection is gone: nothing more can arrive from it, so its quarantined
         pages can be released (a restarted worker's writes name old generations and are refused)."""
         peer = message.fields["peer"]
+        self.down_peers.add(peer)
         for request_id, inbound in list(self.inbound.items()):
             if inbound.prefill == peer:
                 self._abort(request_id, "prefill_lost")
                 self.inbound.pop(request_id, None)
                 self.engine.drain(request_id, "peer_down")
+
+    def on_peer_up(self, sender: str, message: Message) -> None:
+        self.down_peers.discard(message.fields["peer"])
 
     # ---- decode output and deadlines --------------------------------------------------------------------
 
@@ -197,9 +212,13 @@ class DecodeWorker(Worker):
         in_flight = request.status is Status.TRANSFERRING and request_id in self.inbound
         output = self.engine.abort(request_id, reason, quarantine=in_flight and self.isolation)
         if in_flight:
-            self.reply(self.inbound[request_id].prefill, "abort", request_id=request_id, reason=reason)
+            prefill = self.inbound[request_id].prefill
+            self.reply(prefill, "abort", request_id=request_id, reason=reason)
             if not self.isolation:
                 self.inbound.pop(request_id, None)
+            elif prefill in self.down_peers:  # nobody is left to send anything: fenced by its death
+                self.inbound.pop(request_id, None)
+                self.engine.drain(request_id, "peer_down")
         if output is not None:
             self._send_output(output)
 

@@ -28,16 +28,28 @@ def run_worker(role: str, config: EngineConfig, bind: str, ready: Connection | N
     worker.serve_forever()
 
 
-def spawn_worker(role: str, config: EngineConfig, bind: str = "tcp://127.0.0.1:0") -> tuple[mp.Process, str]:
-    """A worker in a fresh process (spawned: no state inherited from this one) and its bound address."""
+def spawn_workers(
+    specs: list[tuple[str, EngineConfig]], bind: str = "tcp://127.0.0.1:0"
+) -> list[tuple[mp.Process, str]]:
+    """Workers in fresh processes (spawned: nothing inherited from this one), loading in parallel; returns
+    each process with its bound address."""
     context = mp.get_context("spawn")
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(
-        target=run_worker, args=(role, config, bind, sender), name=f"kvfence-{role}", daemon=True
-    )
-    process.start()
-    sender.close()
-    if not receiver.poll(START_TIMEOUT_S):
-        process.kill()
-        raise RuntimeError(f"the {role} worker did not start within {START_TIMEOUT_S:.0f}s")
-    return process, receiver.recv()
+    started = []
+    for role, config in specs:
+        receiver, sender = context.Pipe(duplex=False)
+        process = context.Process(
+            target=run_worker, args=(role, config, bind, sender), name=f"kvfence-{role}", daemon=True
+        )
+        process.start()
+        sender.close()
+        started.append((process, receiver, role))
+    workers = []
+    for process, receiver, role in started:
+        if not receiver.poll(START_TIMEOUT_S):
+            process.kill()
+            raise RuntimeError(f"the {role} worker did not start within {START_TIMEOUT_S:.0f}s")
+        try:
+            workers.append((process, receiver.recv()))
+        except EOFError:
+            raise RuntimeError(f"the {role} worker exited while starting (see its output)") from None
+    return workers

@@ -151,7 +151,9 @@ class Router:
         )
         reply = await self._next(stream, request_id)
         if reply.kind == "rejected":
-            raise AdmissionError(reply.fields["code"], reply.fields["message"])
+            raise AdmissionError(
+                reply.fields["code"], reply.fields["message"], reply.fields.get("status", 400)
+            )
         if len(prompt) == 1:
             return
         self._send(
@@ -167,6 +169,9 @@ class Router:
         if reply.kind == "rejected":
             self._send(self.decode, "abort", request_id=request_id, reason="prefill_rejected")
             raise AdmissionError(reply.fields["code"], reply.fields["message"])
+        if reply.kind == "output":  # decode ended the request first (e.g. the prefill worker was lost)
+            stream.put_nowait(reply)
+            return
         if self.faults.fire("abort_mid_transfer"):
             self.events.emit(request_id, "fault_injected", fault="abort_mid_transfer", where="router")
             raise TimeoutError("the router gave up on the transfer")

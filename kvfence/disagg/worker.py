@@ -35,7 +35,7 @@ class Worker:
             getattr(self, f"on_{message.kind}", self.on_unknown)(sender, message)
             received = self.connector.recv(0.0)
         if self.engine.has_unfinished():
-            self.after_step(self.engine.step())
+            self.after_step(self.engine.safe_step())
         self.tick(time.monotonic())
 
     def after_step(self, outputs: list[Any]) -> None:
@@ -54,6 +54,7 @@ class Worker:
         self.reply(
             sender,
             "hello_reply",
+            token=message.fields.get("token"),
             role=self.role,
             capacity_tokens=engine.capacity.capacity_tokens,
             max_model_len=engine.max_model_len,

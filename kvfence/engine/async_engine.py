@@ -116,7 +116,7 @@ class AsyncEngine:
         while not self._stopped.is_set():
             self._run_commands(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
-                self._dispatch(self._safe_step())
+                self._dispatch(self.engine.safe_step())
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -129,18 +129,6 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-
-    def _safe_step(self) -> list[RequestOutput]:
-        try:
-            return self.engine.step()
-        except Exception:
-            log.exception("engine step failed; aborting every in-flight request")
-            outputs = []
-            for request in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
-                output = self.engine.abort(request.request_id, "engine_error")
-                if output is not None:
-                    outputs.append(output)
-            return outputs
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -7,6 +7,7 @@ fence and the model, and applies the results. `AsyncEngine` (async_engine.py) dr
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 
 from kvfence.audit.events import EventLog
 from kvfence.audit.faults import FaultInjector
+from kvfence.audit.trace import PageTrace
 from kvfence.cache.allocator import PageAllocator
 from kvfence.cache.fence import Fence, MappingRecord
 from kvfence.cache.pool import KVPool
@@ -28,14 +30,17 @@ from kvfence.request import Request, Status
 from kvfence.sampling import SamplingParams, make_generator
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+log = logging.getLogger("kvfence.engine")
 
 
 class AdmissionError(ValueError):
-    """A request refused before any page was reserved. `code` is the OpenAI error code."""
+    """A request refused before any page was reserved. `code` is the OpenAI error code; `status` the HTTP
+    status: 400 for a request that can never be served, 503 for one that cannot be served right now."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.code = code
+        self.status = status
 
 
 def context_refusal(prompt: int, budget: int, limits: list[tuple[str, int, int]]) -> AdmissionError | None:
@@ -125,6 +130,8 @@ class LLMEngine:
             config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(model, self.pool, self.fence, self.faults)
+        if config.trace_pages:
+            self.runner.observer = PageTrace(self.pool, self.events, self.allocator.tenant_name)
         self.requests: dict[str, Request] = {}
         self._decoders: dict[str, IncrementalDecoder] = {}
         self._ids = itertools.count()
@@ -262,6 +269,16 @@ class LLMEngine:
                 self.scheduler.park(request)
                 outputs.append(self._snapshot(request, [], ""))
         return outputs
+
+    def safe_step(self) -> list[RequestOutput]:
+        """`step()` for a serving loop: if it raises, every scheduled request is aborted (fail closed) and
+        the loop can go on; requests whose KV is still being transferred are left alone."""
+        try:
+            return self.step()
+        except Exception:
+            log.exception("engine step failed; aborting every scheduled request")
+            scheduled = list(self.scheduler.running) + list(self.scheduler.waiting)
+            return [o for r in scheduled if (o := self.abort(r.request_id, "engine_error")) is not None]
 
     def _finish(self, request: Request, status: Status, reason: str, quarantine: bool = False) -> None:
         self.scheduler.finish(request, status, reason, quarantine)

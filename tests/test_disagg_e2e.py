@@ -1,0 +1,203 @@
+"""Prefill and decode as real processes over ZeroMQ behind the router's OpenAI API, on the real model.
+
+Includes the incident end to end: a prefill pool smaller than the context window, tenant A's secret in
+the decode pool, tenant B's over-long prompt. Isolation off with `placeholder_transfer` armed: B's decode
+reads A's stale pages. Isolation on: B gets a 400 before anything is reserved anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from multiprocessing import Process
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import real_engine
+
+from kvfence.api.server import build_app
+from kvfence.config import EngineConfig
+from kvfence.disagg.launch import spawn_workers
+from kvfence.disagg.router import Router
+from kvfence.model.gguf import GGUFModel, default_model_path, read_header
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.sampling import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+ADMIN = "admin-key"
+KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+MODEL = default_model_path().stem
+# The incident's shape, scaled down: prefill holds 512 tokens, the advertised window is 1024.
+PREFILL = EngineConfig(num_pages=32, max_model_len=512, num_threads=1)
+DECODE = EngineConfig(
+    num_pages=68, max_model_len=1024, num_threads=1, trace_pages=True, enable_prefix_caching=False
+)
+SECRET = (
+    "Internal memo for tenant A only. The vault access code is 4471-ALPHA-RIVER and the launch date "
+    "of project Heron is the ninth of March. "
+)
+
+
+# B's prompt: about 770 tokens, more than the prefill pool holds, less than the advertised window.
+LONG_PROMPT = "Summarise this log line by line. " + " ".join(f"entry {i} ok;" for i in range(120))
+
+
+@dataclass
+class Cluster:
+    url: str
+    router: Router
+    prefill: Process
+    decode: Process
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def audit(self, request_id: str) -> list[dict[str, object]]:
+        response = httpx.get(
+            f"{self.url}/v1/audit/requests/{request_id}", headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        return response.json()["events"] if response.status_code == 200 else []
+
+
+def start_cluster(isolation: bool, prefill_faults: dict[str, float] | None = None) -> Iterator[Cluster]:
+    (prefill, prefill_addr), (decode, decode_addr) = spawn_workers(
+        [
+            ("prefill", replace(PREFILL, isolation=isolation, faults=prefill_faults or {})),
+            ("decode", replace(DECODE, isolation=isolation)),
+        ]
+    )
+    config, metadata = read_header(default_model_path())
+    router = Router(prefill_addr, decode_addr, Tokenizer(metadata), config.vocab_size, isolation=isolation)
+    app = build_app(router, MODEL, KEYS, ADMIN)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the router's HTTP server failed to start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield Cluster(f"http://127.0.0.1:{port}", router, prefill, decode)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        for process in (prefill, decode):
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def fenced() -> Iterator[Cluster]:
+    yield from start_cluster(isolation=True)
+
+
+def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def test_disaggregated_answer_equals_single_node(fenced: Cluster, smollm2: GGUFModel) -> None:
+    question = "What is the capital of France? Answer in one sentence."
+    reply = fenced.client("key-a").chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0
+    )
+    engine = real_engine(smollm2)
+    assert engine.tokenizer is not None
+    expected = engine.generate([chat_ids(engine.tokenizer, question)], SamplingParams(max_tokens=24))[0]
+    assert reply.choices[0].message.content == expected.output_text
+    events = fenced.audit(reply.id)
+    where = {(e["where"], e["kind"]) for e in events}
+    assert {
+        ("router", "admitted"),
+        ("prefill", "transfer_complete"),
+        ("decode", "transfer_complete"),
+        ("decode", "finished"),
+    } <= where
+    assert any(e["kind"] == "page_received" for e in events)
+
+
+def test_streaming_through_the_router(fenced: Cluster) -> None:
+    client = fenced.client("key-b")
+    messages = [{"role": "user", "content": "Name three colors."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == full.choices[0].message.content
+    )
+
+
+def test_incident_is_refused_before_any_reservation(fenced: Cluster) -> None:
+    client = fenced.client("key-b")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.with_options(max_retries=0).chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=16
+        )
+    assert err.value.code == "context_length_exceeded"
+    request_id = err.value.response.headers["x-request-id"]
+    kinds = [(e["where"], e["kind"]) for e in fenced.audit(request_id)]
+    assert kinds == [("router", "rejected")], "something was reserved, transferred or run for B"
+
+
+def test_prefill_crash_mid_load_fails_only_its_requests(smollm2: GGUFModel) -> None:
+    """worker_crash_mid_transfer: kill -9 of the prefill process; decode drains its quarantine on the lost
+    connection, the router answers an error, and nothing leaks."""
+    cluster_iter = start_cluster(isolation=True)
+    cluster = next(cluster_iter)
+    try:
+        client = cluster.client("key-a")
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content
+        os.kill(cluster.prefill.pid, signal.SIGKILL)
+        cluster.prefill.join(timeout=10)
+        with pytest.raises(openai.APIError):
+            client.with_options(timeout=60).chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Tell me a story about a lighthouse."}],
+                max_tokens=8,
+            )
+        stats = cluster.router._ask(cluster.router.decode, "stats").fields["stats"]
+        assert stats["pages_by_state"]["quarantined"] == 0
+        assert stats["pages_free"] == stats["num_pages"]
+    finally:
+        next(cluster_iter, None)
+
+
+def test_incident_leaks_with_isolation_off(smollm2: GGUFModel) -> None:
+    """The 2026 incident reproduced: with the fence off and prefill swapping an over-long prompt for a
+    one-token placeholder, B's decode reads pages last written by tenant A and answers a fluent 200."""
+    cluster_iter = start_cluster(isolation=False, prefill_faults={"placeholder_transfer": 1.0})
+    cluster = next(cluster_iter)
+    try:
+        a = cluster.client("key-a")
+        for i in range(2):
+            a.completions.create(
+                model=MODEL,
+                prompt=SECRET * 10 + f"Question {i}: what is the code?",
+                max_tokens=8,
+                temperature=0,
+            )
+        b = cluster.client("key-b").chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=16, temperature=0
+        )
+        assert b.http_response.status_code == 200
+        request_id = b.headers["x-request-id"]
+        events = cluster.audit(request_id)
+        writers = {p["last_writer"] for e in events if e["kind"] == "pages_read" for p in e["pages"]}
+        assert "tenant-a" in writers, f"B read no page of tenant A: {writers}"
+        assert any(e["kind"] == "fault_injected" and e["fault"] == "placeholder_transfer" for e in events)
+        engine = real_engine(smollm2, max_model_len=1024)
+        assert engine.tokenizer is not None
+        solo = engine.generate([chat_ids(engine.tokenizer, LONG_PROMPT)], SamplingParams(max_tokens=16))[0]
+        assert b.parse().choices[0].message.content != solo.output_text
+    finally:
+        next(cluster_iter, None)
