@@ -311,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--inject-fault", type=_fault, action="append", default=[], metavar="NAME[:RATE]")
     router.set_defaults(run=_router)
 
+    from kvfence.audit import lab
+
+    lab_parser = commands.add_parser("lab", help="the four-request isolation lab on the real model")
+    lab.add_arguments(lab_parser)
+    lab_parser.set_defaults(run=lab.run)
+
     generate = commands.add_parser("generate", help="generate one answer offline and print it")
     add_engine_options(generate)
     generate.add_argument("text")

@@ -107,6 +107,9 @@ class DecodeWorker(Worker):
         request = self.engine.requests.get(request_id)
         if not self.isolation:
             self._write(page, f["slots"], message.payload)  # blindly, wherever the sender aimed
+            self.engine.events.emit(
+                request_id, "page_received", page=page, generation=generation, slots=f["slots"], checked=False
+            )
             return
         if request is None or request.status is not Status.TRANSFERRING:
             self._refuse(request_id, page, "no transfer in progress (late write after cancel)")
