@@ -154,7 +154,10 @@ class Router:
             raise AdmissionError(
                 reply.fields["code"], reply.fields["message"], reply.fields.get("status", 400)
             )
-        if len(prompt) == 1:
+        if reply.kind == "output":  # the router already gave up waiting for the reservation
+            stream.put_nowait(reply)
+            return
+        if len(prompt) == 1:  # no KV to move: decode computes the only prompt token itself
             return
         self._send(
             self.prefill,
@@ -169,19 +172,26 @@ class Router:
         if reply.kind == "rejected":
             self._send(self.decode, "abort", request_id=request_id, reason="prefill_rejected")
             raise AdmissionError(reply.fields["code"], reply.fields["message"])
-        if reply.kind == "output":  # decode ended the request first (e.g. the prefill worker was lost)
+        if reply.kind == "output":  # decode ended it first (prefill worker lost), or the router gave up
             stream.put_nowait(reply)
             return
         if self.faults.fire("abort_mid_transfer"):
             self.events.emit(request_id, "fault_injected", fault="abort_mid_transfer", where="router")
-            raise TimeoutError("the router gave up on the transfer")
+            stream.put_nowait(self._give_up(request_id, "router_gave_up"))
 
     async def _next(self, stream: asyncio.Queue[Message], request_id: str) -> Message:
+        """The request's next message, or the router's own abort after `timeout_s` of silence."""
         try:
             return await asyncio.wait_for(stream.get(), self.timeout_s)
         except TimeoutError:
-            self.events.emit(request_id, "aborted", reason="router_timeout", where="router")
-            raise
+            return self._give_up(request_id, "router_timeout")
+
+    def _give_up(self, request_id: str, reason: str) -> Message:
+        """Stop waiting: decode is told to abort (it quarantines whatever may still arrive), and the client
+        gets an error naming the request."""
+        self.events.emit(request_id, "aborted", reason=reason, where="router")
+        self._send(self.decode, "abort", request_id=request_id, reason=reason)
+        return _aborted(request_id, reason)
 
     def _admission_refusal(self, prompt: int, budget: int) -> AdmissionError | None:
         """Invariant 3 across processes: the window, and (isolation on) both pools, before any reservation.
@@ -255,21 +265,26 @@ class Router:
     def _fail_all_streams(self, reason: str) -> None:
         """The decode worker is gone: every request it held ends with an error, none hangs."""
         for request_id, (loop, stream) in list(self._streams.items()):
-            lost = Message(
-                "output",
-                {
-                    "request_id": request_id,
-                    "token_ids": [],
-                    "text": "",
-                    "finished": True,
-                    "status": Status.ABORTED.value,
-                    "finish_reason": reason,
-                    "prompt_tokens": 0,
-                    "completion_tokens": 0,
-                },
-            )
+            lost = _aborted(request_id, reason)
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stream.put_nowait, lost)
+
+
+def _aborted(request_id: str, reason: str) -> Message:
+    """An `output` message ending the request as ABORTED, made by the router itself."""
+    return Message(
+        "output",
+        {
+            "request_id": request_id,
+            "token_ids": [],
+            "text": "",
+            "finished": True,
+            "status": Status.ABORTED.value,
+            "finish_reason": reason,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+        },
+    )
 
 
 def _output(message: Message) -> RequestOutput:

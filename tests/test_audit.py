@@ -1,0 +1,248 @@
+"""`kvfence audit` end to end: the acceptance checks against a healthy kvfence and against one with the
+fence off and a fault armed (real model, in-process server on a free port), and the black-box probe
+against two tiny stand-in servers, one of which leaks an earlier tenant's prompt into later answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from conftest import real_engine
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvfence.api.server import build_app
+from kvfence.audit.acceptance import add_arguments, run
+from kvfence.audit.probe import check_test_address
+from kvfence.engine.async_engine import AsyncEngine
+from kvfence.model.gguf import GGUFModel
+
+ADMIN = "audit-admin"
+KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+MODEL = "smollm2-audit"
+SMALL = {"num_pages": 64, "max_model_len": 512}  # 1024-token pool, 512-token window: a fast boundary
+PROBES = ["boundary", "cancel_storm", "canary_scan", "recovery", "status_consistency"]
+ACCEPTANCE = [
+    "pinned_versions",
+    "capacity",
+    "rejection_terminates",
+    "complete_handoff",
+    "recycle_timing",
+    "tenant_pages",
+]
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """`app` under uvicorn on a free loopback port (bound here, so no race for it); yields its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def audit(url: str, out: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    """`kvfence audit` with both tenants' keys; returns the exit status and the JSON report."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    report = out / "report.json"
+    argv = ["--url", url, "--api-key", "key-a", "--api-key", "key-b", "--json", str(report), *extra]
+    status = run(parser.parse_args(argv))
+    return status, json.loads(report.read_text(encoding="utf-8"))
+
+
+def statuses(report: dict[str, Any]) -> dict[str, str]:
+    return {check["name"]: check["status"] for check in report["checks"]}
+
+
+def check(report: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+# ---- against kvfence (real model) -------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_audit_passes_against_a_healthy_kvfence(smollm2: GGUFModel, tmp_path: Path) -> None:
+    engine = AsyncEngine(real_engine(smollm2, **SMALL))
+    page = tmp_path / "report.html"
+    with serving(build_app(engine, MODEL, KEYS, ADMIN)) as url:
+        status, report = audit(
+            url, tmp_path, "--admin-key", ADMIN, "--html", str(page), "--server-flags", "x"
+        )
+    assert status == 0, {c["name"]: c["details"] for c in report["checks"] if c["status"] != "PASS"}
+    assert statuses(report) == dict.fromkeys(PROBES + ACCEPTANCE, "PASS")
+    assert report["boundary"]["accepted_total"] == 512 and report["boundary"]["exact"]
+    pins = check(report, "pinned_versions")["evidence"][-1]
+    assert len(pins["model_sha256"]) == 64 and pins["startup_flags"] == "x"
+    html = page.read_text(encoding="utf-8")
+    assert not re.search(r"<script|<link|<img|\b(?:src|href)\s*=|url\(|@import", html), "not self-contained"
+    assert html.count("<svg") == len(report["trails"]) + 1  # one timeline per audited request + legend
+
+
+@pytest.mark.real_model
+def test_audit_fails_complete_handoff_when_the_fence_is_off_and_a_fault_fires(
+    smollm2: GGUFModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """read_beyond_written: a request believes its first pages hold its prompt (the incident's decode).
+    Admission still refuses over-long prompts, but with the fence off the faulted requests answer 200 on
+    unwritten KV: the handoff check names the fault that fired without an integrity abort."""
+    faults = {"read_beyond_written": 1.0}
+    engine = AsyncEngine(real_engine(smollm2, isolation=False, faults=faults, **SMALL))
+    with serving(build_app(engine, MODEL, KEYS, ADMIN)) as url:
+        status, report = audit(url, tmp_path, "--admin-key", ADMIN, "--expect-fault", "read_beyond_written")
+    assert status == 1
+    results = statuses(report)
+    assert results["complete_handoff"] == "FAIL"
+    assert (
+        "fault read_beyond_written fired, yet the request ended answer"
+        in check(report, "complete_handoff")["details"]
+    )
+    assert results["rejection_terminates"] == "PASS"  # rejections still fail closed: it is the handoff
+    table = capsys.readouterr().out
+    assert re.search(r"complete_handoff\s+FAIL", table) and "audit FAILED" in table
+
+
+# ---- black-box probe against stand-in servers -------------------------------------------------------
+
+STAND_IN_WINDOW = 256  # words (one "token" per word)
+
+
+def stand_in(leaky: bool) -> FastAPI:
+    """A minimal OpenAI-compatible server. It counts words as tokens and refuses prompt + max_tokens
+    beyond its window with a 400. The leaky one answers every request with the previous prompt another
+    API key sent (as a recycled, unfenced KV page would); the clean one answers deterministically."""
+    app = FastAPI()
+    last_prompt: dict[str, str] = {}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": "stand-in", "object": "model", "max_model_len": STAND_IN_WINDOW}],
+        }
+
+    async def generate(request: Request, chat: bool) -> Response:
+        body = await request.json()
+        key = request.headers.get("authorization", "")
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        tokens, budget = len(prompt.split()), int(body.get("max_tokens") or 16)
+        if tokens + budget > STAND_IN_WINDOW:
+            return _context_error(tokens + budget)
+        others = [p for k, p in last_prompt.items() if k != key]
+        last_prompt[key] = prompt
+        words = (others[-1].split() if leaky and others else [f"w{i}" for i in range(8)])[:budget]
+        answer = _Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, words, tokens)
+        if body.get("stream"):
+            return StreamingResponse(answer.events(), media_type="text/event-stream", headers=answer.headers)
+        return JSONResponse(answer.body(), headers=answer.headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    return app
+
+
+def _context_error(asked: int) -> JSONResponse:
+    message = (
+        f"This model's maximum context length is {STAND_IN_WINDOW} tokens. "
+        f"However, you requested {asked} tokens."
+    )
+    error = {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "context_length_exceeded",
+    }
+    return JSONResponse({"error": error}, status_code=400)
+
+
+class _Answer:
+    """One stand-in answer, as a whole body or as SSE chunks (a word per chunk, then the finish)."""
+
+    def __init__(self, request_id: str, chat: bool, words: list[str], prompt_tokens: int) -> None:
+        self.id, self.chat, self.words, self.prompt_tokens = request_id, chat, words, prompt_tokens
+        self.headers = {"x-request-id": request_id}
+
+    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": 0, "text": text, "finish_reason": finish}
+
+    def body(self) -> dict[str, Any]:
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.words)}
+        return {"id": self.id, "choices": [self.choice(" ".join(self.words), "length")], "usage": usage}
+
+    async def events(self) -> AsyncIterator[str]:
+        for i, word in enumerate(self.words):
+            choice = self.choice(f" {word}" if i else word, None)
+            if self.chat:
+                choice["delta"] = choice.pop("message")
+            yield f"data: {json.dumps({'id': self.id, 'choices': [choice]})}\n\n"
+            await asyncio.sleep(0.02)
+        done = self.choice("", "length")
+        if self.chat:
+            done["delta"] = done.pop("message")
+        yield f"data: {json.dumps({'id': self.id, 'choices': [done]})}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def test_black_box_probe_catches_a_leaky_server(tmp_path: Path) -> None:
+    with serving(stand_in(leaky=True)) as url:
+        status, report = audit(url, tmp_path, "--black-box")
+    assert status == 1
+    results = statuses(report)
+    assert results["canary_scan"] == "FAIL"
+    assert "canary" in check(report, "canary_scan")["details"]
+    assert results["boundary"] == "PASS" and results["status_consistency"] == "PASS"
+    assert set(results) == set(PROBES), "--black-box runs the probes only"
+
+
+def test_black_box_probe_passes_a_clean_server(tmp_path: Path) -> None:
+    with serving(stand_in(leaky=False)) as url:
+        status, report = audit(url, tmp_path, "--black-box")
+    assert status == 0, {c["name"]: c["details"] for c in report["checks"] if c["status"] != "PASS"}
+    assert statuses(report) == dict.fromkeys(PROBES, "PASS")
+    assert report["boundary"]["accepted_total"] == STAND_IN_WINDOW and report["boundary"]["exact"]
+
+
+def test_probes_refuse_public_addresses_and_a_single_tenant(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a loopback or private"):
+        check_test_address("http://8.8.8.8:8000")
+    check_test_address("http://127.0.0.1:8000")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--url", "http://127.0.0.1:9", "--api-key", "k", "--black-box"])) == 2
+    assert (
+        run(parser.parse_args(["--url", "http://8.8.8.8", "--api-key", "a", "--api-key", "b", "--black-box"]))
+        == 2
+    )
