@@ -189,10 +189,12 @@ def _serve_disaggregated(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    return _run_router(args, args.prefill, args.decode)
+    return _run_router(args, args.prefill, args.decode, args.listen)
 
 
-def _run_router(args: argparse.Namespace, prefill: str, decode: str) -> int:
+def _run_router(
+    args: argparse.Namespace, prefill: str, decode: str, listen: str = "tcp://127.0.0.1:0"
+) -> int:
     from kvfence.disagg.router import Router
     from kvfence.model.gguf import default_model_path, read_header
     from kvfence.model.tokenizer import Tokenizer
@@ -204,6 +206,7 @@ def _run_router(args: argparse.Namespace, prefill: str, decode: str) -> int:
         Tokenizer(metadata),
         config.vocab_size,
         isolation=args.isolation == "on",
+        listen=listen,
         events=EventLog(path=args.audit_log) if args.audit_log else None,
         faults=_faults(args.inject_fault),
     )
@@ -301,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_http_options(router)
     router.add_argument("--prefill", required=True, help="prefill worker address, e.g. tcp://10.0.0.1:5600")
     router.add_argument("--decode", required=True, help="decode worker address")
+    router.add_argument(
+        "--listen",
+        default="tcp://127.0.0.1:0",
+        help="the router's own ZeroMQ address; workers reply to it, so it must be reachable "
+        "from them (e.g. tcp://10.0.0.3:5700)",
+    )
     router.add_argument("--model", type=Path, help="GGUF file for the tokenizer (default: packaged SmolLM2)")
     router.add_argument(
         "--isolation",

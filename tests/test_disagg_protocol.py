@@ -11,11 +11,12 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 from conftest import make_engine
 
 from kvfence.audit.trace import PageTrace
 from kvfence.cache.fence import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF
-from kvfence.cache.pool import PageState
+from kvfence.cache.pool import KVPool, PageState
 from kvfence.disagg.connector import PEER_DOWN, MemoryHub, Message
 from kvfence.disagg.decode import DecodeWorker
 from kvfence.disagg.prefill import PrefillWorker
@@ -352,3 +353,27 @@ def test_prefill_rejection_reaches_the_router(tiny: LlamaModel) -> None:
     assert rejected.kind == "rejected" and rejected.fields["code"] == "context_length_exceeded"
     assert pipe.prefill.engine.events.kinds("big") == ["rejected"]
     assert pipe.prefill.engine.pool.generation.sum() == 0, "prefill allocated a page for a rejected prompt"
+
+
+def test_only_the_sending_prefill_can_drain_a_quarantine(tiny: LlamaModel) -> None:
+    pipe = Pipeline(tiny, isolation=True, decode_pages=6)
+    reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
+    pages = [p for p, _ in reserved.fields["targets"]]
+    pipe.abort("r1")
+    pipe.deliver(DECODE)
+    pipe.hub.mailboxes[DECODE].append(("intruder", Message("abort_ack", {"request_id": "r1"})))
+    pipe.deliver(DECODE)
+    assert (pipe.decode.engine.pool.state[pages] == PageState.QUARANTINED).all(), "a stranger drained it"
+    pipe.deliver(PREFILL)
+    pipe.deliver(DECODE)
+    assert (pipe.decode.engine.pool.state[pages] == PageState.FREE).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_bytes_round_trip(dtype: torch.dtype) -> None:
+    pool = KVPool(2, 4, 4, 2, 8, dtype, "cpu")
+    pool.kv.normal_()
+    payload = pool.page_bytes(1)
+    assert len(payload) == pool.kv[:, :, 1].numel() * pool.kv.element_size()
+    pool.load_page_bytes(3, payload)
+    assert torch.equal(pool.kv[:, :, 3], pool.kv[:, :, 1])

@@ -73,6 +73,15 @@ class KVPool:
         """Views [pages, page_size, kv_heads, head_dim] of one layer's K and V."""
         return self.kv[layer, 0], self.kv[layer, 1]
 
+    def page_bytes(self, page: int) -> bytes:
+        """One page's K/V for every layer ([layers, 2, page_size, kv_heads, head_dim]) as raw bytes."""
+        return self.kv[:, :, page].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+    def load_page_bytes(self, page: int, payload: bytes) -> None:
+        """Inverse of `page_bytes`. Unfenced: the caller has authorised the write (or isolation is off)."""
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv.dtype)
+        self.kv[:, :, page].copy_(data.view(self.kv[:, :, page].shape))
+
     def authorize_writes(self, pages: np.ndarray, generations: np.ndarray, tenants: np.ndarray) -> np.ndarray:
         """Fenced writes (invariant 2): a write is allowed only into a page that is OWNED by the writer's
         tenant at the generation the writer names. Returns the allowed mask; refusals are counted."""

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import xxhash
 
 from kvfence.cache.fence import CHECKSUM_MISMATCH, STALE_WRITE
@@ -50,7 +49,6 @@ class DecodeWorker(Worker):
         self.transfer_timeout_s = transfer_timeout_s
         self.down_peers: set[str] = set()  # prefill workers whose connection is lost
         pool = engine.pool
-        self._page_shape = tuple(pool.kv[:, :, 0].shape)
         self._page_bytes = pool.kv[:, :, 0].numel() * pool.kv.element_size()
 
     @property
@@ -83,6 +81,7 @@ class DecodeWorker(Worker):
                 "rejected",
                 request_id=request_id,
                 code="server_busy",
+                status=503,
                 message="The decode pool has no free pages for this prompt right now; retry later.",
             )
             return
@@ -111,11 +110,21 @@ class DecodeWorker(Worker):
                 request_id, "page_received", page=page, generation=generation, slots=f["slots"], checked=False
             )
             return
-        if request is None or request.status is not Status.TRANSFERRING:
-            self._refuse(request_id, page, "no transfer in progress (late write after cancel)")
+        if (
+            request is None
+            or request.status is not Status.TRANSFERRING
+            or not self._from_prefill(sender, request_id)
+        ):
+            self._refuse(
+                request_id, page, "no transfer in progress from this sender (late write after cancel)"
+            )
+            return
+        if not 1 <= f["slots"] <= self.engine.pool.page_size:
+            self._refuse(request_id, page, "slot count out of range")
+            self._abort(request_id, STALE_WRITE)
             return
         record, logical = request.record, f["logical"]
-        if logical >= len(record.pages) or (record.pages[logical], record.generations[logical]) != (
+        if not 0 <= logical < len(record.pages) or (record.pages[logical], record.generations[logical]) != (
             page,
             generation,
         ):
@@ -144,7 +153,11 @@ class DecodeWorker(Worker):
         f = message.fields
         request_id = f["request_id"]
         request = self.engine.requests.get(request_id)
-        if request is None or request.status is not Status.TRANSFERRING:
+        if (
+            request is None
+            or request.status is not Status.TRANSFERRING
+            or not self._from_prefill(sender, request_id)
+        ):
             return
         if f.get("failed"):
             self._abort(request_id, f["failed"])
@@ -161,6 +174,8 @@ class DecodeWorker(Worker):
 
     def on_abort_ack(self, sender: str, message: Message) -> None:
         request_id = message.fields["request_id"]
+        if not self._from_prefill(sender, request_id):
+            return  # only the worker that was sending may say that nothing more is on the way
         self.inbound.pop(request_id, None)
         self.engine.drain(request_id, "abort_ack")
 
@@ -198,10 +213,15 @@ class DecodeWorker(Worker):
             connect(peer)  # watch the connection now, so its loss is noticed even before any abort
 
     def _write(self, page: int, slots: int, payload: bytes) -> None:
-        pool = self.engine.pool
-        data = torch.frombuffer(bytearray(payload), dtype=pool.kv.dtype).view(self._page_shape)
-        pool.kv[:, :, page].copy_(data)
-        pool.commit_writes(np.full(slots, page), np.arange(slots))
+        self.engine.pool.load_page_bytes(page, payload)
+        self.engine.pool.commit_writes(np.full(slots, page), np.arange(slots))
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        self._abort(request_id, reason)
+
+    def _from_prefill(self, sender: str, request_id: str) -> bool:
+        inbound = self.inbound.get(request_id)
+        return inbound is not None and inbound.prefill == sender
 
     def _refuse(self, request_id: str, page: int, why: str) -> None:
         self.engine.pool.refused_writes += 1

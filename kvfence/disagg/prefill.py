@@ -10,6 +10,8 @@ nothing of that request is still on the way.
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
 
 import xxhash
@@ -87,9 +89,15 @@ class PrefillWorker(Worker):
             self.engine.events.emit(transfer.request_id, "fault_injected", fault="partial_transfer")
         lost = len(pages) - 1 if pages and self.faults.fire("transfer_failure_ack_mismatch") else None
         corrupt = 0 if pages and self.faults.fire("corrupt_page") else None
+        crash_at = len(pages) // 2 if pages and self.faults.fire("worker_crash_mid_transfer") else None
         self.engine.events.emit(transfer.request_id, "transfer_started", pages=len(pages))
         for logical, (source, (page, generation)) in enumerate(pages):
-            payload = pool.kv[:, :, source].contiguous().cpu().numpy().tobytes()
+            if logical == crash_at:  # a real crash: the process dies with pages half sent
+                self.engine.events.emit(
+                    transfer.request_id, "fault_injected", fault="worker_crash_mid_transfer"
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
+            payload = pool.page_bytes(source)
             checksum = xxhash.xxh3_64_intdigest(payload)
             if logical == corrupt:  # a torn write: the first half of the page arrives as zeros
                 payload = bytes(len(payload) // 2) + payload[len(payload) // 2 :]

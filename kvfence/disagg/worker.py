@@ -6,6 +6,7 @@ message is handled completely (pages written, records checked) between two model
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 from kvfence.disagg.connector import Connector, Message
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.stats import EngineStats
+
+log = logging.getLogger("kvfence.disagg")
 
 
 class Worker:
@@ -31,12 +34,25 @@ class Worker:
         """Handle every message waiting (the first may be waited for), then one engine step."""
         received = self.connector.recv(timeout_s)
         while received is not None:
-            sender, message = received
-            getattr(self, f"on_{message.kind}", self.on_unknown)(sender, message)
+            self._handle(*received)
             received = self.connector.recv(0.0)
         if self.engine.has_unfinished():
             self.after_step(self.engine.safe_step())
         self.tick(time.monotonic())
+
+    def _handle(self, sender: str, message: Message) -> None:
+        """One message; a handler that raises (a malformed message) fails only the request it names."""
+        try:
+            getattr(self, f"on_{message.kind}", self.on_unknown)(sender, message)
+        except Exception:
+            log.exception("%s: bad %r message from %s", self.role, message.kind, sender)
+            request_id = message.fields.get("request_id")
+            if isinstance(request_id, str):
+                self.fail_request(request_id, "bad_message")
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """Role hook: end one request after an error handling its messages."""
+        self.engine.abort(request_id, reason)
 
     def after_step(self, outputs: list[Any]) -> None:
         """Role hook: what the step produced (tokens on decode, finished prefills on prefill)."""
@@ -79,6 +95,15 @@ class Worker:
             request_id=request_id,
             events=[{**e, "where": self.role} for e in self.engine.events.for_request(request_id)],
         )
+
+    def on_peer_up(self, sender: str, message: Message) -> None:
+        """Connection events matter only to a decode worker (its prefill peers)."""
+
+    def on_peer_down(self, sender: str, message: Message) -> None:
+        """Connection events matter only to a decode worker (its prefill peers)."""
+
+    def on_error(self, sender: str, message: Message) -> None:
+        log.warning("%s: error from %s: %s", self.role, sender, message.fields.get("message"))
 
     def on_unknown(self, sender: str, message: Message) -> None:
         self.reply(sender, "error", message=f"unknown message kind {message.kind!r}")

@@ -1,0 +1,242 @@
+"""Prefill and decode on two "hosts": each worker in its own network namespace, joined by a Linux bridge.
+
+    root namespace   bridge kvfbr<pid> 10.231.0.254/24   router's ZeroMQ socket (HTTP stays on 127.0.0.1)
+      ├─ veth ── namespace kvf-p-<pid>  10.231.0.1   kvfence serve --role prefill --listen tcp://10.231.0.1:5601
+      └─ veth ── namespace kvf-d-<pid>  10.231.0.2   kvfence serve --role decode  --listen tcp://10.231.0.2:5602
+
+KV pages cross the bridge from one namespace to the other; control messages go between the router and each
+worker. Needs root and iproute2 (skipped otherwise). The fixture's teardown kills the workers and deletes the
+namespaces, the veths and the bridge, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+import uvicorn
+from conftest import real_engine
+from test_disagg_e2e import KEYS, MODEL, chat_ids
+
+from kvfence.api.server import build_app
+from kvfence.disagg.router import Router
+from kvfence.model.gguf import GGUFModel, default_model_path, read_header
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.sampling import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+PID = os.getpid()
+SUBNET = "10.231.0"
+BRIDGE = f"kvfbr{PID}"
+ROOT_IP = f"{SUBNET}.254"
+START_TIMEOUT_S = 180.0
+KVFENCE = Path(sys.executable).parent / "kvfence"
+WORKER_OPTIONS = ("--num-pages", "32", "--max-model-len", "512", "--num-threads", "1", "--device", "cpu")
+
+
+@dataclass(frozen=True)
+class Host:
+    role: str
+    namespace: str
+    ip: str
+    port: int
+
+    @property
+    def veth(self) -> str:
+        """The root end of the host's veth pair (a bridge port); interface names stay under 16 bytes."""
+        return f"kvf{self.role[0]}{PID}"
+
+    @property
+    def peer(self) -> str:
+        return f"kvf{self.role[0]}n{PID}"
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.ip}:{self.port}"
+
+
+HOSTS = (
+    Host("prefill", f"kvf-p-{PID}", f"{SUBNET}.1", 5601),
+    Host("decode", f"kvf-d-{PID}", f"{SUBNET}.2", 5602),
+)
+
+
+class NetworkUnavailable(RuntimeError):
+    """This machine cannot create the namespaces, veths or bridge: the test is skipped."""
+
+
+def ip(*args: str, namespace: str | None = None) -> subprocess.CompletedProcess[str]:
+    command = ["ip", "-n", namespace, *args] if namespace else ["ip", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+
+
+def ip_step(*args: str, namespace: str | None = None, capability: bool = False) -> None:
+    """Run one setup command. A failing `capability` step (creating a namespace or a link) means the
+    machine cannot do this test; any other failure is a real error."""
+    result = ip(*args, namespace=namespace)
+    if result.returncode != 0:
+        where = f" (in {namespace})" if namespace else ""
+        message = f"`ip {' '.join(args)}`{where} failed: {result.stderr.strip()}"
+        raise NetworkUnavailable(message) if capability else RuntimeError(message)
+
+
+def build_network() -> None:
+    ip_step("link", "add", BRIDGE, "type", "bridge", capability=True)
+    ip_step("addr", "add", f"{ROOT_IP}/24", "dev", BRIDGE)
+    ip_step("link", "set", BRIDGE, "up")
+    for host in HOSTS:
+        ip_step("netns", "add", host.namespace, capability=True)
+        ip_step("link", "add", host.veth, "type", "veth", "peer", "name", host.peer, capability=True)
+        ip_step("link", "set", host.veth, "master", BRIDGE)
+        ip_step("link", "set", host.veth, "up")
+        ip_step("link", "set", host.peer, "netns", host.namespace)
+        ip_step("link", "set", "lo", "up", namespace=host.namespace)
+        ip_step("addr", "add", f"{host.ip}/24", "dev", host.peer, namespace=host.namespace)
+        ip_step("link", "set", host.peer, "up", namespace=host.namespace)
+
+
+def tear_down_network() -> None:
+    """Delete everything build_network may have created (missing pieces are fine)."""
+    for host in HOSTS:
+        ip("netns", "delete", host.namespace)  # takes the namespace end, and with it the pair, along
+        ip("link", "delete", host.veth)
+    ip("link", "delete", BRIDGE)
+
+
+def network_unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    if SUBNET + "." in ip("-4", "-o", "addr", "show").stdout:
+        return (
+            f"{SUBNET}.0/24 is already in use on this machine: another run of this test, or the leftovers "
+            "of a killed one (`ip netns list`, `ip link show type bridge`: kvf-*, kvfbr*)"
+        )
+    return None
+
+
+@dataclass
+class WorkerProcess:
+    host: Host
+    process: subprocess.Popen[str]
+    lines: queue.Queue[str] = field(default_factory=queue.Queue)
+    log: list[str] = field(default_factory=list)
+
+    def wait_listening(self, deadline: float) -> None:
+        """Until the worker prints `listening on` (its model is loaded and its socket bound)."""
+        while not any("listening on" in line for line in self.log):
+            if self.process.poll() is not None and self.lines.empty():
+                pytest.fail(f"the {self.host.role} worker exited:\n" + "".join(self.log[-30:]))
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {self.host.role} worker did not start:\n" + "".join(self.log[-30:]))
+            try:
+                self.log.append(self.lines.get(timeout=0.5))
+            except queue.Empty:
+                continue
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+
+
+def start_worker(host: Host) -> WorkerProcess:
+    command = ["ip", "netns", "exec", host.namespace, str(KVFENCE), "serve", "--role", host.role]
+    command += ["--listen", host.address, *WORKER_OPTIONS]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = WorkerProcess(host, process)
+    threading.Thread(target=_pump, args=(process, worker.lines), daemon=True).start()
+    return worker
+
+
+def _pump(process: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
+    """Drain the worker's output (so it never blocks on a full pipe) into `lines`."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        lines.put(line)
+
+
+@contextmanager
+def serve_http(router: Router) -> Iterator[str]:
+    """The router behind the OpenAI app on 127.0.0.1 (a random port), in a thread; yields the base URL."""
+    app = build_app(router, MODEL, KEYS, None)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "the router's HTTP server failed to start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@dataclass
+class NetnsCluster:
+    url: str
+    router: Router
+    workers: list[WorkerProcess]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[NetnsCluster]:
+    reason = network_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    workers: list[WorkerProcess] = []
+    try:
+        try:
+            build_network()
+        except NetworkUnavailable as exc:
+            pytest.skip(f"cannot build the namespaced network: {exc}")
+        workers = [start_worker(host) for host in HOSTS]  # both load the model at once
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for worker in workers:
+            worker.wait_listening(deadline)
+        config, metadata = read_header(default_model_path())
+        prefill, decode = (host.address for host in HOSTS)
+        router = Router(prefill, decode, Tokenizer(metadata), config.vocab_size, listen=f"tcp://{ROOT_IP}:0")
+        with serve_http(router) as url:
+            yield NetnsCluster(url, router, workers)
+    finally:
+        for worker in workers:
+            worker.stop()
+        tear_down_network()
+
+
+def test_answer_across_namespaces_equals_single_node(cluster: NetnsCluster, smollm2: GGUFModel) -> None:
+    for worker in cluster.workers:  # each worker really runs on another network stack than this process
+        assert os.readlink(f"/proc/{worker.process.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    question = "What is the capital of France? Answer in one sentence."
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="key-a", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0
+    )
+    engine = real_engine(smollm2)
+    assert engine.tokenizer is not None
+    expected = engine.generate([chat_ids(engine.tokenizer, question)], SamplingParams(max_tokens=24))[0]
+    assert reply.choices[0].message.content == expected.output_text
+
+    events = cluster.router.audit_events(reply.id)
+    where = {(e["where"], e["kind"]) for e in events}
+    assert {("router", "admitted"), ("prefill", "transfer_complete"), ("decode", "finished")} <= where
+    received = [e for e in events if (e["where"], e["kind"]) == ("decode", "page_received")]
+    assert reply.usage is not None
+    page_size = cluster.router.workers["decode"].page_size
+    # KV of every prompt token but the last, which decode computes itself before sampling.
+    assert len(received) == -(-(reply.usage.prompt_tokens - 1) // page_size)
