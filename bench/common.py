@@ -1,0 +1,402 @@
+"""Shared benchmark helpers: weights, prompts, the offline kvfence and HF runners, metrics, tables, JSON.
+
+Every bench script imports from here; nothing below is duplicated in the scripts. Times come from
+`time.monotonic()`, the clock `Request` uses for arrival_time / first_token_time / finish_time.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import os
+import platform
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from kvfence.config import EngineConfig
+from kvfence.engine.engine import LLMEngine
+from kvfence.model.gguf import GGUFModel, default_model_path, load_gguf
+from kvfence.model.llama import LlamaModel
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.request import Request
+from kvfence.sampling import SamplingParams
+
+T = TypeVar("T")
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_WORD_TEXT = (
+    "river mountain lantern copper violet harbor meadow engine quartz willow falcon ember canyon marble "
+    "orchard thunder glacier saffron compass beacon velvet cobalt prairie summit harvest crystal maple "
+    "signal anchor cedar timber lagoon"
+)
+WORDS = tuple(_WORD_TEXT.split())
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_requests: int
+    prompt_len: int
+    max_tokens: int
+
+    def scaled(self, num_requests: int) -> Workload:
+        return Workload(self.name, num_requests, self.prompt_len, self.max_tokens)
+
+
+W1 = Workload("W1", num_requests=32, prompt_len=64, max_tokens=128)  # decode-heavy
+W2 = Workload("W2", num_requests=32, prompt_len=512, max_tokens=16)  # prefill-heavy
+WORKLOADS = {w.name: w for w in (W1, W2)}
+
+
+# ---- weights, engines, prompts ---------------------------------------------------------------------------
+
+
+DEFAULT_THREADS = 1  # see THREADS_HELP
+THREADS_HELP = (
+    "torch intra-op threads (default 1). On the shared 2-core machine two OpenMP threads slow down up to 10x "
+    "whenever another process takes a core; one thread is as fast when the machine is quiet (measured: "
+    "c16 decode ~150-160 ms/step both ways) and degrades gracefully. --threads 2 is the engine's default."
+)
+
+
+def load_weights(threads: int | None = None) -> GGUFModel:
+    """Load the packaged SmolLM2 GGUF in float32, once; build every engine from it. `threads` (None: leave
+    torch's setting alone) is global, so HF transformers in the same process runs with the same number."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
+    gguf = load_gguf(default_model_path())
+    seconds = time.perf_counter() - started
+    print(f"loaded {gguf.path.name} in {seconds:.1f}s; torch threads {torch.get_num_threads()}")
+    return gguf
+
+
+def build_engine(
+    gguf: GGUFModel, isolation: bool = True, model: LlamaModel | None = None, **overrides: Any
+) -> LLMEngine:
+    """An engine with the default config (prefix caching on, 512 MiB pool) over already loaded weights.
+    Pass `model` to share one LlamaModel (it holds no per-engine state) between engines."""
+    config = EngineConfig(isolation=isolation, **overrides)
+    model = model or LlamaModel(gguf.config, gguf.tensors)
+    return LLMEngine(config, model, Tokenizer.from_gguf(gguf), log=lambda _: None)
+
+
+def make_prompts(tokenizer: Tokenizer, count: int, length: int, salt: int = 0) -> list[list[int]]:
+    """`count` distinct prompts of exactly `length` token ids: numbered sentences of seeded words.
+
+    Each prompt starts with its own number (and `salt`), so no two share even a first page and the prefix
+    cache never turns one request's prefill into a hit for another; a new salt gives a fresh set."""
+    prompts = []
+    for index in range(count):
+        rng = random.Random(f"{salt}-{index}")
+        sentences, ids = [f"Request {salt}-{index}."], []
+        while len(ids) < length:
+            sentences.append(f"Sentence {len(sentences)}: " + " ".join(rng.choices(WORDS, k=12)) + ".")
+            ids = tokenizer.encode(" ".join(sentences))
+        prompts.append(ids[:length])
+    assert len({tuple(p) for p in prompts}) == count, "prompts must be distinct"
+    return prompts
+
+
+# ---- the shared machine --------------------------------------------------------------------------------
+
+CONTENDED = 0.15  # a run during which other processes used more than this share of all CPUs is suspect
+
+
+def _cpu_seconds() -> tuple[float, float, float]:
+    """(now, busy CPU seconds of the whole machine incl. steal, CPU seconds of this process)."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    own = os.times()
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), busy, own.user + own.system
+
+
+class ForeignCpu:
+    """How much of the machine other processes (and the hypervisor) used since construction: 0.0 means
+    this process had every core to itself, 0.5 that others took half of all cores. Torch's OpenMP threads
+    slow down far more than proportionally when they have to share cores, so a contended run is noise."""
+
+    def __init__(self) -> None:
+        self._start = _cpu_seconds()
+
+    def share(self) -> float:
+        now, busy, own = _cpu_seconds()
+        t0, busy0, own0 = self._start
+        elapsed = max(now - t0, 1e-9)
+        return max(0.0, ((busy - busy0) - (own - own0)) / (elapsed * (os.cpu_count() or 1)))
+
+
+def wait_for_quiet(max_wait_s: float = 90.0, threshold: float = CONTENDED) -> float:
+    """Sleep (1 s probes) until other processes use less than `threshold` of the CPUs; returns the share
+    seen last. Gives up after `max_wait_s`: the run then goes ahead and its foreign_cpu flags it."""
+    started = time.monotonic()
+    for probes in itertools.count():
+        probe = ForeignCpu()
+        time.sleep(1.0)
+        share = probe.share()
+        waited = time.monotonic() - started
+        if share < threshold or waited > max_wait_s:
+            if probes:
+                print(f"  (waited {waited:.0f}s for a quiet machine; others now at {share * 100:.0f}%)")
+            return share
+        if probes % 15 == 0:
+            print(f"  (waiting: other processes use {share * 100:.0f}% of the CPUs)", flush=True)
+    raise AssertionError("unreachable")
+
+
+def quietly(run: Callable[[], T], contention: Callable[[T], float], retries: int) -> tuple[T, int]:
+    """Wait for a quiet machine, then `run`; redo it (up to `retries` times) while `contention` of the
+    result exceeds CONTENDED. Returns the last result and how many contended results were discarded."""
+    for attempt in range(retries + 1):
+        wait_for_quiet()
+        result = run()
+        share = contention(result)
+        if share <= CONTENDED or attempt == retries:
+            return result, attempt
+        print(
+            f"  (discarded: other processes used {share * 100:.0f}% of the CPUs during the run)", flush=True
+        )
+    raise AssertionError("unreachable")
+
+
+# ---- metrics ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestTiming:
+    """Seconds from the request's arrival (when it was handed to the engine / its batch started)."""
+
+    ttft: float
+    tpot: float  # mean inter-token time after the first token
+    latency: float  # arrival to last token
+    num_output: int
+
+
+@dataclass
+class RunResult:
+    label: str
+    concurrency: int
+    num_requests: int
+    wall_s: float
+    output_tokens: int
+    timings: list[RequestTiming] = field(repr=False)
+    step_s: float = 0.0  # summed engine.step() wall time (kvfence only)
+    fence_s: float = 0.0  # fence validation time within those steps (kvfence only)
+    steps: int = 0
+    foreign_cpu: float = 0.0  # share of the machine's CPU other processes used meanwhile (see ForeignCpu)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def pct(self, metric: str, q: float) -> float:
+        return float(np.percentile([getattr(t, metric) for t in self.timings], q))
+
+    def summary(self) -> dict[str, float | int | str]:
+        out: dict[str, float | int | str] = {
+            "label": self.label,
+            "concurrency": self.concurrency,
+            "num_requests": self.num_requests,
+            "wall_s": self.wall_s,
+            "output_tokens": self.output_tokens,
+            "output_tok_per_s": self.tok_per_s,
+            "steps": self.steps,
+            "step_s": self.step_s,
+            "fence_s": self.fence_s,
+            "foreign_cpu": self.foreign_cpu,
+        }
+        for metric in ("ttft", "tpot", "latency"):
+            for q in (50, 95):
+                out[f"{metric}_p{q}_ms"] = self.pct(metric, q) * 1e3
+        return out
+
+
+def request_timing(request: Request) -> RequestTiming:
+    assert request.first_token_time is not None and request.finish_time is not None
+    n = len(request.output_token_ids)
+    decode_s = request.finish_time - request.first_token_time
+    return RequestTiming(
+        ttft=request.first_token_time - request.arrival_time,
+        tpot=decode_s / (n - 1) if n > 1 else 0.0,
+        latency=request.finish_time - request.arrival_time,
+        num_output=n,
+    )
+
+
+# ---- the kvfence offline runner --------------------------------------------------------------------------
+
+
+def run_kvfence(
+    engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int, concurrency: int, label: str = "kvfence"
+) -> RunResult:
+    """Keep at most `concurrency` requests in flight (a new one is added as soon as one finishes) and step
+    until all are done. Greedy with ignore_eos, so every request yields exactly `max_tokens` tokens."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    pending, in_flight, finished = deque(prompts), [], []
+    gc.collect()
+    fence_before, steps, step_s = engine.fence.stats.seconds, 0, 0.0
+    foreign = ForeignCpu()
+    started = time.monotonic()
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            in_flight.append(engine.add_request(pending.popleft(), params))
+        step_started = time.monotonic()
+        engine.step()
+        step_s += time.monotonic() - step_started
+        steps += 1
+        finished += [r for r in in_flight if r.is_finished]
+        in_flight = [r for r in in_flight if not r.is_finished]
+    wall = time.monotonic() - started
+    timings = [request_timing(r) for r in finished]
+    assert all(t.num_output == max_tokens for t in timings), "every request must produce max_tokens"
+    return RunResult(
+        label,
+        concurrency,
+        len(finished),
+        wall,
+        sum(t.num_output for t in timings),
+        timings,
+        step_s=step_s,
+        fence_s=engine.fence.stats.seconds - fence_before,
+        steps=steps,
+        foreign_cpu=foreign.share(),
+    )
+
+
+def warm_up(engine: LLMEngine, tokenizer: Tokenizer) -> None:
+    """A short mixed prefill/decode run so one-off allocations and kernel choices are not measured."""
+    run_kvfence(engine, make_prompts(tokenizer, 4, 48, salt=-1), max_tokens=8, concurrency=4)
+
+
+# ---- HF transformers baseline ----------------------------------------------------------------------------
+
+
+class StepClock:
+    """A generate() streamer that only timestamps: put() is called once with the prompt, then once per step
+    with the new tokens of the whole batch. The second call is the first token (prefill + first sample)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, _value: torch.Tensor) -> None:
+        self.times.append(time.monotonic())
+
+    def end(self) -> None:
+        pass
+
+
+def load_hf_model(gguf: GGUFModel) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.path.parent), gguf_file=gguf.path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def hf_generate_batch(
+    model: torch.nn.Module, prompts: Sequence[list[int]], max_tokens: int, pad_id: int
+) -> list[RequestTiming]:
+    """One greedy generate() over a left-padded batch; min_new_tokens=max_new_tokens, so length is exact.
+    Every row of the batch shares the batch's timing (arrival = the generate() call)."""
+    ids, mask = left_pad(prompts, pad_id)
+    clock = StepClock()
+    started = time.monotonic()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            pad_token_id=pad_id,
+            streamer=clock,
+        )
+    finished = time.monotonic()
+    assert out.shape[1] - ids.shape[1] == max_tokens
+    first = clock.times[1]
+    tpot = (finished - first) / (max_tokens - 1) if max_tokens > 1 else 0.0
+    timing = RequestTiming(ttft=first - started, tpot=tpot, latency=finished - started, num_output=max_tokens)
+    return [timing] * len(prompts)
+
+
+def run_hf(
+    model: torch.nn.Module, prompts: Sequence[list[int]], max_tokens: int, batch_size: int, pad_id: int
+) -> RunResult:
+    """Consecutive prompts in batches of `batch_size`, one generate() per batch, batches back to back."""
+    timings: list[RequestTiming] = []
+    gc.collect()
+    foreign = ForeignCpu()
+    started = time.monotonic()
+    for first in range(0, len(prompts), batch_size):
+        timings += hf_generate_batch(model, prompts[first : first + batch_size], max_tokens, pad_id)
+    wall = time.monotonic() - started
+    tokens = sum(t.num_output for t in timings)
+    return RunResult("hf", batch_size, len(prompts), wall, tokens, timings, foreign_cpu=foreign.share())
+
+
+# ---- output ----------------------------------------------------------------------------------------------
+
+
+def median_min_max(values: Sequence[float]) -> tuple[float, float, float]:
+    return float(np.median(values)), float(min(values)), float(max(values))
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    def cell(value: object) -> str:
+        return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+    text = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in text)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in text:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def verdict(name: str, passed: bool, detail: str) -> str:
+    line = f"{'PASS' if passed else 'MISS'}  {name}: {detail}"
+    print(line)
+    return line
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    meta = {
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average_1_5_15m": os.getloadavg(),
+    }
+    path.write_text(json.dumps({"meta": meta, **payload}, indent=2, default=_jsonable))
+    print(f"wrote {path}")
+    return path
+
+
+def _jsonable(value: object) -> object:
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)  # type: ignore[call-overload]
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

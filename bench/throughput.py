@@ -1,0 +1,173 @@
+"""Offline throughput: kvfence at concurrency 1/4/16 against HF transformers generate() at batch 1/16.
+
+    .venv/bin/python bench/throughput.py [--quick] [--workloads W1,W2] [--requests N]
+                                         [--sequential-requests N] [--retries N] [--threads N]
+
+W1 is decode-heavy (64 prompt tokens, 128 output tokens), W2 prefill-heavy (512 prompt, 16 output); both
+32 distinct prompts. Every system gets the same token ids and produces exactly max_tokens tokens (greedy,
+ignore_eos / min_new_tokens). Rows at concurrency / batch 1 run one request at a time, so their per-token
+numbers do not depend on the request count: they use the first `--sequential-requests` prompts (default 8)
+to fit the time budget. Each row waits for a quiet machine and is redone (up to --retries) when other
+processes took more than 15% of the CPUs meanwhile; the "others %" column shows what they took. Torch
+runs with one thread unless --threads says otherwise (kvfence and HF alike; see --help for why).
+Writes bench/results/throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+from common import (
+    CONTENDED,
+    DEFAULT_THREADS,
+    THREADS_HELP,
+    WORKLOADS,
+    RunResult,
+    Workload,
+    build_engine,
+    load_hf_model,
+    load_weights,
+    make_prompts,
+    print_table,
+    quietly,
+    run_hf,
+    run_kvfence,
+    verdict,
+    warm_up,
+    write_json,
+)
+
+from kvfence.model.gguf import GGUFModel
+from kvfence.model.tokenizer import Tokenizer
+
+ROWS = (("kvfence", 1), ("kvfence", 4), ("kvfence", 16), ("hf", 1), ("hf", 16))  # system, concurrency/batch
+TARGETS = {"W1": 2.0, "W2": 1.2}  # kvfence c16 / HF b16 output tok/s
+HEADERS = (
+    "workload",
+    "system",
+    "conc",
+    "reqs",
+    "wall s",
+    "out tok/s",
+    "TTFT p50",
+    "TTFT p95",
+    "TPOT p50",
+    "TPOT p95",
+    "others %",
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4 requests per workload")
+    parser.add_argument("--workloads", default="W1,W2", help="comma-separated subset of W1,W2")
+    parser.add_argument("--requests", type=int, default=None, help="override the request count (32)")
+    parser.add_argument("--sequential-requests", type=int, default=8, help="requests for conc/batch 1 rows")
+    parser.add_argument("--retries", type=int, default=1, help="reruns of a row run on a busy machine")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
+    return parser.parse_args()
+
+
+class Bench:
+    """The loaded weights, the HF model and the tokenizer, shared by every row."""
+
+    def __init__(self, threads: int) -> None:
+        self.gguf: GGUFModel = load_weights(threads)
+        self.tokenizer = Tokenizer.from_gguf(self.gguf)
+        self.hf_model: torch.nn.Module = load_hf_model(self.gguf)
+        self.pad_id = self.tokenizer.eos_token_id
+        run_hf(self.hf_model, make_prompts(self.tokenizer, 2, 48, salt=-1), 4, 2, self.pad_id)  # warm-up
+
+    def runner(
+        self, system: str, width: int, prompts: list[list[int]], max_tokens: int
+    ) -> Callable[[], RunResult]:
+        if system == "hf":
+            return lambda: run_hf(self.hf_model, prompts, max_tokens, width, self.pad_id)
+
+        def run() -> RunResult:
+            engine = build_engine(self.gguf)  # fresh: its prefix cache holds nothing from earlier runs
+            warm_up(engine, self.tokenizer)
+            return run_kvfence(engine, prompts, max_tokens, width)
+
+        return run
+
+
+def run_workload(bench: Bench, workload: Workload, sequential: int, retries: int) -> list[RunResult]:
+    prompts = make_prompts(bench.tokenizer, workload.num_requests, workload.prompt_len)
+    results = []
+    for system, width in ROWS:
+        subset = prompts[:sequential] if width == 1 else prompts
+        run = bench.runner(system, width, subset, workload.max_tokens)
+        result, discarded = quietly(run, lambda r: r.foreign_cpu, retries)
+        results.append(result)
+        print(
+            f"  {system} x{width}: {result.tok_per_s:.2f} tok/s in {result.wall_s:.1f}s "
+            f"(others {result.foreign_cpu * 100:.0f}%, {discarded} discarded)",
+            flush=True,
+        )
+    return results
+
+
+def row(workload: Workload, result: RunResult) -> list[object]:
+    return [
+        workload.name,
+        result.label,
+        result.concurrency,
+        result.num_requests,
+        result.wall_s,
+        result.tok_per_s,
+        *(result.pct(metric, q) * 1e3 for metric in ("ttft", "tpot") for q in (50, 95)),
+        f"{result.foreign_cpu * 100:.0f}",
+    ]
+
+
+def c16_ratio(results: list[RunResult]) -> float:
+    def find(label: str) -> RunResult:
+        return next(r for r in results if r.label == label and r.concurrency == 16)
+
+    return find("kvfence").tok_per_s / find("hf").tok_per_s
+
+
+def main() -> None:
+    args = parse_args()
+    bench = Bench(args.threads)
+    count = args.requests or (4 if args.quick else None)
+    sequential = min(args.sequential_requests, count or args.sequential_requests)
+    payload: dict[str, object] = {"quick": args.quick, "hf_ttft": "timing streamer in the same generate()"}
+    table, ratios = [], {}
+    for name in args.workloads.split(","):
+        workload = WORKLOADS[name.strip()]
+        workload = workload.scaled(count) if count else workload
+        print(f"{workload}", flush=True)
+        results = run_workload(bench, workload, sequential, args.retries)
+        table += [row(workload, r) for r in results]
+        ratios[workload.name] = c16_ratio(results)
+        payload[workload.name] = {
+            "workload": workload,
+            "runs": [r.summary() for r in results],
+            "ratio_kvfence_c16_over_hf_b16": ratios[workload.name],
+            "target": TARGETS[workload.name],
+        }
+    print("\nms columns. TTFT: arrival (add_request / the batch's generate() call) to first token.")
+    print(
+        "TPOT: mean time per output token after the first. HF TTFT: timing streamer in the same generate()."
+    )
+    print(f"others %: CPU share other processes took during the row (contended above {CONTENDED:.0%}).")
+    print_table(HEADERS, table)
+    payload["verdicts"] = [
+        verdict(
+            f"{name} kvfence c16 / HF b16 output tok/s",
+            ratio >= TARGETS[name],
+            f"{ratio:.2f}x (target >= {TARGETS[name]:.1f}x)",
+        )
+        for name, ratio in ratios.items()
+    ]
+    write_json("throughput", payload)
+
+
+if __name__ == "__main__":
+    main()
