@@ -154,14 +154,22 @@ def wait_for_quiet(max_wait_s: float = 90.0, threshold: float = CONTENDED) -> fl
     raise AssertionError("unreachable")
 
 
+def contention_threshold() -> float:
+    """Others' CPU share above which they must have taken cores our torch threads needed: CONTENDED plus
+    the share of cores we leave idle (with 1 thread on 2 cores another process may use one core freely)."""
+    cpus = os.cpu_count() or 1
+    return CONTENDED + max(0, cpus - torch.get_num_threads()) / cpus
+
+
 def quietly(run: Callable[[], T], contention: Callable[[T], float], retries: int) -> tuple[T, int]:
     """Wait for a quiet machine, then `run`; redo it (up to `retries` times) while `contention` of the
-    result exceeds CONTENDED. Returns the last result and how many contended results were discarded."""
+    result exceeds contention_threshold(). Returns the last result and how many were discarded."""
+    threshold = contention_threshold()
     for attempt in range(retries + 1):
-        wait_for_quiet()
+        wait_for_quiet(threshold=threshold)
         result = run()
         share = contention(result)
-        if share <= CONTENDED or attempt == retries:
+        if share <= threshold or attempt == retries:
             return result, attempt
         print(
             f"  (discarded: other processes used {share * 100:.0f}% of the CPUs during the run)", flush=True

@@ -8,8 +8,9 @@ W1 is decode-heavy (64 prompt tokens, 128 output tokens), W2 prefill-heavy (512 
 ignore_eos / min_new_tokens). Rows at concurrency / batch 1 run one request at a time, so their per-token
 numbers do not depend on the request count: they use the first `--sequential-requests` prompts (default 8)
 to fit the time budget. Each row waits for a quiet machine and is redone (up to --retries) when other
-processes took more than 15% of the CPUs meanwhile; the "others %" column shows what they took. Torch
-runs with one thread unless --threads says otherwise (kvfence and HF alike; see --help for why).
+processes took cores it needed (over 15% of the CPUs beyond those torch leaves idle); the "others %" column
+shows what they took. Torch runs with one thread unless --threads says otherwise (kvfence and HF alike;
+see --help for why).
 Writes bench/results/throughput.json.
 """
 
@@ -20,13 +21,13 @@ from collections.abc import Callable
 
 import torch
 from common import (
-    CONTENDED,
     DEFAULT_THREADS,
     THREADS_HELP,
     WORKLOADS,
     RunResult,
     Workload,
     build_engine,
+    contention_threshold,
     load_hf_model,
     load_weights,
     make_prompts,
@@ -43,6 +44,8 @@ from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import Tokenizer
 
 ROWS = (("kvfence", 1), ("kvfence", 4), ("kvfence", 16), ("hf", 1), ("hf", 16))  # system, concurrency/batch
+# Run order: the rows compared with each other back to back, so they see the same machine weather.
+RUN_ORDER = (("kvfence", 16), ("hf", 16), ("kvfence", 1), ("hf", 1), ("kvfence", 4))
 TARGETS = {"W1": 2.0, "W2": 1.2}  # kvfence c16 / HF b16 output tok/s
 HEADERS = (
     "workload",
@@ -99,7 +102,7 @@ class Bench:
 def run_workload(bench: Bench, workload: Workload, sequential: int, retries: int) -> list[RunResult]:
     prompts = make_prompts(bench.tokenizer, workload.num_requests, workload.prompt_len)
     results = []
-    for system, width in ROWS:
+    for system, width in RUN_ORDER:
         subset = prompts[:sequential] if width == 1 else prompts
         run = bench.runner(system, width, subset, workload.max_tokens)
         result, discarded = quietly(run, lambda r: r.foreign_cpu, retries)
@@ -109,7 +112,7 @@ def run_workload(bench: Bench, workload: Workload, sequential: int, retries: int
             f"(others {result.foreign_cpu * 100:.0f}%, {discarded} discarded)",
             flush=True,
         )
-    return results
+    return sorted(results, key=lambda r: ROWS.index((r.label, r.concurrency)))
 
 
 def row(workload: Workload, result: RunResult) -> list[object]:
@@ -156,7 +159,10 @@ def main() -> None:
     print(
         "TPOT: mean time per output token after the first. HF TTFT: timing streamer in the same generate()."
     )
-    print(f"others %: CPU share other processes took during the row (contended above {CONTENDED:.0%}).")
+    print(
+        f"others %: CPU share other processes took during the row "
+        f"(contended above {contention_threshold():.0%} with {torch.get_num_threads()} torch thread(s))."
+    )
     print_table(HEADERS, table)
     payload["verdicts"] = [
         verdict(

@@ -1,8 +1,10 @@
 """OpenAI-compatible request and response models for /v1/completions and /v1/chat/completions.
 
 Requests ignore unknown fields (OpenAI clients send extras), but a field asking for something this server
-does not do (n > 1, logprobs, echo, a batch of prompts) is refused with a clear message rather than
-silently dropped. api/server.py turns every validation failure into HTTP 400 `invalid_request_error`.
+does not do (n > 1, best_of > 1, logprobs, echo, suffix, logit_bias, penalties, a batch of prompts) is
+refused with a clear message rather than silently dropped. Text must be valid Unicode: JSON can carry lone
+surrogates (`"\ud800"`), which no tokenizer can encode. api/server.py turns every validation failure into
+HTTP 400 `invalid_request_error`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from kvfence.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# Below these, sampling is greedy (the limit it tends to) instead of breaking float32 arithmetic: logits /
+# 1e-40 overflow to inf and softmax to NaN; a top_p under float32's smallest value rounds to 0 and drops
+# every token. Either way the sampler raised and the step failed for the whole batch.
+GREEDY_TEMPERATURE = 1e-5
+GREEDY_TOP_P = 1e-5
+
+
+def _valid_unicode(text: str) -> str:
+    """`text` unchanged, or ValueError when it holds a lone surrogate (not encodable as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode (lone surrogate at position {exc.start})") from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -40,6 +56,12 @@ class GenerationRequest(BaseModel):
     n: int | None = 1
     user: str | None = None  # accepted for compatibility; the tenant always comes from the API key
     ignore_eos: bool = False
+    # Asked-for behaviour this server does not implement: accepted only at their neutral values.
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    _unicode_model = field_validator("model")(_valid_unicode)
 
     @field_validator("n")
     @classmethod
@@ -47,6 +69,11 @@ class GenerationRequest(BaseModel):
         if n not in (None, 1):
             raise ValueError("only n=1 is supported")
         return n
+
+    @field_validator("logit_bias", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_if_set(value, info)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -59,6 +86,9 @@ class GenerationRequest(BaseModel):
                 raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
             if any(s == "" for s in stops):
                 raise ValueError("stop strings must be non-empty")
+            for s in stops:
+                if isinstance(s, str):
+                    _valid_unicode(s)
         return stops
 
     @property
@@ -68,10 +98,13 @@ class GenerationRequest(BaseModel):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's parameters; `default_max_tokens` applies when the client set no limit."""
         limits = (self.max_completion_tokens, self.max_tokens, default_max_tokens)
+        temperature = 1.0 if self.temperature is None else self.temperature
+        top_p = 1.0 if self.top_p is None else self.top_p
+        greedy = temperature < GREEDY_TEMPERATURE or top_p < GREEDY_TOP_P
         return SamplingParams(
             max_tokens=next(limit for limit in limits if limit is not None),
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
             top_k=max(self.top_k or 0, 0),
             seed=self.seed,
             stop=list(self.stop),
@@ -80,7 +113,15 @@ class GenerationRequest(BaseModel):
 
 
 def _refuse_if_set(value: Any, info: ValidationInfo) -> Any:
+    """Accept only a field's neutral values (None, false, 0, empty); anything else asks for a feature."""
     if value:
+        raise ValueError(f"{info.field_name} is not supported by this server")
+    return value
+
+
+def _refuse_if_present(value: Any, info: ValidationInfo) -> Any:
+    """Accept only null: even 0 asks for something (completions' logprobs=0 is the sampled token's)."""
+    if value is not None:
         raise ValueError(f"{info.field_name} is not supported by this server")
     return value
 
@@ -89,8 +130,18 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
     logprobs: int | None = None
     echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
-    _unsupported = field_validator("logprobs", "echo")(_refuse_if_set)
+    _unsupported = field_validator("echo", "suffix")(_refuse_if_set)
+    _no_logprobs = field_validator("logprobs")(_refuse_if_present)
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return best_of
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -101,6 +152,11 @@ class CompletionRequest(GenerationRequest):
                 "prompt must be one string or one list of token ids; batches of prompts are not supported"
             )
         return prompt
+
+    @field_validator("prompt")
+    @classmethod
+    def _unicode_prompt(cls, prompt: str | list[int]) -> str | list[int]:
+        return _valid_unicode(prompt) if isinstance(prompt, str) else prompt
 
 
 def _is_token_id(value: object) -> bool:
@@ -113,12 +169,19 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    _unicode = field_validator("text")(_valid_unicode)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _unicode_content(cls, content: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        return _valid_unicode(content) if isinstance(content, str) else content
 
     def text(self) -> str:
         if isinstance(self.content, list):

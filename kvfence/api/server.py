@@ -9,15 +9,18 @@ Contracts:
 - A request id (`cmpl-…` / `chatcmpl-…`) is the response `id`, the `x-request-id` header and the key of
   the request's audit trail.
 - A stream whose client goes away is closed at once, which aborts the engine request and frees its pages.
+- A request body larger than `max_body_bytes` is refused with 413 before it is read whole: at once when
+  Content-Length says so, else as soon as the streamed (chunked) bytes pass the limit.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -30,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfence.api.protocol import (
     AssistantMessage,
@@ -57,12 +60,14 @@ from kvfence.request import Status
 
 _Outputs = AsyncGenerator[RequestOutput, None]
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     422: "invalid_request_error",
 }
 
@@ -90,7 +95,15 @@ def _error_type(status: int) -> str:
 
 
 def _error_response(status: int, detail: ErrorDetail, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status, headers=headers)
+    """The error body; text echoed from the request (a field name, a model) is made encodable first, so a
+    lone surrogate in the input can never turn a 4xx into a 500 while rendering."""
+    update = {"message": _encodable(detail.message), "param": _encodable(detail.param)}
+    safe = detail.model_copy(update=update)
+    return JSONResponse(ErrorResponse(error=safe).model_dump(), status_code=status, headers=headers)
+
+
+def _encodable(text: str | None) -> str | None:
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _abort_error(output: RequestOutput) -> APIError:
@@ -108,6 +121,89 @@ def _abort_error(output: RequestOutput) -> APIError:
     return APIError(
         500, f"The request was aborted ({reason}).", "server_error", reason, request_id=output.request_id
     )
+
+
+# ---- request size -------------------------------------------------------------------------------------
+
+
+class _BodyTooLarge(Exception):
+    """Raised from `receive` once a request body passes the limit."""
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware: refuse request bodies over `max_body_bytes` with 413 in OpenAI's shape.
+
+    A declared Content-Length over the limit is answered before a single body byte is read. Otherwise the
+    bytes that arrive are counted (chunked uploads declare no length) and, once past the limit, reading
+    stops: whatever the app then tries to answer is replaced by the 413 (unless it already started a
+    response, which our endpoints never do before reading their body)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        if max_body_bytes < 0:
+            raise ValueError("max_body_bytes must be >= 0")
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await self._refuse(send)
+            return
+        await self._counted(scope, receive, send)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received, too_large, started = 0, False, False
+
+        async def counting_receive() -> Message:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    too_large = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if too_large and not started:
+                return  # the app's answer to the failed read is replaced by the 413 below
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        with suppress(_BodyTooLarge):  # the app let the failed read escape: the 413 below answers it
+            await self.app(scope, counting_receive, guarded_send)
+        if too_large and not started:
+            await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        detail = ErrorDetail(
+            message=f"The request body is larger than this server accepts ({self.max_body_bytes} bytes).",
+            type=_error_type(413),
+            code="request_too_large",
+        )
+        body = json.dumps(ErrorResponse(error=detail).model_dump()).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The declared body length; None when absent or unreadable (the counting path then applies)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
 
 
 # ---- auth ---------------------------------------------------------------------------------------------
@@ -474,12 +570,16 @@ class _Service:
 
 
 def build_app(
-    engine: EngineClient, model_name: str, api_keys: dict[str, str] | None, admin_key: str | None
+    engine: EngineClient,
+    model_name: str,
+    api_keys: dict[str, str] | None,
+    admin_key: str | None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The HTTP app. It owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 
     `api_keys` maps key -> tenant (None: auth off, every request is tenant "default"); `admin_key` opens
-    the audit endpoint (None: the endpoint refuses everyone).
+    the audit endpoint (None: the endpoint refuses everyone); bodies over `max_body_bytes` get a 413.
     """
 
     @asynccontextmanager
@@ -495,6 +595,7 @@ def build_app(
     metrics = _Metrics(engine)
     service = _Service(engine, model_name, metrics)
     _install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

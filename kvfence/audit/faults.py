@@ -7,7 +7,9 @@ the fault does, and tests prove that by running the same fault with isolation of
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 FAULTS = frozenset(
     {
@@ -35,13 +37,29 @@ class _Arming:
     remaining: int | None  # None: unlimited
 
 
+@dataclass(frozen=True)
+class FaultEffect:
+    """What one fired fault actually did: `detail` names whom it hit (a request id, a page, a generation)."""
+
+    fault: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
 class FaultInjector:
-    """`fire(name)` answers whether an armed fault triggers now. Unarmed points always answer False."""
+    """`fire(name)` answers whether an armed fault triggers now. Unarmed points always answer False.
+
+    A fault can fire and change nothing (no page to steal, no other row to write into). An injection point
+    whose fault did take effect says so with `record(name, **detail)`, so a harness can demand that every
+    effect was caught, not every firing."""
 
     def __init__(self, seed: int = 0) -> None:
         self._armed: dict[str, _Arming] = {}
         self._rng = random.Random(seed)
         self.fired: dict[str, int] = {}
+        self.effects: list[FaultEffect] = []
+        # Called with each effect as it is recorded, on the recording (engine) thread: a harness resolves
+        # there whom a page-level effect hit, while the pages' holders still hold them.
+        self.listeners: list[Callable[[FaultEffect], None]] = []
 
     def arm(self, name: str, rate: float = 1.0, times: int | None = None) -> None:
         if name not in FAULTS:
@@ -61,6 +79,15 @@ class FaultInjector:
             arming.remaining -= 1
         self.fired[name] = self.fired.get(name, 0) + 1
         return True
+
+    def record(self, name: str, **detail: Any) -> None:
+        """An injection point's fault `name` took effect; `detail` (JSON-able) names whom it hit."""
+        if name not in FAULTS:
+            raise ValueError(f"unknown fault {name!r}")
+        effect = FaultEffect(name, detail)
+        self.effects.append(effect)
+        for listener in self.listeners:
+            listener(effect)
 
 
 def parse_fault_spec(spec: str) -> tuple[str, float]:

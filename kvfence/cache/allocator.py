@@ -51,6 +51,8 @@ class PageAllocator:
             raise OutOfPages(f"need {count} pages, {self.num_free_pages} free")
         pages = [self._take_page(record) for _ in range(count)]
         for page in pages:
+            if self.prefix is not None:
+                self.prefix.forget(page)  # hashes are per generation (a bug may hand out a cached page)
             self.pool.begin_generation(page, record.tenant)
             self.refcount[page] += 1
             record.pages.append(page)

@@ -85,6 +85,13 @@ class PrefixCache:
         assert page in self.hash_by_page
         self.evictable[page] = None
 
+    def forget(self, page: int) -> None:
+        """The page begins a new generation: whatever hash it had no longer describes it."""
+        page_hash = self.hash_by_page.pop(page, None)
+        if page_hash is not None:
+            del self.page_by_hash[page_hash]
+        self.evictable.pop(page, None)
+
     def evict_lru(self) -> int | None:
         """Drop the least recently released cached page and return it for reuse."""
         if not self.evictable:

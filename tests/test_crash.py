@@ -1,0 +1,232 @@
+"""kill -9 of a worker process mid-load through the Router, then its restart on the SAME address.
+
+Decode crash: every request decoding there ends at once with a clear error (`decode_lost`), a request sent
+while decode is down waits for the restarted worker (its DEALER queue is delivered on reconnect) and
+completes, and so do requests after the restart. Prefill crash: requests whose KV was still to come end
+with `prefill_lost` and their decode pages go aborted -> quarantined -> drained(peer_down) -> released with
+no reuse in between; requests already decoding complete with their reference output; while prefill is down
+decode refuses new work with 503 `prefill_unavailable`; after the restart requests complete again.
+tests/test_disagg_e2e.py covers the prefill crash without a restart; this file adds recovery and decode.
+A decode crash while the router waits for a reservation ends that request with `decode_lost` too.
+Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvfence.config import EngineConfig
+from kvfence.model.gguf import GGUFModel
+from kvfence.model.tokenizer import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+stress = importlib.import_module("stress")
+serving = importlib.import_module("serving")
+
+pytestmark = pytest.mark.real_model
+
+WINDOW = 256
+PREFILL = EngineConfig(num_pages=64, max_model_len=WINDOW, num_threads=1)
+DECODE = replace(PREFILL, enable_prefix_caching=False)
+TENANT = stress.Tenant("tenant-a", "key-a", "ZORBLAX-4471")
+ADMIN = "crash-admin"
+ROUTER_TIMEOUT_S = 60.0  # well above a worker restart (about 15-35 s here)
+WAIT_S = 120.0  # the bound on every wait in this file
+LOST = {"decode_lost", "prefill_lost"}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    cluster = serving.start_cluster(
+        PREFILL, DECODE, {TENANT.key: TENANT.name}, ADMIN, stress.MODEL, router_timeout_s=ROUTER_TIMEOUT_S
+    )
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def refs_engine(smollm2: GGUFModel) -> Any:
+    return stress.reference_engine(smollm2, WINDOW)
+
+
+class Jobs:
+    """Numbered jobs of TENANT with exact prompt lengths."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.rng, self.count = tokenizer, random.Random(0), 0
+
+    def __call__(self, prompt_len: int, max_tokens: int, stream: bool) -> Any:
+        self.count += 1
+        prompt = stress.tenant_prompt(self.tokenizer, TENANT, prompt_len, self.rng)
+        return stress.Job(self.count, TENANT, "crash", prompt, max_tokens, stream, None, WINDOW)
+
+
+@pytest.fixture
+def jobs(smollm2: GGUFModel) -> Jobs:
+    return Jobs(Tokenizer.from_gguf(smollm2))
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, WAIT_S * 2))
+
+
+async def decoding(client: httpx.AsyncClient, url: str, job_list: list[Any]) -> list[asyncio.Task[Any]]:
+    """Start streaming jobs; return once each has streamed a first token (it is decoding, its KV moved)."""
+    started = [asyncio.Event() for _ in job_list]
+    tasks = [
+        asyncio.create_task(stress.run_job(client, url, job, on_chunk=event.set, timeout_s=WAIT_S))
+        for job, event in zip(job_list, started, strict=True)
+    ]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), WAIT_S)
+    return tasks
+
+
+async def recovered(client: httpx.AsyncClient, cluster: Any, jobs: Jobs) -> Any:
+    """Send a short request every half second until one completes (bounded); returns that outcome."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        job = jobs(24, 6, stream=False)
+        outcome = await stress.run_job(client, cluster.url, job, timeout_s=WAIT_S)
+        if outcome.kind == "completed" or time.monotonic() > deadline:
+            return job, outcome
+        await asyncio.sleep(0.5)
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def pools_clean(cluster: Any) -> bool:
+    stats = [cluster.worker_stats(role) for role in ("prefill", "decode")]
+    return all(s.pages_free == s.num_pages and s.pages_by_state["quarantined"] == 0 for s in stats)
+
+
+def assert_matches(refs_engine: Any, pairs: list[tuple[Any, Any]]) -> None:
+    """Each (job, outcome) completed with its offline greedy reference."""
+    refs = stress.compute_references(refs_engine, [job for job, _ in pairs])
+    for job, outcome in pairs:
+        assert outcome.kind == "completed", (outcome.kind, outcome.status, outcome.error_code)
+        assert stress.compare(refs[job.index], outcome.text, refs_engine.tokenizer) != "differs"
+
+
+def test_decode_crash_fails_its_requests_and_recovers(cluster: Any, jobs: Jobs, refs_engine: Any) -> None:
+    async def scenario() -> tuple[list[Any], list[tuple[Any, Any]]]:
+        async with httpx.AsyncClient(timeout=WAIT_S) as client:
+            tasks = await decoding(client, cluster.url, [jobs(40, 64, stream=True) for _ in range(4)])
+            cluster.workers["decode"].kill()
+            lost = await asyncio.gather(*tasks)
+            waiting_job = jobs(40, 8, stream=False)
+            waiting = asyncio.create_task(stress.run_job(client, cluster.url, waiting_job, timeout_s=WAIT_S))
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(cluster.workers["decode"].restart)
+            return lost, [(waiting_job, await waiting), await recovered(client, cluster, jobs)]
+
+    lost, completed = run(scenario())
+    for outcome in lost:
+        assert (outcome.kind, outcome.error_code) == ("error", "decode_lost")
+        assert outcome.seconds < 30, "a request on the dead decode worker was not failed promptly"
+    assert_matches(refs_engine, completed)
+    wait_for(lambda: pools_clean(cluster), "both pools to drain")
+
+
+def decode_trail(cluster: Any, request_id: str) -> list[dict[str, Any]]:
+    return [e for e in cluster.router.audit_events(request_id) if e["where"] == "decode"]
+
+
+def assert_fenced_before_reuse(cluster: Any, victim: str, others: list[str]) -> None:
+    """The victim's decode trail runs aborted -> quarantined -> drained(peer_down) -> released, and no
+    other request was handed one of its pages between quarantine and release."""
+    trail = decode_trail(cluster, victim)
+    kinds = [e["kind"] for e in trail]
+    order = ["aborted", "quarantined", "drained", "released"]
+    assert [k for k in kinds if k in order] == order, kinds
+    by_kind = {e["kind"]: e for e in trail}
+    assert by_kind["aborted"]["reason"] == "prefill_lost" and by_kind["drained"]["how"] == "peer_down"
+    pages = set(by_kind["quarantined"]["pages"])
+    start, end = by_kind["quarantined"]["seq"], by_kind["released"]["seq"]
+    for other in others:
+        for event in decode_trail(cluster, other):
+            if event["kind"] == "pages_allocated" and start < event["seq"] < end:
+                assert not pages & set(event["pages"]), f"{other} got a quarantined page of {victim}"
+
+
+def test_prefill_crash_fences_its_transfers_and_recovers(cluster: Any, jobs: Jobs, refs_engine: Any) -> None:
+    prefill = cluster.workers["prefill"]
+    victims = [jobs(150, 8, stream=False) for _ in range(3)]
+
+    async def reserved_on_decode(client: httpx.AsyncClient) -> list[asyncio.Task[Any]]:
+        """With prefill frozen, start the victims and wait until decode reserved their pages."""
+        free = cluster.worker_stats("decode").pages_free
+        os.kill(prefill.process.pid, signal.SIGSTOP)
+        tasks = [
+            asyncio.create_task(stress.run_job(client, cluster.url, j, timeout_s=WAIT_S)) for j in victims
+        ]
+        per_victim = -(-149 // 16)
+        await asyncio.to_thread(
+            wait_for,
+            lambda: cluster.worker_stats("decode").pages_free <= free - len(victims) * per_victim,
+            "decode to reserve the victims' pages",
+        )
+        return tasks
+
+    async def scenario() -> tuple[list[Any], list[tuple[Any, Any]], Any, list[tuple[Any, Any]]]:
+        async with httpx.AsyncClient(timeout=WAIT_S) as client:
+            survivor_jobs = [jobs(40, 48, stream=True) for _ in range(2)]
+            survivors = await decoding(client, cluster.url, survivor_jobs)
+            victim_tasks = await reserved_on_decode(client)
+            prefill.kill()  # SIGKILL ends the stopped process: its transfers die mid-flight
+            lost = await asyncio.gather(*victim_tasks)
+            refused = await stress.run_job(client, cluster.url, jobs(40, 8, stream=False), timeout_s=WAIT_S)
+            await asyncio.to_thread(prefill.restart)
+            done = list(zip(survivor_jobs, await asyncio.gather(*survivors), strict=True))
+            return lost, done, refused, [await recovered(client, cluster, jobs)]
+
+    lost, survived, refused, after = run(scenario())
+    for outcome in lost:
+        assert (outcome.kind, outcome.error_code) == ("error", "prefill_lost")
+    assert (refused.kind, refused.status, refused.error_code) == ("retry_later", 503, "prefill_unavailable")
+    assert_matches(refs_engine, survived + after)
+    others = [o.request_id for _, o in survived + after if o.request_id]
+    for outcome in lost:
+        assert_fenced_before_reuse(cluster, outcome.request_id, others)
+    wait_for(lambda: pools_clean(cluster), "both pools to drain")
+
+
+def test_decode_crash_during_reservation_is_a_clear_error(cluster: Any, jobs: Jobs) -> None:
+    """The router is waiting for decode's answer to `reserve` when decode dies: the request ends with
+    `decode_lost` like the others, not with an internal error; the `reserve` and `abort` still queued for
+    the dead worker reach its successor, which must end up holding nothing."""
+    decode = cluster.workers["decode"]
+
+    async def scenario() -> Any:
+        async with httpx.AsyncClient(timeout=WAIT_S) as client:
+            os.kill(decode.process.pid, signal.SIGSTOP)
+            task = asyncio.create_task(
+                stress.run_job(client, cluster.url, jobs(40, 8, False), timeout_s=WAIT_S)
+            )
+            await asyncio.sleep(1.0)  # the router has sent `reserve` and waits for the frozen worker
+            decode.kill()
+            return await task
+
+    try:
+        outcome = run(scenario())
+    finally:
+        decode.restart()
+    assert (outcome.kind, outcome.status, outcome.error_code) == ("error", 500, "decode_lost")
+    wait_for(lambda: pools_clean(cluster), "both pools to drain")
