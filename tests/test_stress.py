@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 stress = importlib.import_module("stress")
 
 
-
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
     """Load generator, HTTP server and engine share this process: spinning OpenMP threads slow a step by
