@@ -28,7 +28,18 @@ import numpy as np
 import torch
 from common import load_weights, print_table, write_json
 from serving import serve
-from stress import ADMIN_KEY, MODEL, Job, Outcome, Shape, make_jobs, make_tenants, run_job, serving_engine
+from stress import (
+    ADMIN_KEY,
+    KEEPALIVE_S,
+    MODEL,
+    Job,
+    Outcome,
+    Shape,
+    make_jobs,
+    make_tenants,
+    run_job,
+    serving_engine,
+)
 
 from kvfence.api.server import build_app
 from kvfence.engine.async_engine import AsyncEngine
@@ -102,7 +113,7 @@ class Soak:
 
     async def run(self) -> SoakResult:
         self.running.set()
-        limits = httpx.Limits(max_connections=self.args.clients + 4)
+        limits = httpx.Limits(max_connections=self.args.clients + 4, keepalive_expiry=KEEPALIVE_S)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             await asyncio.gather(
                 *(self.client_loop(client) for _ in range(self.args.clients)), self.watch(), self.pauses()

@@ -61,6 +61,9 @@ TIE_GAP = 1e-3  # a reference step whose top-2 logits are closer than this may f
 REQUEST_TIMEOUT_S = 180.0  # a request still unanswered after this is a hang (kind "timeout")
 HEALTH_EVERY_S = 0.25
 HEALTH_TIMEOUT_S = 5.0
+# Idle pooled connections are dropped well before uvicorn's 5 s keep-alive: a request sent on a connection
+# the server is closing fails with a ReadError that says nothing about the server.
+KEEPALIVE_S = 1.0
 CANARY_WORDS = (
     "ZORBLAX",
     "QUINTAVEX",
@@ -406,7 +409,9 @@ async def drive(
         queue.put_nowait(job)
     outcomes: list[Outcome] = []
     deadline = time.monotonic() + time_limit_s
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients)
+    limits = httpx.Limits(
+        max_connections=clients + 4, max_keepalive_connections=clients, keepalive_expiry=KEEPALIVE_S
+    )
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while not queue.empty() and time.monotonic() < deadline:

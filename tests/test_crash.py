@@ -79,6 +79,11 @@ def jobs(smollm2: GGUFModel) -> Jobs:
     return Jobs(Tokenizer.from_gguf(smollm2))
 
 
+def new_client() -> httpx.AsyncClient:
+    """Idle connections expire before the server's keep-alive does (no ReadError from that race)."""
+    return httpx.AsyncClient(timeout=WAIT_S, limits=httpx.Limits(keepalive_expiry=stress.KEEPALIVE_S))
+
+
 def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, WAIT_S * 2))
 
@@ -127,7 +132,7 @@ def assert_matches(refs_engine: Any, pairs: list[tuple[Any, Any]]) -> None:
 
 def test_decode_crash_fails_its_requests_and_recovers(cluster: Any, jobs: Jobs, refs_engine: Any) -> None:
     async def scenario() -> tuple[list[Any], list[tuple[Any, Any]]]:
-        async with httpx.AsyncClient(timeout=WAIT_S) as client:
+        async with new_client() as client:
             tasks = await decoding(client, cluster.url, [jobs(40, 64, stream=True) for _ in range(4)])
             cluster.workers["decode"].kill()
             lost = await asyncio.gather(*tasks)
@@ -186,7 +191,7 @@ def test_prefill_crash_fences_its_transfers_and_recovers(cluster: Any, jobs: Job
         return tasks
 
     async def scenario() -> tuple[list[Any], list[tuple[Any, Any]], Any, list[tuple[Any, Any]]]:
-        async with httpx.AsyncClient(timeout=WAIT_S) as client:
+        async with new_client() as client:
             survivor_jobs = [jobs(40, 48, stream=True) for _ in range(2)]
             survivors = await decoding(client, cluster.url, survivor_jobs)
             victim_tasks = await reserved_on_decode(client)
@@ -215,7 +220,7 @@ def test_decode_crash_during_reservation_is_a_clear_error(cluster: Any, jobs: Jo
     decode = cluster.workers["decode"]
 
     async def scenario() -> Any:
-        async with httpx.AsyncClient(timeout=WAIT_S) as client:
+        async with new_client() as client:
             os.kill(decode.process.pid, signal.SIGSTOP)
             task = asyncio.create_task(
                 stress.run_job(client, cluster.url, jobs(40, 8, False), timeout_s=WAIT_S)

@@ -1,6 +1,6 @@
 """Load with faults through the real server, short: bench/stress.py's harness and rules on a smaller load.
 
-Single node: 12 clients of 4 tenants, 60 requests of mixed lengths (page edges, exactly at the window,
+Single node: 12 clients of 4 tenants, 48 requests of mixed lengths (page edges, exactly at the window,
 just beyond it), 20% hung up mid-stream, single-node faults armed at random. Disaggregated: a smaller run
 through the Router with transfer faults on the prefill worker and page faults in the decode worker.
 Each run must show: completed requests equal to their offline references, a clear error for every other
@@ -47,7 +47,7 @@ def _caught(report: object) -> int:
 def test_single_node_load_with_faults(smollm2: GGUFModel, one_torch_thread: None) -> None:
     plan = stress.Plan(
         clients=12,
-        requests=60,
+        requests=48,
         tenants=4,
         window=256,
         num_pages=48,  # 768 tokens for 12 clients: preemption happens
