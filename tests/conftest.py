@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
+import uvicorn
+from fastapi import FastAPI
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
@@ -122,3 +130,23 @@ def assert_same_greedy(
             gap = (top2[0] - top2[1]).item()
             assert gap < tie_gap, f"step {step}: token {a} != {b} with a top-2 gap of {gap:.2e}"
             return
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """`app` under uvicorn on a free loopback port (bound here, so no race for it); yields its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

@@ -9,18 +9,13 @@ import argparse
 import asyncio
 import json
 import re
-import socket
-import threading
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
-from conftest import real_engine
+from conftest import real_engine, serving
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -43,26 +38,6 @@ ACCEPTANCE = [
     "recycle_timing",
     "tenant_pages",
 ]
-
-
-@contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """`app` under uvicorn on a free loopback port (bound here, so no race for it); yields its URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 def audit(url: str, out: Path, *extra: str) -> tuple[int, dict[str, Any]]:

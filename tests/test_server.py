@@ -5,8 +5,6 @@ the official `openai` client (and by httpx where a test needs headers, raw bodie
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator
@@ -16,8 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
-from conftest import real_engine
+from conftest import real_engine, serving
 from openai.types.chat import ChatCompletion
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -76,20 +73,8 @@ class Server:
 @pytest.fixture(scope="module")
 def server(smollm2: GGUFModel) -> Iterator[Server]:
     engine = AsyncEngine(real_engine(smollm2, num_pages=64, max_model_len=512))
-    app = build_app(engine, MODEL, API_KEYS, ADMIN_KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound here and handed over: no race for the port
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield Server(engine, f"http://127.0.0.1:{sock.getsockname()[1]}")
-    uv.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with serving(build_app(engine, MODEL, API_KEYS, ADMIN_KEY)) as url:
+        yield Server(engine, url)
 
 
 @pytest.fixture(scope="module")
