@@ -9,8 +9,8 @@ ignore_eos / min_new_tokens). Rows at concurrency / batch 1 run one request at a
 numbers do not depend on the request count: they use the first `--sequential-requests` prompts (default 8)
 to fit the time budget. Each row waits for a quiet machine and is redone (up to --retries) when other
 processes took cores it needed (over 15% of the CPUs beyond those torch leaves idle); the "others %" column
-shows what they took. Torch runs with one thread unless --threads says otherwise (kvfence and HF alike;
-see --help for why).
+shows what they took. Torch runs with two threads unless --threads says otherwise (kvfence and HF alike;
+see --help for when one is better).
 Writes bench/results/throughput.json.
 """
 

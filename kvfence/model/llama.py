@@ -18,6 +18,18 @@ import torch.nn.functional as F
 from kvfence.model.gguf import LlamaConfig
 
 
+def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight`, with a lone row computed as a two-row GEMM.
+
+    With [in, out] weights, BLAS takes a GEMV path for one row that rounds differently from the GEMM path
+    used for two or more, where a row's result is (measured) almost always bit-identical whatever the row
+    count. Duplicating a lone row keeps a solo decode's logits equal to the same request's batched ones
+    (batched == solo is the oracle the fence tests lean on) for ~10 ms per solo step."""
+    if x.shape[0] == 1:
+        return (x.expand(2, -1) @ weight)[:1]
+    return x @ weight
+
+
 @dataclass
 class PrefillSeq:
     """A prefill chunk: tokens [start, end) of the step, attending over `context_len` cached+new tokens.
@@ -61,21 +73,29 @@ class LlamaModel:
 
     @staticmethod
     def _fuse_layer(t: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
-        """One matmul for Q/K/V and one for gate/up: fewer kernel launches per layer."""
+        """One matmul for Q/K/V and one for gate/up: fewer kernel launches per layer.
+
+        Projections are stored transposed, [in, out] contiguous, and applied as `x @ w`: with 16 rows (a
+        decode batch) and two threads, MKL runs a layer's matmuls in 0.8 ms that way against 3.4 ms for
+        `x @ W.T` over the [out, in] original (measured; equal at one thread and for prefill-sized inputs)."""
         p = f"layers.{i}."
+
+        def stacked(*names: str) -> torch.Tensor:
+            return torch.cat([t[p + name + ".weight"] for name in names]).T.contiguous()
+
         return {
             "in_norm": t[p + "input_layernorm.weight"],
             "post_norm": t[p + "post_attention_layernorm.weight"],
-            "qkv": torch.cat([t[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).contiguous(),
-            "o": t[p + "self_attn.o_proj.weight"],
-            "gate_up": torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]).contiguous(),
-            "down": t[p + "mlp.down_proj.weight"],
+            "qkv": stacked("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "o": stacked("self_attn.o_proj"),
+            "gate_up": stacked("mlp.gate_proj", "mlp.up_proj"),
+            "down": stacked("mlp.down_proj"),
         }
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        # In float32 whatever the weights' dtype, as HF does; F.rms_norm is one fused kernel.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
+        return weight * normed.to(x.dtype)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -96,10 +116,9 @@ class LlamaModel:
         decode_mask = decode_mask.view(len(inputs.decode_rows), 1, 1, span)
         for li, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["in_norm"])
-            q, k, v = (x @ layer["qkv"].T).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-            q = self._rope(q.view(-1, nq, hd), cos, sin)
-            k = self._rope(k.view(-1, nkv, hd), cos, sin)
-            v = v.view(-1, nkv, hd)
+            qkv = _matmul(x, layer["qkv"]).view(-1, nq + 2 * nkv, hd)
+            q, k = self._rope(qkv[:, : nq + nkv], cos, sin).split([nq, nkv], dim=1)  # one RoPE for Q and K
+            v = qkv[:, nq + nkv :]
             k_cache, v_cache = kv[li, 0], kv[li, 1]
             k_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, k)
             v_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, v)
@@ -110,15 +129,28 @@ class LlamaModel:
                 )
             for seq in inputs.prefills:
                 attn[seq.start : seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq)
-            h = h + attn.view(-1, nq * hd) @ layer["o"].T
+            h = h + _matmul(attn.view(-1, nq * hd), layer["o"])
             x = self._rms_norm(h, layer["post_norm"])
-            gate, up = (x @ layer["gate_up"].T).chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ layer["down"].T
+            gate, up = _matmul(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = h + _matmul(F.silu(gate) * up, layer["down"])
         out = self._rms_norm(h[inputs.logits_rows], self.norm)
-        return (out @ self.lm_head.T).float()
+        # [vocab, hidden] @ [hidden, S]: the weight's own layout (it is tied to the embedding, so a
+        # transposed copy would cost another 113 MB) and as fast as the transposed form for few rows.
+        return (self.lm_head @ out.T).T.float()
 
     @staticmethod
+    def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """The pages named by `block_tables` [..., n] as [..., n * page_size, kv_heads, head_dim].
+
+        index_select over whole flattened pages copies one contiguous run per page: ~3.5x faster than
+        advanced indexing `cache[block_tables]`, which walks the trailing dims element by element."""
+        ps, nkv, hd = cache.shape[1:]
+        pages = cache.view(cache.shape[0], -1).index_select(0, block_tables.flatten())
+        return pages.view(*block_tables.shape[:-1], block_tables.shape[-1] * ps, nkv, hd)
+
+    @classmethod
     def _decode_attention(
+        cls,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -126,15 +158,14 @@ class LlamaModel:
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """q [D, heads, hd] attends over each row's pages; padded slots are masked out."""
-        d, max_pages = block_tables.shape
-        ps, nkv, hd = k_cache.shape[1:]
-        keys = k_cache[block_tables].view(d, max_pages * ps, nkv, hd).transpose(1, 2)
-        values = v_cache[block_tables].view(d, max_pages * ps, nkv, hd).transpose(1, 2)
+        keys = cls._gather_pages(k_cache, block_tables).transpose(1, 2)
+        values = cls._gather_pages(v_cache, block_tables).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
         return out.squeeze(2)
 
-    @staticmethod
+    @classmethod
     def _prefill_attention(
+        cls,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -142,19 +173,20 @@ class LlamaModel:
         v_cache: torch.Tensor,
         seq: PrefillSeq,
     ) -> torch.Tensor:
-        qs = q[seq.start : seq.end].transpose(0, 1)
+        # SDPA gets a batch dim of 1: on CPU only 4-D inputs reach the fused flash kernel (~3x faster for
+        # a 512-token chunk than the 3-D fallback, which materialises the score matrix).
+        qs = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
         if seq.block_table is None:
-            keys = k[seq.start : seq.end].transpose(0, 1)
-            values = v[seq.start : seq.end].transpose(0, 1)
+            keys = k[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+            values = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True)
-            return out.transpose(0, 1)
-        nkv, hd = k_cache.shape[2:]
+            return out[0].transpose(0, 1)
         n_new, ctx = seq.end - seq.start, seq.context_len
-        keys = k_cache[seq.block_table].view(-1, nkv, hd)[:ctx].transpose(0, 1)
-        values = v_cache[seq.block_table].view(-1, nkv, hd)[:ctx].transpose(0, 1)
+        keys = cls._gather_pages(k_cache, seq.block_table)[:ctx].transpose(0, 1).unsqueeze(0)
+        values = cls._gather_pages(v_cache, seq.block_table)[:ctx].transpose(0, 1).unsqueeze(0)
         # Query i sits at position ctx - n_new + i and may see keys up to and including that position.
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= torch.arange(
             ctx - n_new, ctx, device=q.device
         ).unsqueeze(1)
         out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
