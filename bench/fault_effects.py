@@ -9,11 +9,7 @@ injection point when its fault changed something:
   stale_mapping            PageAllocator._free_a_held_page             page, generation
   cross_tenant_prefix_hit  PrefixCache._foreign_pages                  tenant (id), pages
   read_beyond_written      Scheduler._believe_unwritten_prefix         request_id, tokens
-  stale_write              runner._redirect_a_write (via execute)      request_id (the writer), page
-
-Until an engine file makes that call itself, `install_recorders` wraps the injection point so that it
-does (a point whose module already calls `record("<fault>", ...)` is left alone). This shim is the only code
-here that knows engine internals; delete it once every call site records.
+  stale_write              ModelRunner.execute                         request_id (the writer), page
 
 `FaultLedger` listens on the engine thread and, for a page-level effect, notes the requests that map the
 page at the generation it had: those are the ones the fence must stop. `verdicts` then judges each effect
@@ -22,23 +18,13 @@ from how its victims ended.
 
 from __future__ import annotations
 
-import inspect
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from kvfence.audit.faults import FaultEffect
-from kvfence.cache import allocator as allocator_module
-from kvfence.cache import prefix as prefix_module
 from kvfence.cache.fence import INTEGRITY_REASONS, MappingRecord
-from kvfence.engine import runner as runner_module
-from kvfence.engine import scheduler as scheduler_module
 from kvfence.engine.engine import LLMEngine
-from kvfence.request import Request
 
 SINGLE_NODE_FAULTS = (
     "stale_mapping",
@@ -48,105 +34,6 @@ SINGLE_NODE_FAULTS = (
     "stale_write",
 )
 PAGE_FAULTS = frozenset({"double_allocation", "stale_mapping"})
-
-# ---- the transitional shim ---------------------------------------------------------------------------------
-
-
-def _records_itself(module: ModuleType, fault: str) -> bool:
-    return re.search(rf"record\(\s*[\"']{fault}[\"']", inspect.getsource(module)) is not None
-
-
-def _shim_double_allocation(engine: LLMEngine) -> None:
-    allocator = engine.allocator
-    take_page = allocator._take_page
-
-    def recorded(record: MappingRecord) -> int:
-        held_before = allocator.refcount.copy()
-        page = take_page(record)
-        if held_before[page] > 0:  # a page someone still held was handed out as if free
-            generation = int(allocator.pool.generation[page])
-            allocator.faults.record("double_allocation", page=page, generation=generation)
-        return page
-
-    allocator._take_page = recorded  # type: ignore[method-assign]
-
-
-def _shim_stale_mapping(engine: LLMEngine) -> None:
-    allocator = engine.allocator
-    free_a_held_page = allocator._free_a_held_page
-
-    def recorded() -> None:
-        held_before = allocator.refcount.copy()
-        free_a_held_page()
-        for page in np.flatnonzero((held_before > 0) & (allocator.refcount == 0)).tolist():
-            generation = int(allocator.pool.generation[page])
-            allocator.faults.record("stale_mapping", page=page, generation=generation)
-
-    allocator._free_a_held_page = recorded  # type: ignore[method-assign]
-
-
-def _shim_cross_tenant_prefix_hit(engine: LLMEngine) -> None:
-    prefix = engine.prefix
-    if prefix is None:
-        return
-    foreign_pages = prefix._foreign_pages
-
-    def recorded(tenant: int, count: int) -> list[int]:
-        pages = foreign_pages(tenant, count)
-        if pages:
-            prefix.faults.record("cross_tenant_prefix_hit", tenant=tenant, pages=pages)
-        return pages
-
-    prefix._foreign_pages = recorded  # type: ignore[method-assign]
-
-
-def _shim_read_beyond_written(engine: LLMEngine) -> None:
-    scheduler = engine.scheduler
-    believe = scheduler._believe_unwritten_prefix
-
-    def recorded(request: Request, n: int) -> int:
-        computed = believe(request, n)
-        if computed != n:
-            scheduler.faults.record("read_beyond_written", request_id=request.request_id, tokens=n - computed)
-        return computed
-
-    scheduler._believe_unwritten_prefix = recorded  # type: ignore[method-assign]
-
-
-def _shim_stale_write(engine: LLMEngine) -> None:
-    runner = engine.runner
-    execute = runner.execute
-
-    def recorded(requests: list[Request], num_new: list[int]) -> Any:
-        fired = runner.faults.fired.get("stale_write", 0)
-        result = execute(requests, num_new)
-        # _redirect_a_write changes something exactly when another row (each maps >= 1 page) shares the
-        # batch with row 0, whose first write it redirects.
-        if runner.faults.fired.get("stale_write", 0) > fired and len(requests) >= 2:
-            runner.faults.record("stale_write", request_id=requests[0].request_id)
-        return result
-
-    runner.execute = recorded  # type: ignore[method-assign]
-
-
-_SHIMS: dict[str, tuple[ModuleType, Callable[[LLMEngine], None]]] = {
-    "double_allocation": (allocator_module, _shim_double_allocation),
-    "stale_mapping": (allocator_module, _shim_stale_mapping),
-    "cross_tenant_prefix_hit": (prefix_module, _shim_cross_tenant_prefix_hit),
-    "read_beyond_written": (scheduler_module, _shim_read_beyond_written),
-    "stale_write": (runner_module, _shim_stale_write),
-}
-
-
-def install_recorders(engine: LLMEngine) -> list[str]:
-    """Make every single-node injection point of `engine` record its effects; returns the faults shimmed.
-    Call before the engine thread starts (or on it)."""
-    shimmed = []
-    for fault, (module, shim) in _SHIMS.items():
-        if not _records_itself(module, fault):
-            shim(engine)
-            shimmed.append(fault)
-    return shimmed
 
 
 def _mappings(record: MappingRecord) -> list[tuple[int, int]]:
@@ -184,9 +71,8 @@ class FaultLedger:
 
     @classmethod
     def attach(cls, engine: LLMEngine) -> FaultLedger:
-        """Shim the injection points that do not record yet, and listen (call before the engine runs)."""
+        """Listen to the engine's fault effects (call before the engine runs)."""
         ledger = cls(engine)
-        install_recorders(engine)
         engine.faults.listeners.append(ledger._on_effect)
         return ledger
 

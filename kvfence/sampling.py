@@ -50,25 +50,32 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """One token per row of `logits` [batch, vocab] (float32)."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
+) -> list[int | None]:
+    """One token per row of `logits` [batch, vocab] (float32); None for a row whose logits are not all
+    finite: there is nothing sound to sample, and the caller aborts that request alone."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    tokens: list[int | None] = torch.argmax(logits, dim=-1).tolist()
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
+        if not finite[row]:
+            tokens[row] = None
+        elif not p.greedy:
             tokens[row] = _sample_row(logits[row], p, generator)
     return tokens
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    scaled = logits.float() / p.temperature
+    # The top token scores exactly 0 after the shift and keeps probability > 0 however small the
+    # temperature or top_p: the distribution can never become all -inf (NaN), so multinomial cannot fail.
+    scaled = (logits.float() - logits.max()) / p.temperature
     if p.top_k > 0:
         kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(scaled, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the mass before it already reaches top_p; the first token always stays.
-        drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        drop[0] = False
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import make_engine
 
 from kvfence.config import CapacityError
 from kvfence.engine.engine import CONTEXT_LENGTH_EXCEEDED, AdmissionError
-from kvfence.model.llama import LlamaModel
+from kvfence.model.llama import LlamaModel, StepInputs
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
 
@@ -117,6 +118,52 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny: LlamaModel)
     assert together[1].output_token_ids == alone
     other_seed = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
     assert make_engine(tiny).generate([p], other_seed)[0].output_token_ids != alone
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=10, temperature=1e-40, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.0, top_p=5e-324, seed=1, ignore_eos=True),
+    ],
+    ids=["temperature 1e-40", "top_p 5e-324"],
+)
+def test_vanishing_temperature_or_top_p_samples_the_top_token(
+    tiny: LlamaModel, params: SamplingParams
+) -> None:
+    """logits / 1e-40 overflows float32 and a top_p below float32's range drops every token; the sampler
+    still returns the greedy tokens (their limit) instead of raising, which would fail the whole batch."""
+    p = prompt(9)
+    greedy = make_engine(tiny).generate([p], GREEDY)[0].output_token_ids
+    assert make_engine(tiny).generate([p], params)[0].output_token_ids == greedy
+
+
+def test_non_finite_logits_abort_only_their_request(
+    tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NaN row from the model aborts that request; the rest of the batch finishes with its solo tokens
+    and every page comes back."""
+    prompts = [prompt(9), prompt(14), prompt(6)]
+    solo = [make_engine(tiny).generate([p], GREEDY)[0].output_token_ids for p in prompts]
+    engine = make_engine(tiny)
+    forward = engine.model.forward
+
+    def poison_first_row_at_step_4(inputs: StepInputs, kv: torch.Tensor) -> torch.Tensor:
+        logits = forward(inputs, kv)
+        if engine.num_steps == 4:
+            logits[0] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.model, "forward", poison_first_row_at_step_4)  # the model is shared
+    done = engine.generate(prompts, GREEDY)
+    aborted = [r for r in done if r.status is Status.ABORTED]
+    assert [r.finish_reason for r in aborted] == ["non_finite_logits"]
+    assert len(aborted[0].output_token_ids) == 3  # steps 1-3 sampled, step 4 did not
+    for request, tokens in zip(done, solo, strict=True):
+        if request.status is Status.FINISHED:
+            assert request.output_token_ids == tokens
+    assert engine.allocator.num_free_pages == engine.pool.num_pages
+    engine.check_integrity()
 
 
 def test_top_k_one_is_greedy(tiny: LlamaModel) -> None:

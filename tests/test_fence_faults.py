@@ -154,7 +154,7 @@ def test_fault_is_caught_with_isolation_on(tiny: LlamaModel, fault: str) -> None
     aborted = reqs[case.aborted]
     assert aborted.status is Status.ABORTED and aborted.finish_reason == case.reason
     assert engine.events.kinds(aborted.request_id)[-2:] == ["aborted", "released"]
-    assert engine.fence.stats.aborts == {case.reason: 1}
+    assert engine.integrity_aborts == {case.reason: 1}
     for label, request in reqs.items():
         assert trace.foreign_reads(request.request_id) == [], f"{label} read a foreign page"
         assert trace.foreign_writes(request.request_id) == [], f"{label} wrote a foreign page"
@@ -177,4 +177,4 @@ def test_clean_batch_reads_only_own_pages(tiny: LlamaModel) -> None:
     assert all(r.status is Status.FINISHED for r in reqs)
     assert all(trace.reads[r.request_id] for r in reqs)
     assert not any(trace.foreign_reads(r.request_id) or trace.foreign_writes(r.request_id) for r in reqs)
-    assert engine.fence.stats.checks == engine.num_steps and not engine.fence.stats.aborts
+    assert engine.fence.stats.checks == engine.num_steps and not engine.integrity_aborts

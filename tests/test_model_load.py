@@ -156,6 +156,10 @@ def test_incremental_decoder_holds_back_split_characters(tokenizer: Tokenizer) -
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert not any("\ufffd" in piece for piece in pieces)
     assert "" in pieces  # some character really was split across tokens
+    cut = next(i for i, piece in enumerate(pieces) if piece == "")  # the stream ends mid-character
+    decoder = IncrementalDecoder(tokenizer)
+    pieces = [decoder.step(token_id, final=i == cut) for i, token_id in enumerate(ids[: cut + 1])]
+    assert "".join(pieces) == tokenizer.decode(ids[: cut + 1]) and pieces[-1].endswith("\ufffd")
 
 
 def test_pre_tokenizers_follow_llama_cpp_regexes() -> None:

@@ -64,8 +64,10 @@ class PageAllocator:
             held = np.flatnonzero(self.refcount > 0)
             held = held[~np.isin(held, record.pages)]
             if held.size:  # the bug: a page another request still holds is handed out as if free
-                self.refcount[held[0]] = 0
-                return int(held[0])
+                page = int(held[0])
+                self.refcount[page] = 0
+                self.faults.record("double_allocation", page=page, generation=int(self.pool.generation[page]))
+                return page
         if self.free:
             return self.free.popitem(last=False)[0]
         assert self.prefix is not None
@@ -129,6 +131,7 @@ class PageAllocator:
             page = int(held[-1])
             self.refcount[page] = 1
             self._drop_reference(page)
+            self.faults.record("stale_mapping", page=page, generation=int(self.pool.generation[page]))
             if page in self.free:
                 self.free.move_to_end(page, last=False)  # reused first, as a LIFO free list would
 

@@ -60,9 +60,11 @@ class PrefixCache:
     def _foreign_pages(self, tenant: int, count: int) -> list[int]:
         """Fault: a lookup that ignores the namespace and the hash, as a colliding or un-namespaced key
         would, and returns another tenant's cached pages."""
-        foreign = [p for p in self.hash_by_page if self.pool.owner[p] != tenant]
-        self.hits += len(foreign[:count])
-        return foreign[:count]
+        foreign = [p for p in self.hash_by_page if self.pool.owner[p] != tenant][:count]
+        self.hits += len(foreign)
+        if foreign:
+            self.faults.record("cross_tenant_prefix_hit", tenant=tenant, pages=foreign)
+        return foreign
 
     def insert(self, page: int, page_hash: int) -> bool:
         """Publish a full page. False when another page already holds this content (ours stays private)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from kvfence.audit.events import EventLog
 from kvfence.audit.faults import FaultInjector
 from kvfence.audit.trace import PageTrace
 from kvfence.cache.allocator import PageAllocator
-from kvfence.cache.fence import Fence, MappingRecord
+from kvfence.cache.fence import INTEGRITY_REASONS, Fence, MappingRecord
 from kvfence.cache.pool import KVPool
 from kvfence.cache.prefix import PrefixCache
 from kvfence.config import CapacityError, CapacityReport, EngineConfig
@@ -137,6 +138,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stop_token_ids = tokenizer.stop_token_ids if tokenizer else set()
         self.num_steps = 0
+        self.integrity_aborts: Counter[str] = Counter()  # by reason, whatever path caught it
 
     # ---- admission -------------------------------------------------------------------------------------
 
@@ -282,6 +284,8 @@ class LLMEngine:
 
     def _finish(self, request: Request, status: Status, reason: str, quarantine: bool = False) -> None:
         self.scheduler.finish(request, status, reason, quarantine)
+        if status is Status.ABORTED and reason in INTEGRITY_REASONS:
+            self.integrity_aborts[reason] += 1  # step validation, handoff checks and refused transfer writes
         del self.requests[request.request_id]
         self._decoders.pop(request.request_id, None)
 
@@ -298,9 +302,10 @@ class LLMEngine:
         request.output_token_ids.append(token)
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
+        ending = self._ending(request, token)
         decoder = self._decoders.get(request.request_id)
-        request.output_text += decoder.step(token) if decoder else ""
-        reason = self._stop_reason(request, token)
+        request.output_text += decoder.step(token, final=ending is not None) if decoder else ""
+        reason = self._stop_string(request) or ending
         if reason is not None:
             self._finish(request, Status.FINISHED, reason)
         return self._snapshot(request, [token], self._new_text(request))
@@ -318,18 +323,27 @@ class LLMEngine:
         request.num_streamed_chars = end
         return text
 
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        params = request.params
-        if token in self.stop_token_ids and not params.ignore_eos:
+    def _ending(self, request: Request, token: int) -> str | None:
+        """Why `token`, just appended, is the request's last (EOS: "stop", budget or window: "length"), or
+        None. Known before the token is decoded, so that the decoder can give out what it holds back."""
+        if token in self.stop_token_ids and not request.params.ignore_eos:
             return "stop"
-        for stop in params.stop:
+        if (
+            len(request.output_token_ids) >= request.params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return "length"
+        return None
+
+    @staticmethod
+    def _stop_string(request: Request) -> str | None:
+        """A stop string appeared: the text is cut where it starts and the reason is "stop"."""
+        for stop in request.params.stop:
             # A stop string can only start in text not yet streamed (see _new_text).
             cut = request.output_text.find(stop, request.num_streamed_chars)
             if cut != -1:
                 request.output_text = request.output_text[:cut]
                 return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length"
         return None
 
     def _snapshot(self, request: Request, tokens: list[int], text: str) -> RequestOutput:

@@ -21,6 +21,8 @@ from kvfence.model.llama import LlamaModel, PrefillSeq, StepInputs
 from kvfence.request import Request
 from kvfence.sampling import sample
 
+NON_FINITE_LOGITS = "non_finite_logits"  # the model produced NaN/inf for this row: abort it, not the batch
+
 # Called with the rows about to run and their layout, after validation and before the model reads
 # anything: tests and the lab use it to trace which pages each request really reads and writes.
 StepObserver = Callable[[list[Request], StepLayout], None]
@@ -31,7 +33,7 @@ LogitsObserver = Callable[[list[Request], torch.Tensor], None]
 @dataclass
 class StepResult:
     sampled: dict[str, int]  # request id -> new token, for rows that reached the end of their tokens
-    aborted: dict[str, str]  # request id -> fence violation
+    aborted: dict[str, str]  # request id -> fence violation, or NON_FINITE_LOGITS
     num_tokens: int  # tokens computed this step
 
 
@@ -46,8 +48,8 @@ class ModelRunner:
 
     def execute(self, requests: list[Request], num_new: list[int]) -> StepResult:
         layout = build_layout(requests, num_new, self.pool.page_size)
-        if self.faults.fire("stale_write"):
-            _redirect_a_write(layout)
+        if self.faults.fire("stale_write") and (page := _redirect_a_write(layout)) is not None:
+            self.faults.record("stale_write", request_id=requests[0].request_id, page=page)
         verdict = self.fence.validate_step(layout)
         aborted = {requests[row].request_id: reason for row, reason in verdict.items()}
         if verdict:
@@ -65,7 +67,12 @@ class ModelRunner:
         if self.logits_observer is not None:
             self.logits_observer(sampled_requests, logits)
         tokens = sample(logits, [r.params for r in sampled_requests], [r.generator for r in sampled_requests])
-        sampled = {r.request_id: t for r, t in zip(sampled_requests, tokens, strict=True)}
+        sampled = {}
+        for request, token in zip(sampled_requests, tokens, strict=True):
+            if token is None:
+                aborted[request.request_id] = NON_FINITE_LOGITS
+            else:
+                sampled[request.request_id] = token
         return StepResult(sampled, aborted, sum(num_new))
 
     def _model_inputs(
@@ -143,14 +150,16 @@ def build_layout(requests: list[Request], num_new: list[int], page_size: int) ->
     )
 
 
-def _redirect_a_write(layout: StepLayout) -> None:
+def _redirect_a_write(layout: StepLayout) -> int | None:
     """Fault `stale_write`: the first new token of row 0 is written into another row's first page under a
-    stale generation, as a writer holding an outdated mapping would."""
+    stale generation, as a writer holding an outdated mapping would. Returns the page written into, None
+    when there is no other row to write into."""
     victims = np.flatnonzero(np.diff(layout.starts) > 0)
     victims = victims[victims != 0]
     if layout.write_rows.size == 0 or victims.size == 0:
-        return
+        return None
     victim_page = layout.pages[layout.starts[victims[0]]]
     layout.write_pages[0] = victim_page
     layout.write_generations[0] = layout.generations[layout.starts[victims[0]]] - 1
     layout.write_offsets[0] = 0
+    return int(victim_page)

@@ -132,6 +132,7 @@ class Scheduler:
         if full == 0:
             return n
         self.events.emit(request.request_id, "fault_injected", fault="read_beyond_written", tokens=full)
+        self.faults.record("read_beyond_written", request_id=request.request_id, tokens=full)
         request.num_computed_tokens = full
         return n - full
 

@@ -33,7 +33,7 @@ class EngineStats:
             pages_free=engine.allocator.num_free_pages,
             pages_by_state={state.name.lower(): int(counts[state]) for state in PageState},
             prefix_hits=engine.prefix.hits if engine.prefix else 0,
-            integrity_aborts={reason: fence.aborts[reason] for reason in sorted(INTEGRITY_REASONS)},
+            integrity_aborts={r: engine.integrity_aborts[r] for r in sorted(INTEGRITY_REASONS)},
             refused_writes=engine.pool.refused_writes,
             validation_checks=fence.checks,
             validation_seconds=fence.seconds,

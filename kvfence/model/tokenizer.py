@@ -181,7 +181,9 @@ class IncrementalDecoder:
     """Turns a stream of token ids into text pieces whose concatenation is the decode of the whole stream.
 
     A character split across tokens (multi-byte UTF-8) is held back until its last byte arrives, so no
-    piece ends in U+FFFD. Only the ids since the last emitted boundary are re-decoded on each step.
+    piece ends in U+FFFD, except the final piece: bytes that can no longer be completed are then given
+    out as U+FFFD, as a whole-stream decode would, rather than silently dropped. Only the ids since the
+    last emitted boundary are re-decoded on each step.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -190,12 +192,13 @@ class IncrementalDecoder:
         self._prefix_start = 0  # ids[_prefix_start:_pending_start] give context already emitted
         self._pending_start = 0  # ids from here on are not emitted yet
 
-    def step(self, token_id: int) -> str:
-        """Add one token; return the text it completes ("" while a character is still incomplete)."""
+    def step(self, token_id: int, final: bool = False) -> str:
+        """Add one token; return the text it completes ("" while a character is still incomplete).
+        `final`: no token follows, so nothing is held back any more."""
         self._ids.append(token_id)
         emitted = self._tokenizer.decode(self._ids[self._prefix_start : self._pending_start])
         text = self._tokenizer.decode(self._ids[self._prefix_start :])
-        if len(text) <= len(emitted) or text.endswith("\ufffd"):
+        if len(text) <= len(emitted) or (text.endswith("\ufffd") and not final):
             return ""
         self._prefix_start, self._pending_start = self._pending_start, len(self._ids)
         return text[len(emitted) :]
