@@ -85,7 +85,7 @@ FAULT_RATES = {
 # Disaggregated: transfer faults on the prefill worker, page faults in the decode worker's engine.
 PREFILL_FAULT_RATES = {"corrupt_page": 0.03, "partial_transfer": 0.03, "transfer_failure_ack_mismatch": 0.03}
 DECODE_FAULT_RATES = {"stale_write": 0.01, "double_allocation": 0.002, "stale_mapping": 0.02}
-RETRY_LATER = frozenset({"server_busy", "prefill_unavailable"})  # 503: the request was never started
+RETRY_LATER = frozenset({"server_busy", "prefill_unavailable", "decode_unavailable"})  # 503: never started
 RETRY_ATTEMPTS = 30
 RETRY_PAUSE_S = 0.5
 
@@ -273,6 +273,7 @@ class Outcome:
     seconds: float = 0.0
     match: str | None = None  # for completed: exact | near_tie | differs
     attempts: int = 1  # a 503 "retry later" is retried after a pause, as a client would
+    retry_after: str | None = None  # the Retry-After header of an error answer
 
 
 def _error_kind(status: int, error: dict[str, Any]) -> str:
@@ -298,12 +299,17 @@ def _body(job: Job) -> dict[str, Any]:
 
 async def _plain(client: httpx.AsyncClient, url: str, job: Job, outcome: Outcome) -> None:
     response = await client.post(url, json=_body(job), headers={"authorization": f"Bearer {job.tenant.key}"})
-    outcome.status, outcome.request_id = response.status_code, response.headers.get("x-request-id")
+    _set_head(outcome, response)
     data = response.json()
     if response.status_code == 200:
         outcome.kind, outcome.text = "completed", data["choices"][0]["text"]
         return
     _set_error(outcome, response.status_code, data.get("error", {}))
+
+
+def _set_head(outcome: Outcome, response: httpx.Response) -> None:
+    outcome.status, outcome.request_id = response.status_code, response.headers.get("x-request-id")
+    outcome.retry_after = response.headers.get("retry-after")
 
 
 def _set_error(outcome: Outcome, status: int, error: dict[str, Any]) -> None:
@@ -320,7 +326,7 @@ async def _streamed(
 ) -> None:
     headers = {"authorization": f"Bearer {job.tenant.key}"}
     async with client.stream("POST", url, json=_body(job), headers=headers) as response:
-        outcome.status, outcome.request_id = response.status_code, response.headers.get("x-request-id")
+        _set_head(outcome, response)
         if response.status_code != 200:
             _set_error(outcome, response.status_code, json.loads(await response.aread()).get("error", {}))
             return

@@ -1,8 +1,8 @@
 """kill -9 of a worker process mid-load through the Router, then its restart on the SAME address.
 
 Decode crash: every request decoding there ends at once with a clear error (`decode_lost`), a request sent
-while decode is down waits for the restarted worker (its DEALER queue is delivered on reconnect) and
-completes, and so do requests after the restart. Prefill crash: requests whose KV was still to come end
+while decode is down is answered 503 `decode_unavailable` at once by the router (with Retry-After), and
+requests after the restart complete. Prefill crash: requests whose KV was still to come end
 with `prefill_lost` and their decode pages go aborted -> quarantined -> drained(peer_down) -> released with
 no reuse in between; requests already decoding complete with their reference output; while prefill is down
 decode refuses new work with 503 `prefill_unavailable`; after the restart requests complete again.
@@ -18,11 +18,9 @@ import importlib
 import os
 import random
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,7 +30,6 @@ from kvfence.config import EngineConfig
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 stress = importlib.import_module("stress")
 serving = importlib.import_module("serving")
 
@@ -131,21 +128,22 @@ def assert_matches(refs_engine: Any, pairs: list[tuple[Any, Any]]) -> None:
 
 
 def test_decode_crash_fails_its_requests_and_recovers(cluster: Any, jobs: Jobs, refs_engine: Any) -> None:
-    async def scenario() -> tuple[list[Any], list[tuple[Any, Any]]]:
+    async def scenario() -> tuple[list[Any], Any, list[tuple[Any, Any]]]:
         async with new_client() as client:
             tasks = await decoding(client, cluster.url, [jobs(40, 64, stream=True) for _ in range(4)])
             cluster.workers["decode"].kill()
             lost = await asyncio.gather(*tasks)
-            waiting_job = jobs(40, 8, stream=False)
-            waiting = asyncio.create_task(stress.run_job(client, cluster.url, waiting_job, timeout_s=WAIT_S))
-            await asyncio.sleep(0.5)
+            refused = await stress.run_job(client, cluster.url, jobs(40, 8, stream=False), timeout_s=WAIT_S)
             await asyncio.to_thread(cluster.workers["decode"].restart)
-            return lost, [(waiting_job, await waiting), await recovered(client, cluster, jobs)]
+            return lost, refused, [await recovered(client, cluster, jobs)]
 
-    lost, completed = run(scenario())
+    lost, refused, completed = run(scenario())
     for outcome in lost:
         assert (outcome.kind, outcome.error_code) == ("error", "decode_lost")
         assert outcome.seconds < 30, "a request on the dead decode worker was not failed promptly"
+    assert (refused.kind, refused.status, refused.error_code) == ("retry_later", 503, "decode_unavailable")
+    assert refused.retry_after == "1"
+    assert refused.seconds < 5, "the router queued a request for a dead decode worker"
     assert_matches(refs_engine, completed)
     wait_for(lambda: pools_clean(cluster), "both pools to drain")
 
@@ -206,6 +204,7 @@ def test_prefill_crash_fences_its_transfers_and_recovers(cluster: Any, jobs: Job
     for outcome in lost:
         assert (outcome.kind, outcome.error_code) == ("error", "prefill_lost")
     assert (refused.kind, refused.status, refused.error_code) == ("retry_later", 503, "prefill_unavailable")
+    assert refused.retry_after == "1"
     assert_matches(refs_engine, survived + after)
     others = [o.request_id for _, o in survived + after if o.request_id]
     for outcome in lost:

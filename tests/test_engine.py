@@ -149,7 +149,7 @@ def test_non_finite_logits_abort_only_their_request(
     forward = engine.model.forward
 
     def poison_first_row_at_step_4(inputs: StepInputs, kv: torch.Tensor) -> torch.Tensor:
-        logits = forward(inputs, kv)
+        logits = forward(inputs, kv).clone()  # an inference tensor cannot be edited in place
         if engine.num_steps == 4:
             logits[0] = float("nan")
         return logits

@@ -87,7 +87,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.detail = ErrorDetail(message=message, type=type_ or _error_type(status), param=param, code=code)
-        self.headers = {"x-request-id": request_id} if request_id else None
+        self.headers = {"x-request-id": request_id} if request_id else {}
+        if status == 503:  # every 503 here is transient (no free pages now, a worker restarting)
+            self.headers["retry-after"] = "1"
 
 
 def _error_type(status: int) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvfence.audit.events import EventLog
 from kvfence.audit.faults import FaultInjector
-from kvfence.disagg.connector import PEER_DOWN, Connector, Message, ZmqConnector
+from kvfence.disagg.connector import PEER_DOWN, PEER_UP, Connector, Message, ZmqConnector
 from kvfence.engine.async_engine import STATS_TIMEOUT_S
 from kvfence.engine.engine import AdmissionError, RequestOutput, context_refusal
 from kvfence.engine.stats import EngineStats
@@ -70,6 +70,8 @@ class Router:
         self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
         self.workers: dict[str, WorkerInfo] = {}
         self.max_model_len = 0
+        # Workers whose connection is lost now. Written on the I/O thread, read by callers (a set lookup).
+        self._down: set[str] = set()
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
@@ -110,7 +112,7 @@ class Router:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        refusal = self._admission_refusal(len(prompt_token_ids), params.max_tokens)
+        refusal = self._unavailable() or self._admission_refusal(len(prompt_token_ids), params.max_tokens)
         if refusal is not None:
             self.events.emit(request_id, "rejected", reason=refusal.code, where="router")
             raise refusal
@@ -193,6 +195,14 @@ class Router:
         self._send(self.decode, "abort", request_id=request_id, reason=reason)
         return _aborted(request_id, reason)
 
+    def _unavailable(self) -> AdmissionError | None:
+        """A lost worker: answer 503 at once instead of queueing the request for its restart."""
+        for role, address in (("decode", self.decode), ("prefill", self.prefill)):
+            if address in self._down:
+                message = f"The {role} worker is unreachable; retry later."
+                return AdmissionError(f"{role}_unavailable", message, 503)
+        return None
+
     def _admission_refusal(self, prompt: int, budget: int) -> AdmissionError | None:
         """Invariant 3 across processes: the window, and (isolation on) both pools, before any reservation.
         With isolation off only the window is checked, as the incident's router did."""
@@ -249,8 +259,14 @@ class Router:
             connector.close()
 
     def _dispatch(self, message: Message) -> None:
-        if message.kind == PEER_DOWN and message.fields["peer"] == self.decode:
-            self._fail_all_streams("decode_lost")
+        if message.kind in (PEER_DOWN, PEER_UP):
+            peer = message.fields["peer"]
+            if message.kind == PEER_UP:
+                self._down.discard(peer)
+                return
+            self._down.add(peer)
+            if peer == self.decode:
+                self._fail_all_streams("decode_lost")
             return
         token = message.fields.get("token")
         if token is not None:
