@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI
 
 from kvfence.config import EngineConfig
@@ -19,6 +17,9 @@ from kvfence.model.gguf import GGUFModel, LlamaConfig, default_model_path, load_
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.request import Request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the harnesses tests share
+from serving import serve
 
 TINY = LlamaConfig(
     vocab_size=256,
@@ -134,19 +135,9 @@ def assert_same_greedy(
 
 @contextmanager
 def serving(app: FastAPI) -> Iterator[str]:
-    """`app` under uvicorn on a free loopback port (bound here, so no race for it); yields its URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
+    """`app` under uvicorn on a free loopback port, in a thread (bench/serving.py); yields its URL."""
+    server = serve(app)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield server.url
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+        server.stop()

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from multiprocessing import Process
@@ -18,8 +16,7 @@ from multiprocessing import Process
 import httpx
 import openai
 import pytest
-import uvicorn
-from conftest import real_engine
+from conftest import real_engine, serving
 
 from kvfence.api.server import build_app
 from kvfence.config import EngineConfig
@@ -75,19 +72,10 @@ def start_cluster(isolation: bool, prefill_faults: dict[str, float] | None = Non
     )
     config, metadata = read_header(default_model_path())
     router = Router(prefill_addr, decode_addr, Tokenizer(metadata), config.vocab_size, isolation=isolation)
-    app = build_app(router, MODEL, KEYS, ADMIN)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the router's HTTP server failed to start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield Cluster(f"http://127.0.0.1:{port}", router, prefill, decode)
+        with serving(build_app(router, MODEL, KEYS, ADMIN)) as url:
+            yield Cluster(url, router, prefill, decode)
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         for process in (prefill, decode):
             process.kill()
 

@@ -19,14 +19,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
-from conftest import real_engine
+from conftest import real_engine, serving
 from test_disagg_e2e import KEYS, MODEL, chat_ids
 
 from kvfence.api.server import build_app
@@ -169,23 +167,6 @@ def _pump(process: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
         lines.put(line)
 
 
-@contextmanager
-def serve_http(router: Router) -> Iterator[str]:
-    """The router behind the OpenAI app on 127.0.0.1 (a random port), in a thread; yields the base URL."""
-    app = build_app(router, MODEL, KEYS, None)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "the router's HTTP server failed to start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @dataclass
 class NetnsCluster:
     url: str
@@ -211,7 +192,7 @@ def cluster() -> Iterator[NetnsCluster]:
         config, metadata = read_header(default_model_path())
         prefill, decode = (host.address for host in HOSTS)
         router = Router(prefill, decode, Tokenizer(metadata), config.vocab_size, listen=f"tcp://{ROOT_IP}:0")
-        with serve_http(router) as url:
+        with serving(build_app(router, MODEL, KEYS, None)) as url:
             yield NetnsCluster(url, router, workers)
     finally:
         for worker in workers:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import socket
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +26,6 @@ from kvfence.api.server import DEFAULT_MAX_BODY_BYTES, build_app
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.model.gguf import GGUFModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 serving = importlib.import_module("serving")
 
 pytestmark = pytest.mark.real_model

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import importlib
 import random
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +23,6 @@ from kvfence.model.llama import LlamaModel
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 stress = importlib.import_module("stress")
 
 
