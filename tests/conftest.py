@@ -91,12 +91,14 @@ def smollm2() -> GGUFModel:
 def real_engine(gguf: GGUFModel, **overrides: object) -> LLMEngine:
     settings: dict[str, object] = {"num_pages": 256, "max_model_len": 2048}
     settings.update(overrides)
-    return LLMEngine(
+    engine = LLMEngine(
         EngineConfig(**settings),
         LlamaModel(gguf.config, gguf.tensors),  # type: ignore[arg-type]
         Tokenizer.from_gguf(gguf),
         log=lambda _: None,
     )
+    engine.model_file = gguf.path
+    return engine
 
 
 class LogitsRecorder:

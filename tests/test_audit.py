@@ -20,10 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvfence.api.server import build_app
-from kvfence.audit.acceptance import add_arguments, run
+from kvfence.audit.acceptance import add_arguments, check_pinned, run
 from kvfence.audit.probe import check_test_address
 from kvfence.engine.async_engine import AsyncEngine
-from kvfence.model.gguf import GGUFModel
+from kvfence.model.gguf import GGUFModel, file_sha256
 
 ADMIN = "audit-admin"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
@@ -73,7 +73,8 @@ def test_audit_passes_against_a_healthy_kvfence(smollm2: GGUFModel, tmp_path: Pa
     assert statuses(report) == dict.fromkeys(PROBES + ACCEPTANCE, "PASS")
     assert report["boundary"]["accepted_total"] == 512 and report["boundary"]["exact"]
     pins = check(report, "pinned_versions")["evidence"][-1]
-    assert len(pins["model_sha256"]) == 64 and pins["startup_flags"] == "x"
+    assert pins["source"] == "server: GET /v1/audit/info" and pins["startup_flags"] == "x"
+    assert pins["pools"]["single"]["model_sha256"] == file_sha256(smollm2.path)
     html = page.read_text(encoding="utf-8")
     assert not re.search(r"<script|<link|<img|\b(?:src|href)\s*=|url\(|@import", html), "not self-contained"
     assert html.count("<svg") == len(report["trails"]) + 1  # one timeline per audited request + legend
@@ -100,6 +101,38 @@ def test_audit_fails_complete_handoff_when_the_fence_is_off_and_a_fault_fires(
     assert results["rejection_terminates"] == "PASS"  # rejections still fail closed: it is the handoff
     table = capsys.readouterr().out
     assert re.search(r"complete_handoff\s+FAIL", table) and "audit FAILED" in table
+
+
+def server_info(**decode: Any) -> dict[str, Any]:
+    """A disaggregated server's /v1/audit/info: two pools alike unless `decode` overrides a field."""
+    pool = {"kvfence_version": "0.1.0", "git_commit": "abc", "model_sha256": "f" * 64, "page_size": 16}
+    return {"mode": "disaggregated", "pools": {"prefill": pool, "decode": {**pool, **decode}}}
+
+
+@pytest.mark.parametrize(
+    ("decode", "problem"),
+    [
+        ({}, None),
+        ({"model_sha256": "e" * 64}, "pools report different model sha256s"),
+        ({"model_sha256": None}, "model sha256 unknown"),
+        ({"git_commit": "def"}, "pools report different git_commit values"),
+    ],
+)
+def test_pinned_versions_from_the_server_need_one_known_model_and_code(
+    decode: dict[str, Any], problem: str | None
+) -> None:
+    result = check_pinned(server_info(**decode), None, "m", None, {})
+    assert result.status == ("PASS" if problem is None else "FAIL")
+    assert problem is None or problem in str(result.details)
+
+
+def test_pinned_versions_fail_when_the_server_serves_another_file(tmp_path: Path) -> None:
+    expected = tmp_path / "expected.gguf"
+    expected.write_bytes(b"the weights the auditor expects")
+    served = server_info()
+    assert check_pinned(served, expected, "m", None, {}).status == "FAIL"
+    alike = {role: {**pool, "model_sha256": file_sha256(expected)} for role, pool in served["pools"].items()}
+    assert check_pinned({**served, "pools": alike}, expected, "m", None, {}).status == "PASS"
 
 
 # ---- black-box probe against stand-in servers -------------------------------------------------------

@@ -22,7 +22,7 @@ from kvfence.api.server import build_app
 from kvfence.config import EngineConfig
 from kvfence.disagg.launch import spawn_workers
 from kvfence.disagg.router import Router
-from kvfence.model.gguf import GGUFModel, default_model_path, read_header
+from kvfence.model.gguf import GGUFModel, default_model_path, file_sha256, read_header
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.sampling import SamplingParams
 
@@ -132,6 +132,25 @@ def test_incident_is_refused_before_any_reservation(fenced: Cluster) -> None:
     request_id = err.value.response.headers["x-request-id"]
     kinds = [(e["where"], e["kind"]) for e in fenced.audit(request_id)]
     assert kinds == [("router", "rejected")], "something was reserved, transferred or run for B"
+
+
+def test_audit_info_names_both_pools(fenced: Cluster, smollm2: GGUFModel) -> None:
+    """Each worker reports its own pins through the router: the same model file, its own pool."""
+    response = httpx.get(f"{fenced.url}/v1/audit/info", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert response.status_code == 200, response.text
+    info = response.json()
+    assert (info["mode"], info["max_model_len"], sorted(info["pools"])) == (
+        "disaggregated",
+        512,
+        ["decode", "prefill"],
+    )
+    pools = info["pools"]
+    assert {pool["model_sha256"] for pool in pools.values()} == {file_sha256(smollm2.path)}
+    assert (pools["prefill"]["num_pages"], pools["decode"]["num_pages"]) == (
+        PREFILL.num_pages,
+        DECODE.num_pages,
+    )
+    assert pools["decode"]["prefix_caching"] is False and all(p["isolation"] for p in pools.values())
 
 
 def test_prefill_crash_mid_load_fails_only_its_requests(smollm2: GGUFModel) -> None:

@@ -5,6 +5,7 @@ the official `openai` client (and by httpx where a test needs headers, raw bodie
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator
@@ -174,6 +175,18 @@ def test_audit_endpoint_is_admin_only(server: Server, story: ChatCompletion) -> 
     assert server.http("GET", path, key="wrong").status_code == 401
     missing = server.http("GET", "/v1/audit/requests/chatcmpl-nope", key=ADMIN_KEY)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+
+
+def test_audit_info_reports_what_pins_the_service(server: Server, smollm2: GGUFModel) -> None:
+    assert server.http("GET", "/v1/audit/info", key="key-a").status_code == 403
+    response = server.http("GET", "/v1/audit/info", key=ADMIN_KEY)
+    assert response.status_code == 200, response.text
+    info = response.json()
+    assert (info["mode"], info["max_model_len"], list(info["pools"])) == ("single", 512, ["single"])
+    pool = info["pools"]["single"]
+    assert (pool["page_size"], pool["num_pages"], pool["capacity_tokens"]) == (16, 64, 1024)
+    assert pool["model_sha256"] == hashlib.sha256(smollm2.path.read_bytes()).hexdigest()
+    assert pool["isolation"] is True and pool["dtype"] == "float32" and pool["kvfence_version"]
 
 
 @pytest.mark.parametrize(

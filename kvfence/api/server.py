@@ -619,6 +619,11 @@ def build_app(
     async def audit(request_id: str) -> dict[str, Any]:
         return await service.audit(request_id)
 
+    @app.get("/v1/audit/info", dependencies=[Depends(_admin)])
+    async def audit_info() -> dict[str, Any]:
+        """What pins this service (code, model sha256, pools, window), reported by the engines."""
+        return await run_in_threadpool(engine.info)
+
     @app.get("/metrics")
     async def scrape() -> Response:
         # Collecting waits on the engine thread: keep it off the event loop.

@@ -23,20 +23,18 @@ plus tenant_pages         no request reads a page another tenant wrote (pages_re
 progress bar on stderr, `--json FILE`, and `--html FILE` (self-contained: inline CSS and SVG timelines of
 every probe request's pages). The exit status is 1 when any check fails, 2 on a usage error.
 
-What the server does not report is computed client-side and labelled so: the engine version and commit
-are the auditor's installed kvfence, the model hash is that of `--model-file` (default: the packaged
-model), and the page size is `--page-size`.
+Pins come from the server itself (`GET /v1/audit/info`: per pool the kvfence version and commit, the model
+file's sha256, page size, pages, window, isolation); `--model-file` names the file the auditor expects it to
+serve. Against a server without that endpoint they are computed client-side and labelled so: the auditor's
+installed kvfence, the sha256 of `--model-file` (default: the packaged model), and `--page-size`.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import html
-import importlib.metadata
 import json
 import math
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -48,6 +46,7 @@ from typing import Any, TextIO
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+import kvfence
 from kvfence.audit.probe import (
     PROBE_STEPS,
     Boundary,
@@ -60,6 +59,8 @@ from kvfence.audit.probe import (
     verdict,
 )
 from kvfence.cache.fence import INTEGRITY_REASONS
+from kvfence.engine.info import engine_version, git_commit
+from kvfence.model.gguf import file_sha256
 
 Event = dict[str, Any]
 Trail = list[Event]
@@ -109,6 +110,15 @@ class AuditReader:
         if response.status_code != 200:
             raise AuditError(f"GET /v1/audit/requests/{request_id}: HTTP {response.status_code}")
         return list(response.json()["events"])
+
+    def info(self) -> dict[str, Any] | None:
+        """What the server reports pins it (GET /v1/audit/info); None when it has no such endpoint."""
+        response = self.http.get("/v1/audit/info")
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise AuditError(f"GET /v1/audit/info: HTTP {response.status_code}")
+        return dict(response.json())
 
     def metrics(self) -> dict[str, dict[str, float]]:
         """Sample name -> {label values joined by ',' (or '') -> value}."""
@@ -223,45 +233,6 @@ def wait_for_drained_pool(reader: AuditReader, timeout_s: float = SETTLE_TIMEOUT
 # ---- 1. pinned versions -----------------------------------------------------------------------------
 
 
-def git_commit(directory: Path) -> tuple[str | None, bool]:
-    """(HEAD commit, working tree dirty) of the checkout holding `directory`; (None, False) if none."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=directory,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=directory,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None, False
-    return head or None, bool(status.strip())
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def engine_version() -> str | None:
-    try:
-        return importlib.metadata.version("kvfence")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def default_model_file() -> Path | None:
     from kvfence.model.gguf import default_model_path
 
@@ -272,14 +243,22 @@ def default_model_file() -> Path | None:
 
 
 def check_pinned(
-    model_file: Path | None, served_model: str, flags: str | None, trails: dict[str, Trail]
+    server: dict[str, Any] | None,
+    model_file: Path | None,
+    served_model: str,
+    flags: str | None,
+    trails: dict[str, Trail],
 ) -> CheckResult:
-    """Record what pins the service; fail when the engine version or the model file hash is unknown."""
-    import kvfence
+    """Record what pins the service and fail when it is unknown or inconsistent.
 
+    With the server's own report (`GET /v1/audit/info`) every pool must name the same code and a model
+    sha256, the same for all pools, and equal to `model_file`'s when the auditor names the file it expects.
+    Without one (an older server) the pins are the auditor's checkout and model file, labelled client-side."""
+    if server is not None:
+        return _pinned_by_server(server, model_file, served_model, flags)
     commit, dirty = git_commit(Path(kvfence.__file__).parent)
     path = model_file or default_model_file()
-    sha = sha256_file(path) if path and path.is_file() else None
+    sha = file_sha256(path) if path and path.is_file() else None
     disaggregated = any("where" in e for trail in trails.values() for e in trail)
     pins = {
         "engine_version": engine_version(),
@@ -291,14 +270,52 @@ def check_pinned(
         "served_model_matches_file": bool(path and path.stem == served_model),
         "transport": "ZeroMQ connector (disaggregated)" if disaggregated else "none (single node)",
         "startup_flags": flags,
-        "source": "client-side: the auditor's kvfence and model file; the server reports none of these",
+        "source": "client-side: the server has no /v1/audit/info; the auditor's kvfence and model file",
     }
     problems = [
         {"problem": f"{name} unknown"} for name in ("engine_version", "model_sha256") if not pins[name]
     ]
     ok = (
-        f"kvfence {pins['engine_version']} @ {(commit or 'no git')[:12]}{' (dirty)' if dirty else ''}; "
-        f"model sha256 {str(sha)[:16]}…; transport {pins['transport']}; flags: {flags or 'not given'}"
+        f"kvfence {pins['engine_version']} @ {(commit or 'no git')[:12]}{' (dirty)' if dirty else ''} "
+        f"(client-side); model sha256 {str(sha)[:16]}…; transport {pins['transport']}; "
+        f"flags: {flags or 'not given'}"
+    )
+    result = verdict("pinned_versions", problems, ok, [])
+    result.evidence.append(pins)
+    return result
+
+
+def _pinned_by_server(
+    server: dict[str, Any], model_file: Path | None, served_model: str, flags: str | None
+) -> CheckResult:
+    pools: dict[str, dict[str, Any]] = server["pools"]
+    problems: list[dict[str, Any]] = []
+    for key, what in (("model_sha256", "model sha256"), ("kvfence_version", "engine version")):
+        values = {role: pool.get(key) for role, pool in pools.items()}
+        problems += [{"problem": f"{what} unknown", "pool": role} for role, v in values.items() if not v]
+        if len(set(values.values())) > 1:
+            problems.append({"problem": f"pools report different {what}s", "values": values})
+    for key in ("git_commit", "page_size"):
+        values = {role: pool.get(key) for role, pool in pools.items()}
+        if len(set(values.values())) > 1:
+            problems.append({"problem": f"pools report different {key} values", "values": values})
+    expected = file_sha256(model_file) if model_file and model_file.is_file() else None
+    served = next(iter(pools.values())).get("model_sha256")
+    if expected and served and expected != served:
+        problems.append({"problem": "the server's model is not the expected file", "expected": expected})
+    pins = {
+        **server,
+        "served_model": served_model,
+        "expected_model_sha256": expected,
+        "startup_flags": flags,
+        "source": "server: GET /v1/audit/info",
+    }
+    first = next(iter(pools.values()))
+    commit = (first.get("git_commit") or "no git")[:12] + (" (dirty)" if first.get("git_dirty") else "")
+    expectation = "as expected" if expected else "no expected file given"
+    ok = (
+        f"kvfence {first.get('kvfence_version')} @ {commit}; model sha256 {str(served)[:16]}… "
+        f"({expectation}); {server['mode']}, {len(pools)} pool(s); flags: {flags or 'not given'}"
     )
     result = verdict("pinned_versions", problems, ok, [])
     result.evidence.append(pins)
@@ -970,7 +987,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--page-size",
         type=int,
         default=DEFAULT_PAGE_SIZE,
-        help="the server's tokens per KV page (default: %(default)s)",
+        help="tokens per KV page, for a server without /v1/audit/info (default: %(default)s)",
     )
     parser.add_argument("--server-flags", help="the server's start-up flags, recorded as given")
     parser.add_argument(
@@ -1052,15 +1069,18 @@ def _white_box(url: str, args: argparse.Namespace, report: Report, bar: Progress
         ids = [str(e.request_id) for e in report.exchanges if e.request_id]
         report.trails = trails = collect_trails(reader, ids)
         pool = wait_for_drained_pool(reader)
+        server = reader.info()
     finally:
         reader.close()
+    if server is not None:  # the server's own page size, not the auditor's guess
+        report.page_size = next(iter(server["pools"].values()))["page_size"]
     bar("checks")
     disaggregated = any("where" in e for t in trails.values() for e in t)
     recovery = next(r for r in report.results if r.name == "recovery")
     exchanges, advertised = report.exchanges, report.target["advertised_window"]
     return [
-        check_pinned(args.model_file, report.target["model"], args.server_flags, trails),
-        check_capacity(pool, report.boundary, advertised, args.page_size, disaggregated),
+        check_pinned(server, args.model_file, report.target["model"], args.server_flags, trails),
+        check_capacity(pool, report.boundary, advertised, report.page_size, disaggregated),
         check_rejections(exchanges, trails),
         check_handoff(exchanges, trails, args.expect_fault),
         check_recycle(exchanges, trails, pool, recovery),

@@ -24,6 +24,7 @@ from kvfence.audit.faults import FaultInjector
 from kvfence.disagg.connector import PEER_DOWN, PEER_UP, Connector, Message, ZmqConnector
 from kvfence.engine.async_engine import STATS_TIMEOUT_S
 from kvfence.engine.engine import AdmissionError, RequestOutput, context_refusal
+from kvfence.engine.info import code_info
 from kvfence.engine.stats import EngineStats
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.request import Status
@@ -39,6 +40,7 @@ class WorkerInfo:
     max_model_len: int
     page_size: int
     isolation: bool
+    info: dict[str, Any]  # the worker's engine_info, for /v1/audit/info
 
 
 class Router:
@@ -87,6 +89,7 @@ class Router:
                 info["max_model_len"],
                 info["page_size"],
                 info["isolation"],
+                info["info"],
             )
         prefill, decode = self.workers["prefill"], self.workers["decode"]
         if prefill.page_size != decode.page_size:
@@ -213,6 +216,15 @@ class Router:
                 ("The decode KV pool holds", self.workers["decode"].capacity_tokens, prompt + budget),
             ]
         return context_refusal(prompt, budget, limits)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "mode": "disaggregated",
+            "transport": "zeromq",
+            "max_model_len": self.max_model_len,
+            "router": code_info(),
+            "pools": {role: worker.info for role, worker in self.workers.items()},
+        }
 
     def stats(self) -> EngineStats:
         prefill, decode = (

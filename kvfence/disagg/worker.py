@@ -13,6 +13,7 @@ from typing import Any
 
 from kvfence.disagg.connector import Connector, Message
 from kvfence.engine.engine import LLMEngine
+from kvfence.engine.info import engine_info
 from kvfence.engine.stats import EngineStats
 
 log = logging.getLogger("kvfence.disagg")
@@ -76,6 +77,7 @@ class Worker:
             max_model_len=engine.max_model_len,
             page_size=engine.pool.page_size,
             isolation=engine.fence.enabled,
+            info=engine_info(engine),
         )
 
     def on_stats(self, sender: str, message: Message) -> None:

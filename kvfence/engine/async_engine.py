@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from kvfence.engine.engine import LLMEngine, RequestOutput
+from kvfence.engine.info import engine_info
 from kvfence.engine.stats import EngineStats
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.sampling import SamplingParams
@@ -46,6 +47,10 @@ class EngineClient(Protocol):
 
     def audit_events(self, request_id: str) -> list[dict[str, Any]]:
         """The request's audit trail, empty when unknown (blocking)."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """What pins the service: mode, window and, per pool, engine_info (blocking: may hash the model)."""
         ...
 
 
@@ -107,6 +112,13 @@ class AsyncEngine:
 
     def audit_events(self, request_id: str) -> list[dict[str, Any]]:
         return self.engine.events.for_request(request_id)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "mode": "single",
+            "max_model_len": self.max_model_len,
+            "pools": {"single": engine_info(self.engine)},
+        }
 
     def abort(self, request_id: str, reason: str) -> None:
         """Abort if still running (a no-op for finished requests)."""

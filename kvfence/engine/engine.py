@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -82,6 +83,7 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
+        self.model_file: Path | None = None  # the GGUF the weights came from (load_engine sets it)
         self.events = events or EventLog()
         mc = model.config
         num_pages = config.num_pages or config.kv_cache_memory // KVPool.bytes_per_page(
@@ -388,4 +390,6 @@ def load_engine(
     path = config.model or default_model_path()
     gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=config.device, progress=log)
     model = LlamaModel(gguf.config, gguf.tensors)
-    return LLMEngine(config, model, Tokenizer.from_gguf(gguf), events, log)
+    engine = LLMEngine(config, model, Tokenizer.from_gguf(gguf), events, log)
+    engine.model_file = gguf.path
+    return engine

@@ -7,6 +7,8 @@ RoPE order. The result is bit-identical (in float32) to what transformers loads 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import re
 import time
@@ -82,6 +84,16 @@ class GGUFModel:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, object]
     path: Path
+
+
+@functools.cache
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a (model) file, computed once per process: what pins the weights being served."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_gguf(
