@@ -51,10 +51,11 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int | None]:
-    """One token per row of `logits` [batch, vocab] (float32); None for a row whose logits are not all
-    finite: there is nothing sound to sample, and the caller aborts that request alone."""
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
-    tokens: list[int | None] = torch.argmax(logits, dim=-1).tolist()
+    """One token per row of `logits` [batch, vocab] (float32); None for a row with a NaN or +inf logit,
+    or only -inf ones: there is nothing sound to sample, and the caller aborts that request alone."""
+    best, argmax = logits.max(dim=-1)  # a NaN anywhere in a row makes its max NaN: one pass checks both
+    finite = torch.isfinite(best).tolist()
+    tokens: list[int | None] = argmax.tolist()
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if not finite[row]:
             tokens[row] = None

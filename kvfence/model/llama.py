@@ -93,7 +93,10 @@ class LlamaModel:
         }
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # In float32 whatever the weights' dtype, as HF does; F.rms_norm is one fused kernel.
+        # In float32 whatever the weights' dtype, as HF does; F.rms_norm is one fused kernel, and in
+        # float32 applying the weight inside it is bit-identical to HF's `weight * normed` (checked).
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps=self.config.rms_norm_eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
         return weight * normed.to(x.dtype)
 
@@ -122,13 +125,16 @@ class LlamaModel:
             k_cache, v_cache = kv[li, 0], kv[li, 1]
             k_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, k)
             v_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, v)
-            attn = torch.empty_like(q)
-            if inputs.decode_rows.numel():
-                attn[inputs.decode_rows] = self._decode_attention(
-                    q[inputs.decode_rows], k_cache, v_cache, inputs.decode_block_tables, decode_mask
-                )
-            for seq in inputs.prefills:
-                attn[seq.start : seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq)
+            if not inputs.prefills:  # a pure decode step: every row is a decode row, in order
+                attn = self._decode_attention(q, k_cache, v_cache, inputs.decode_block_tables, decode_mask)
+            else:
+                attn = torch.empty_like(q)
+                if inputs.decode_rows.numel():
+                    attn[inputs.decode_rows] = self._decode_attention(
+                        q[inputs.decode_rows], k_cache, v_cache, inputs.decode_block_tables, decode_mask
+                    )
+                for seq in inputs.prefills:
+                    attn[seq.start : seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq)
             h = h + _matmul(attn.view(-1, nq * hd), layer["o"])
             x = self._rms_norm(h, layer["post_norm"])
             gate, up = _matmul(x, layer["gate_up"]).chunk(2, dim=-1)
