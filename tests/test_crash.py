@@ -234,3 +234,37 @@ def test_decode_crash_during_reservation_is_a_clear_error(cluster: Any, jobs: Jo
         decode.restart()
     assert (outcome.kind, outcome.status, outcome.error_code) == ("error", 500, "decode_lost")
     wait_for(lambda: pools_clean(cluster), "both pools to drain")
+
+
+def test_a_worker_restarted_with_a_smaller_pool_shrinks_what_the_router_admits(
+    cluster: Any, jobs: Jobs
+) -> None:
+    """The router learns a reconnected worker's pool again (its hello) before sending it anything, so a
+    request only the old pool could hold is refused with 400, before any page, instead of being sent to a
+    decode worker that cannot hold it. The pins at /v1/audit/info name the new process."""
+    decode = cluster.workers["decode"]
+    original = decode.config
+    try:
+        decode.config = replace(original, num_pages=8, max_model_len=128)
+        decode.restart()
+        wait_for(lambda: cluster.router.max_model_len == 128, "the router to adopt the smaller decode pool")
+        assert cluster.router.info()["pools"]["decode"]["pid"] == decode.process.pid
+
+        async def too_long_now() -> Any:
+            async with new_client() as client:
+                return await stress.run_job(
+                    client, cluster.url, jobs(40, 100, stream=False), timeout_s=WAIT_S
+                )
+
+        outcome = run(too_long_now())
+        assert (outcome.kind, outcome.status, outcome.error_code) == (
+            "rejected",
+            400,
+            "context_length_exceeded",
+        )
+        kinds = [(e["where"], e["kind"]) for e in cluster.router.audit_events(outcome.request_id)]
+        assert kinds == [("router", "rejected")], "something was reserved or run for a refused request"
+    finally:
+        decode.config = original
+        decode.restart()
+        wait_for(lambda: cluster.router.max_model_len == WINDOW, "the router to adopt the original pool")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -31,6 +32,9 @@ from kvfence.request import Status
 from kvfence.sampling import SamplingParams
 
 ROUTER_TIMEOUT_S = 120.0  # no message from the workers for this long: the router gives up on the request
+REHELLO = "rehello"  # token of the hello the router sends a worker whose connection came (back) up
+
+log = logging.getLogger("kvfence.disagg")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,11 @@ class WorkerInfo:
     page_size: int
     isolation: bool
     info: dict[str, Any]  # the worker's engine_info, for /v1/audit/info
+
+    @classmethod
+    def from_hello(cls, fields: dict[str, Any]) -> WorkerInfo:
+        keys = ("role", "capacity_tokens", "max_model_len", "page_size", "isolation", "info")
+        return cls(*(fields[key] for key in keys))
 
 
 class Router:
@@ -68,6 +77,7 @@ class Router:
         self._replies: dict[str, concurrent.futures.Future[Message]] = {}
         self._tokens = itertools.count()
         self._stopped = threading.Event()
+        self._started = threading.Event()  # both pools learnt: reconnections are adopted from now on
         self._ready: concurrent.futures.Future[Connector] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
         self.workers: dict[str, WorkerInfo] = {}
@@ -82,22 +92,23 @@ class Router:
         self._thread.start()
         self._ready.result(timeout=STATS_TIMEOUT_S)
         for role, address in (("prefill", self.prefill), ("decode", self.decode)):
-            info = self._ask(address, "hello").fields
-            self.workers[role] = WorkerInfo(
-                info["role"],
-                info["capacity_tokens"],
-                info["max_model_len"],
-                info["page_size"],
-                info["isolation"],
-                info["info"],
-            )
+            self.workers[role] = WorkerInfo.from_hello(self._ask(address, "hello").fields)
+        problem = self._mismatch()
+        if problem is not None:
+            raise RuntimeError(problem)
+        self.max_model_len = self._window()
+        self._started.set()
+
+    def _mismatch(self) -> str | None:
         prefill, decode = self.workers["prefill"], self.workers["decode"]
         if prefill.page_size != decode.page_size:
-            raise RuntimeError(f"page sizes differ: prefill {prefill.page_size}, decode {decode.page_size}")
+            return f"page sizes differ: prefill {prefill.page_size}, decode {decode.page_size}"
+        return None
+
+    def _window(self) -> int:
         # With isolation off the router advertises decode's window alone, as the incident's deployment did.
-        self.max_model_len = (
-            min(prefill.max_model_len, decode.max_model_len) if self.isolation else decode.max_model_len
-        )
+        prefill, decode = self.workers["prefill"], self.workers["decode"]
+        return min(prefill.max_model_len, decode.max_model_len) if self.isolation else decode.max_model_len
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -266,21 +277,31 @@ class Router:
                     connector.send(*self._outbox.get_nowait())
                 received = connector.recv(0.005)
                 if received is not None:
-                    self._dispatch(received[1])
+                    self._dispatch_safely(*received)
         finally:
             connector.close()
+
+    def _dispatch_safely(self, sender: str, message: Message) -> None:
+        """A malformed message is logged and dropped: the one I/O thread must outlive it."""
+        try:
+            self._dispatch(message)
+        except Exception:
+            log.exception("router: bad %r message from %s", message.kind, sender)
 
     def _dispatch(self, message: Message) -> None:
         if message.kind in (PEER_DOWN, PEER_UP):
             peer = message.fields["peer"]
-            if message.kind == PEER_UP:
-                self._down.discard(peer)
+            if message.kind == PEER_UP:  # possibly a new process: it stays down until its hello is in
+                self._send(peer, "hello", token=REHELLO)
                 return
             self._down.add(peer)
             if peer == self.decode:
                 self._fail_all_streams("decode_lost")
             return
         token = message.fields.get("token")
+        if token == REHELLO:
+            self._adopt(message.fields)
+            return
         if token is not None:
             future = self._replies.get(token)
             if future is not None:
@@ -289,6 +310,22 @@ class Router:
         target = self._streams.get(message.fields.get("request_id", ""))
         if target is not None and not target[0].is_closed():
             target[0].call_soon_threadsafe(target[1].put_nowait, message)
+
+    def _adopt(self, hello: dict[str, Any]) -> None:
+        """A (re)connected worker's hello: admission uses its pool and window from now on, so a worker
+        restarted with a smaller pool can never be sent what only the old one could hold."""
+        role = hello["role"]
+        if not self._started.is_set():  # start() is still learning the pools; it asks for itself
+            return
+        self.workers[role] = WorkerInfo.from_hello(hello)
+        address = self.prefill if role == "prefill" else self.decode
+        problem = self._mismatch()
+        if problem is not None:
+            log.error("router: %s worker refused after reconnecting: %s", role, problem)
+            self._down.add(address)
+            return
+        self.max_model_len = self._window()
+        self._down.discard(address)
 
     def _fail_all_streams(self, reason: str) -> None:
         """The decode worker is gone: every request it held ends with an error, none hangs."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
     path = engine.model_file
     return {
         **code_info(),
+        "pid": os.getpid(),
         "model_file": str(path) if path else None,
         "model_sha256": file_sha256(path) if path else None,
         "dtype": str(engine.model.dtype).removeprefix("torch."),
