@@ -20,6 +20,7 @@ from kvfence.cache.pool import KVPool, PageState
 from kvfence.disagg.connector import PEER_DOWN, MemoryHub, Message
 from kvfence.disagg.decode import DecodeWorker
 from kvfence.disagg.prefill import PrefillWorker
+from kvfence.engine.stats import EngineStats
 from kvfence.model.llama import LlamaModel
 from kvfence.sampling import SamplingParams
 
@@ -235,6 +236,7 @@ def test_sender_fault_is_caught_with_isolation_on(tiny: LlamaModel, name: str) -
     fault = SENDER_FAULTS[name]
     pipe = run_sender_fault(tiny, fault, isolation=True)
     assert pipe.results["b"] == Result([], "aborted", fault.reason)
+    assert EngineStats.read(pipe.decode.engine).integrity_aborts[fault.reason] == 1  # as /metrics shows it
     assert "step" not in pipe.decode.engine.events.kinds("b"), "decode ran a step on an incomplete handoff"
     assert pipe.trace.reads.get("b") is None
     pipe.run()  # the quarantine drains on prefill's abort-ack
