@@ -371,6 +371,33 @@ def median_min_max(values: Sequence[float]) -> tuple[float, float, float]:
     return float(np.median(values)), float(min(values)), float(max(values))
 
 
+# A RunResult as a table row: RUN_HEADERS over run_cells (TTFT and TPOT in ms).
+RUN_HEADERS = (
+    "system",
+    "conc",
+    "reqs",
+    "wall s",
+    "out tok/s",
+    "TTFT p50",
+    "TTFT p95",
+    "TPOT p50",
+    "TPOT p95",
+    "others %",
+)
+
+
+def run_cells(result: RunResult) -> list[object]:
+    return [
+        result.label,
+        result.concurrency,
+        result.num_requests,
+        result.wall_s,
+        result.tok_per_s,
+        *(result.pct(metric, q) * 1e3 for metric in ("ttft", "tpot") for q in (50, 95)),
+        f"{result.foreign_cpu * 100:.0f}",
+    ]
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     def cell(value: object) -> str:
         return f"{value:.2f}" if isinstance(value, float) else str(value)

@@ -47,12 +47,14 @@ import numpy as np
 import torch
 import xxhash
 from common import (
+    RUN_HEADERS,
     W1,
     ForeignCpu,
     RequestTiming,
     RunResult,
     make_prompts,
     print_table,
+    run_cells,
     wait_for_quiet,
     write_json,
 )
@@ -440,17 +442,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def w1_row(run: SystemRun) -> list[object]:
-    r = run.result
-    return [
-        r.label,
-        r.num_requests,
-        r.concurrency,
-        r.wall_s,
-        r.tok_per_s,
-        *(r.pct(metric, q) * 1e3 for metric in ("ttft", "tpot") for q in (50, 95)),
-        f"{r.foreign_cpu * 100:.0f}",
-        " ".join(f"{name} {v:.0f}" for name, v in run.idle_cpu_pct.items()),
-    ]
+    idle = " ".join(f"{name} {v:.0f}" for name, v in run.idle_cpu_pct.items())
+    return [*run_cells(run.result), idle]
 
 
 def report(runs: list[SystemRun], rates: dict[str, float], micro: dict[str, Any]) -> None:
@@ -458,18 +451,7 @@ def report(runs: list[SystemRun], rates: dict[str, float], micro: dict[str, Any]
         "\nW1 through the HTTP API (ms columns). others %: CPU share of unrelated processes during the run."
     )
     print("idle CPU %: % of one core per server process (server, prefill, decode), with nothing in flight.")
-    headers = [
-        "system",
-        "reqs",
-        "conc",
-        "wall s",
-        "out tok/s",
-        "TTFT p50",
-        "TTFT p95",
-        "TPOT p50",
-        "TPOT p95",
-    ]
-    print_table([*headers, "others %", "idle CPU %"], [w1_row(run) for run in runs])
+    print_table([*RUN_HEADERS, "idle CPU %"], [w1_row(run) for run in runs])
     print("\nKV transfer (disaggregated run, from the audit trail). send: prefill's transfer_started ->")
     print("transfer_complete. end to end: transfer_started -> decode's last page_received (includes the wait")
     print("for decode's running step). decode burst: pages 2..n of a request / first -> last page_received.")

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from common import (
     DEFAULT_THREADS,
+    RUN_HEADERS,
     THREADS_HELP,
     WORKLOADS,
     RunResult,
@@ -33,6 +34,7 @@ from common import (
     make_prompts,
     print_table,
     quietly,
+    run_cells,
     run_hf,
     run_kvfence,
     verdict,
@@ -47,19 +49,7 @@ ROWS = (("kvfence", 1), ("kvfence", 4), ("kvfence", 16), ("hf", 1), ("hf", 16)) 
 # Run order: the rows compared with each other back to back, so they see the same machine weather.
 RUN_ORDER = (("kvfence", 16), ("hf", 16), ("kvfence", 1), ("hf", 1), ("kvfence", 4))
 TARGETS = {"W1": 2.0, "W2": 1.2}  # kvfence c16 / HF b16 output tok/s
-HEADERS = (
-    "workload",
-    "system",
-    "conc",
-    "reqs",
-    "wall s",
-    "out tok/s",
-    "TTFT p50",
-    "TTFT p95",
-    "TPOT p50",
-    "TPOT p95",
-    "others %",
-)
+HEADERS = ("workload", *RUN_HEADERS)
 
 
 def parse_args() -> argparse.Namespace:
@@ -116,16 +106,7 @@ def run_workload(bench: Bench, workload: Workload, sequential: int, retries: int
 
 
 def row(workload: Workload, result: RunResult) -> list[object]:
-    return [
-        workload.name,
-        result.label,
-        result.concurrency,
-        result.num_requests,
-        result.wall_s,
-        result.tok_per_s,
-        *(result.pct(metric, q) * 1e3 for metric in ("ttft", "tpot") for q in (50, 95)),
-        f"{result.foreign_cpu * 100:.0f}",
-    ]
+    return [workload.name, *run_cells(result)]
 
 
 def c16_ratio(results: list[RunResult]) -> float:

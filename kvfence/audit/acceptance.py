@@ -300,7 +300,8 @@ def _pinned_by_server(
         if len(set(values.values())) > 1:
             problems.append({"problem": f"pools report different {key} values", "values": values})
     expected = file_sha256(model_file) if model_file and model_file.is_file() else None
-    served = next(iter(pools.values())).get("model_sha256")
+    first = next(iter(pools.values()))
+    served = first.get("model_sha256")
     if expected and served and expected != served:
         problems.append({"problem": "the server's model is not the expected file", "expected": expected})
     pins = {
@@ -310,7 +311,6 @@ def _pinned_by_server(
         "startup_flags": flags,
         "source": "server: GET /v1/audit/info",
     }
-    first = next(iter(pools.values()))
     commit = (first.get("git_commit") or "no git")[:12] + (" (dirty)" if first.get("git_dirty") else "")
     expectation = "as expected" if expected else "no expected file given"
     ok = (
