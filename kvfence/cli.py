@@ -20,6 +20,7 @@ from kvfence.audit.faults import FAULTS, FaultInjector, parse_fault_spec
 from kvfence.config import CapacityError, EngineConfig, parse_size
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError, LLMEngine, load_engine
+from kvfence.model.llama import DECODE_ATTENTION
 from kvfence.sampling import SamplingParams
 
 
@@ -87,6 +88,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--num-threads", type=int, help="torch CPU threads")
     g.add_argument(
+        "--decode-attention",
+        choices=DECODE_ATTENTION,
+        default=defaults.decode_attention,
+        help="kernel: the C paged-attention kernel (float32 on CPU); sdpa: gather pages + torch SDPA; "
+        "auto: the kernel where it can run (default: %(default)s)",
+    )
+    g.add_argument(
         "--trace-pages",
         action="store_true",
         help="audit which pages each request reads and whose data they hold (lab, audits)",
@@ -109,6 +117,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         isolation=args.isolation == "on",
         faults=dict(args.inject_fault),
         num_threads=args.num_threads,
+        decode_attention=args.decode_attention,
         trace_pages=args.trace_pages,
     )
 

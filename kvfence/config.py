@@ -38,6 +38,7 @@ class EngineConfig:
     isolation: bool = True
     faults: dict[str, float] = field(default_factory=dict)
     num_threads: int | None = None
+    decode_attention: str = "auto"  # auto | kernel | sdpa (see kvfence.model.llama.DECODE_ATTENTION)
     trace_pages: bool = False  # audit `pages_read` events: which pages each request reads, whose data
 
     def __post_init__(self) -> None:

@@ -36,7 +36,7 @@ TINY = LlamaConfig(
 )
 
 
-def tiny_model(seed: int = 0, config: LlamaConfig = TINY) -> LlamaModel:
+def tiny_tensors(seed: int = 0, config: LlamaConfig = TINY) -> dict[str, torch.Tensor]:
     """Random weights scaled so that greedy outputs depend strongly on every context token."""
     gen = torch.Generator().manual_seed(seed)
     h, i, kv = config.hidden_size, config.intermediate_size, config.num_kv_heads * config.head_dim
@@ -63,7 +63,11 @@ def tiny_model(seed: int = 0, config: LlamaConfig = TINY) -> LlamaModel:
             p + "mlp.up_proj.weight": w(i, h),
             p + "mlp.down_proj.weight": w(h, i),
         }
-    return LlamaModel(config, tensors)
+    return tensors
+
+
+def tiny_model(seed: int = 0, config: LlamaConfig = TINY, decode_attention: str = "auto") -> LlamaModel:
+    return LlamaModel(config, tiny_tensors(seed, config), decode_attention)
 
 
 @pytest.fixture(scope="session")

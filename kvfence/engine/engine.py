@@ -100,6 +100,8 @@ class LLMEngine:
             context_window=self.max_model_len,
         )
         log(self.capacity.describe())
+        why = "" if model.decode_attention == "kernel" else f" ({model.decode_attention_note})"
+        log(f"decode attention: {model.decode_attention}{why}")
         if not self.capacity.fits:
             raise CapacityError(self.capacity)
         if self.max_model_len > mc.context_length:
@@ -389,7 +391,7 @@ def load_engine(
         torch.set_num_threads(config.num_threads)
     path = config.model or default_model_path()
     gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=config.device, progress=log)
-    model = LlamaModel(gguf.config, gguf.tensors)
+    model = LlamaModel(gguf.config, gguf.tensors, config.decode_attention)
     engine = LLMEngine(config, model, Tokenizer.from_gguf(gguf), events, log)
     engine.model_file = gguf.path
     return engine

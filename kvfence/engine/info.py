@@ -64,6 +64,7 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
         "model_sha256": file_sha256(path) if path else None,
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "device": str(engine.model.device),
+        "decode_attention": engine.model.decode_attention,
         "page_size": engine.pool.page_size,
         "num_pages": engine.pool.num_pages,
         "capacity_tokens": engine.capacity.capacity_tokens,

@@ -1,8 +1,9 @@
 """Llama forward over paged KV.
 
 One call runs a whole step: a flat list of tokens from many sequences (chunked prefill and decode mixed).
-Each layer stores the new tokens' K/V into their pool slots, then attends over the pool: decode rows are
-batched into one padded SDPA, prefill chunks run one SDPA each. Logits are computed only at the rows that
+Each layer stores the new tokens' K/V into their pool slots, then attends over the pool: decode rows run
+through the C paged-attention kernel in place (or, where it cannot run, one padded SDPA over gathered pages),
+prefill chunks run one SDPA each. Logits are computed only at the rows that
 are sampled, because the LM head is the largest matmul of a prefill step.
 
 Numerics follow HF transformers' Llama (float32 RMSNorm, rotate-half RoPE) so that greedy tokens match.
@@ -15,7 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvfence.model import paged_kernel
 from kvfence.model.gguf import LlamaConfig
+
+DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can run (float32 on CPU)
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -56,10 +60,14 @@ class StepInputs:
 
 
 class LlamaModel:
-    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, config: LlamaConfig, tensors: dict[str, torch.Tensor], decode_attention: str = "auto"
+    ) -> None:
         self.config = config
         embed = tensors["embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
+        self._kernel, self.decode_attention_note = self._decode_kernel(decode_attention)
+        self.decode_attention = "kernel" if self._kernel else "sdpa"
         self.embed = embed
         self.lm_head = tensors.get("lm_head.weight", embed)
         self.norm = tensors["norm.weight"]
@@ -70,6 +78,19 @@ class LlamaModel:
         freqs = torch.outer(torch.arange(config.context_length, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1).to(self.device)
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _decode_kernel(self, choice: str) -> tuple[paged_kernel.PagedDecodeKernel | None, str]:
+        """The C kernel for `choice` and, when it is not used, why. `kernel` insists: no silent fallback."""
+        assert choice in DECODE_ATTENTION, choice
+        if choice == "sdpa":
+            return None, "chosen"
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            kernel, why = None, f"the kernel runs float32 on CPU, not {self.dtype} on {self.device}"
+        else:
+            kernel, why = paged_kernel.load()
+        if kernel is None and choice == "kernel":
+            raise ValueError(f"decode attention 'kernel' is unavailable: {why}")
+        return kernel, why
 
     @staticmethod
     def _fuse_layer(t: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
@@ -114,9 +135,7 @@ class LlamaModel:
         nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self.embed[inputs.input_ids]
         cos, sin = self.cos[inputs.positions].unsqueeze(1), self.sin[inputs.positions].unsqueeze(1)
-        span = inputs.decode_block_tables.shape[1] * kv.shape[3]  # padded keys per decode row
-        decode_mask = torch.arange(span, device=self.device) < inputs.decode_context_lens.unsqueeze(1)
-        decode_mask = decode_mask.view(len(inputs.decode_rows), 1, 1, span)
+        decode_mask = None if self._kernel else self._padding_mask(inputs, kv.shape[3])
         for li, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["in_norm"])
             qkv = _matmul(x, layer["qkv"]).view(-1, nq + 2 * nkv, hd)
@@ -126,12 +145,12 @@ class LlamaModel:
             k_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, k)
             v_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, v)
             if not inputs.prefills:  # a pure decode step: every row is a decode row, in order
-                attn = self._decode_attention(q, k_cache, v_cache, inputs.decode_block_tables, decode_mask)
+                attn = self._decode_attention(q, k_cache, v_cache, inputs, decode_mask)
             else:
                 attn = torch.empty_like(q)
                 if inputs.decode_rows.numel():
                     attn[inputs.decode_rows] = self._decode_attention(
-                        q[inputs.decode_rows], k_cache, v_cache, inputs.decode_block_tables, decode_mask
+                        q[inputs.decode_rows], k_cache, v_cache, inputs, decode_mask
                     )
                 for seq in inputs.prefills:
                     attn[seq.start : seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq)
@@ -154,18 +173,29 @@ class LlamaModel:
         pages = cache.view(cache.shape[0], -1).index_select(0, block_tables.flatten())
         return pages.view(*block_tables.shape[:-1], block_tables.shape[-1] * ps, nkv, hd)
 
-    @classmethod
+    @staticmethod
+    def _padding_mask(inputs: StepInputs, page_size: int) -> torch.Tensor:
+        """[D, 1, 1, span]: which of a decode row's gathered (padded) key slots hold its context."""
+        span = inputs.decode_block_tables.shape[1] * page_size
+        lens = inputs.decode_context_lens
+        mask = torch.arange(span, device=lens.device) < lens[:, None]
+        return mask.view(len(inputs.decode_rows), 1, 1, span)
+
     def _decode_attention(
-        cls,
+        self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        mask: torch.Tensor,
+        inputs: StepInputs,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """q [D, heads, hd] attends over each row's pages; padded slots are masked out."""
-        keys = cls._gather_pages(k_cache, block_tables).transpose(1, 2)
-        values = cls._gather_pages(v_cache, block_tables).transpose(1, 2)
+        """q [D, heads, hd] attends over each row's pages: in place with the kernel, else gathered + SDPA
+        (`mask` hides the padding of the gathered copy)."""
+        if self._kernel is not None:
+            return self._kernel(q, k_cache, v_cache, inputs.decode_block_tables, inputs.decode_context_lens)
+        assert mask is not None
+        keys = self._gather_pages(k_cache, inputs.decode_block_tables).transpose(1, 2)
+        values = self._gather_pages(v_cache, inputs.decode_block_tables).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
         return out.squeeze(2)
 

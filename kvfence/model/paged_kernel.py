@@ -1,0 +1,138 @@
+"""The C decode-attention kernel (csrc/paged_attention.c): built on first use, loaded with ctypes.
+
+It is built with the system C compiler into a per-user cache, keyed by the source, the flags and this
+CPU (`-march=native` code must not run on a different CPU), and written under a temporary name then
+renamed, so concurrent processes never load a half-written library. No torch headers are involved: the
+build takes well under a second. The library links libgomp, which resolves to the OpenMP runtime torch
+has already loaded, so the kernel shares torch's thread pool instead of competing with a second one.
+
+`load()` returns None with the reason when the kernel cannot be used (no compiler, a build error): the
+model then uses its torch (gather + SDPA) decode attention, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+STATUS = {1: "a block table names a page outside the pool or a length beyond its pages", 2: "out of memory"}
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]
+_ARGTYPES += [ctypes.c_float, ctypes.c_int]
+
+
+class PagedAttentionError(RuntimeError):
+    """The kernel refused its inputs before reading anything (or could not allocate)."""
+
+
+class PagedDecodeKernel:
+    """`__call__` computes decode attention for rows of one query token over their pages, in place in the
+    pool: the same result as gathering the pages and running SDPA (float32, CPU tensors only)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.paged_decode_attention
+        self._fn.argtypes = _ARGTYPES
+        self._fn.restype = ctypes.c_int
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [rows, heads, head_dim]; caches [pages, page_size, kv_heads, head_dim]; block_tables
+        [rows, width] int64; context_lens [rows] int64. Returns [rows, heads, head_dim]."""
+        rows, num_heads, head_dim = q.shape
+        num_pages, page_size, num_kv_heads, _ = k_cache.shape
+        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        assert q.stride(2) == 1 and q.stride(1) == head_dim, "heads of a row must be contiguous"
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+        assert block_tables.dtype == context_lens.dtype == torch.int64
+        assert block_tables.is_contiguous() and context_lens.is_contiguous()
+        assert block_tables.shape[0] == context_lens.shape[0] == rows and num_heads % num_kv_heads == 0
+        out = torch.empty(rows, num_heads, head_dim, dtype=q.dtype)
+        if rows == 0:
+            return out
+        status = self._fn(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            num_pages,
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            rows,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            head_dim**-0.5,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise PagedAttentionError(f"paged decode attention: {STATUS.get(status, status)}")
+        return out
+
+
+def _cpu_signature() -> str:
+    """What `-march=native` depends on: the CPU's feature flags (Linux), else the platform's name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line for line in lines if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvfence" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _cpu_signature().encode()]))
+    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
+    return target
+
+
+@functools.cache
+def load() -> tuple[PagedDecodeKernel | None, str]:
+    """(the kernel, "") or (None, why not). Built once per process, and once per machine."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler (cc) on PATH"
+    try:
+        return PagedDecodeKernel(ctypes.CDLL(str(_build(compiler)))), ""
+    except subprocess.CalledProcessError as exc:
+        return None, f"kernel build failed: {exc.stderr.strip()[-500:]}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"kernel unavailable: {exc}"

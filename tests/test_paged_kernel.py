@@ -1,0 +1,110 @@
+"""The C decode-attention kernel against a dense reference, its bounds checks, the engine on both paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY, make_engine, tiny_model, tiny_tensors
+
+from kvfence.model import paged_kernel
+from kvfence.model.llama import LlamaModel
+from kvfence.sampling import SamplingParams
+
+PAGES, PAGE_SIZE, HEADS, KV_HEADS, HEAD_DIM = 40, 4, 6, 2, 16
+
+
+@pytest.fixture(scope="module")
+def kernel() -> paged_kernel.PagedDecodeKernel:
+    kernel, why = paged_kernel.load()
+    assert kernel is not None, why  # CI has a C compiler: a silent fallback would leave the kernel untested
+    return kernel
+
+
+def paged_case(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A random pool, rows of one query with the given context lengths on shuffled pages, padded tables."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    q = torch.randn(len(lengths), HEADS, HEAD_DIM, generator=gen)
+    width = max(-(-n // PAGE_SIZE) for n in lengths)
+    order = torch.randperm(PAGES, generator=gen)
+    tables = torch.zeros(len(lengths), width, dtype=torch.long)
+    used = 0
+    for row, n in enumerate(lengths):
+        pages = -(-n // PAGE_SIZE)
+        tables[row, :pages] = order[used : used + pages]
+        used += pages
+    return q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.long)
+
+
+def dense_reference(q, k_cache, v_cache, tables, lengths) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """float64 softmax attention over each row's tokens, read page by page; query head h uses KV head
+    h // (heads / kv_heads)."""
+    out = []
+    for row, n in enumerate(lengths.tolist()):
+        keys = k_cache[tables[row]].reshape(-1, KV_HEADS, HEAD_DIM)[:n].double()
+        values = v_cache[tables[row]].reshape(-1, KV_HEADS, HEAD_DIM)[:n].double()
+        kv_of_head = torch.arange(HEADS) // (HEADS // KV_HEADS)
+        scores = torch.einsum("hd,thd->ht", q[row].double(), keys[:, kv_of_head]) / HEAD_DIM**0.5
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), values[:, kv_of_head]))
+    return torch.stack(out).float()
+
+
+def test_kernel_matches_dense_attention(kernel: paged_kernel.PagedDecodeKernel) -> None:
+    # Lengths on and around page boundaries, a one-token context and a long one.
+    case = paged_case([1, 3, 4, 5, 16, 37])
+    got = kernel(*case)
+    assert (got - dense_reference(*case)).abs().max() < 1e-5
+
+
+def test_a_row_is_computed_the_same_alone_and_in_a_batch(kernel: paged_kernel.PagedDecodeKernel) -> None:
+    q, k_cache, v_cache, tables, lengths = paged_case([9, 30, 2, 17], seed=1)
+    batched = kernel(q, k_cache, v_cache, tables, lengths)
+    for row in range(len(lengths)):
+        alone = kernel(q[row : row + 1], k_cache, v_cache, tables[row : row + 1], lengths[row : row + 1])
+        assert torch.equal(alone[0], batched[row])
+
+
+def test_query_rows_may_be_a_strided_view(kernel: paged_kernel.PagedDecodeKernel) -> None:
+    """The model passes Q as a slice of its fused QKV rows: the row stride is not heads * head_dim."""
+    q, k_cache, v_cache, tables, lengths = paged_case([7, 12], seed=2)
+    qkv = torch.cat([q, torch.randn(2, 2 * KV_HEADS, HEAD_DIM)], dim=1)
+    strided = kernel(qkv[:, :HEADS], k_cache, v_cache, tables, lengths)
+    assert torch.equal(strided, kernel(q, k_cache, v_cache, tables, lengths))
+
+
+@pytest.mark.parametrize(
+    ("page", "length"),
+    [(PAGES, 5), (-1, 5), (0, 3 * PAGE_SIZE + 1)],
+    ids=["page past the pool", "negative page", "length past its pages"],
+)
+def test_a_bad_block_table_is_refused(kernel: paged_kernel.PagedDecodeKernel, page: int, length: int) -> None:
+    """Checked before anything is read: a bookkeeping error fails closed, never reads outside the pool."""
+    q, k_cache, v_cache, tables, lengths = paged_case([5, 12], seed=3)
+    tables[1, 0], lengths[1] = page, length
+    with pytest.raises(paged_kernel.PagedAttentionError, match="outside the pool"):
+        kernel(q, k_cache, v_cache, tables, lengths)
+
+
+def test_engine_gives_the_same_tokens_with_the_kernel_and_with_sdpa() -> None:
+    """Mixed steps (prefill chunks beside decode rows) and pure decode steps, on both decode paths."""
+    models = {name: tiny_model(decode_attention=name) for name in ("kernel", "sdpa")}
+    assert [m.decode_attention for m in models.values()] == ["kernel", "sdpa"]
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist() for n in (5, 13, 22, 8, 17)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outputs = {
+        name: [r.output_token_ids for r in make_engine(model).generate(prompts, params)]
+        for name, model in models.items()
+    }
+    assert outputs["kernel"] == outputs["sdpa"]
+    assert all(len(tokens) == 12 for tokens in outputs["kernel"])
+
+
+def test_kernel_is_used_only_where_it_can_run() -> None:
+    assert tiny_model().decode_attention == "kernel"  # float32 on CPU: the default path
+    bf16 = {name: t.to(torch.bfloat16) for name, t in tiny_tensors().items()}
+    auto = LlamaModel(TINY, bf16)
+    assert auto.decode_attention == "sdpa" and "float32" in auto.decode_attention_note
+    with pytest.raises(ValueError, match="unavailable"):
+        LlamaModel(TINY, bf16, decode_attention="kernel")
