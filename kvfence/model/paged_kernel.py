@@ -59,6 +59,7 @@ class PagedDecodeKernel:
         rows, num_heads, head_dim = q.shape
         num_pages, page_size, num_kv_heads, _ = k_cache.shape
         assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        assert q.device.type == k_cache.device.type == block_tables.device.type == "cpu"
         assert q.stride(2) == 1 and q.stride(1) == head_dim, "heads of a row must be contiguous"
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
         assert block_tables.dtype == context_lens.dtype == torch.int64
