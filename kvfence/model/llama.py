@@ -2,9 +2,9 @@
 
 One call runs a whole step: a flat list of tokens from many sequences (chunked prefill and decode mixed).
 Each layer stores the new tokens' K/V into their pool slots, then attends over the pool: decode rows run
-through the C paged-attention kernel in place (or, where it cannot run, one padded SDPA over gathered pages),
-prefill chunks run one SDPA each. Logits are computed only at the rows that
-are sampled, because the LM head is the largest matmul of a prefill step.
+through the C paged-attention kernel, in place (where it cannot run: one padded SDPA over gathered pages),
+and prefill chunks run one SDPA each. Logits are computed only at the rows that are sampled, because the
+LM head is the largest matmul of a prefill step.
 
 Numerics follow HF transformers' Llama (float32 RMSNorm, rotate-half RoPE) so that greedy tokens match.
 """
@@ -81,7 +81,8 @@ class LlamaModel:
 
     def _decode_kernel(self, choice: str) -> tuple[paged_kernel.PagedDecodeKernel | None, str]:
         """The C kernel for `choice` and, when it is not used, why. `kernel` insists: no silent fallback."""
-        assert choice in DECODE_ATTENTION, choice
+        if choice not in DECODE_ATTENTION:
+            raise ValueError(f"decode attention must be one of {DECODE_ATTENTION}, not {choice!r}")
         if choice == "sdpa":
             return None, "chosen"
         if self.device.type != "cpu" or self.dtype != torch.float32:
