@@ -37,7 +37,9 @@ def paged_case(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
     return q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.long)
 
 
-def dense_reference(q, k_cache, v_cache, tables, lengths) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def dense_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """float64 softmax attention over each row's tokens, read page by page; query head h uses KV head
     h // (heads / kv_heads)."""
     out = []
