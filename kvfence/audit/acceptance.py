@@ -276,10 +276,19 @@ def check_pinned(
         {"problem": f"{name} unknown"} for name in ("engine_version", "model_sha256") if not pins[name]
     ]
     ok = (
-        f"kvfence {pins['engine_version']} @ {(commit or 'no git')[:12]}{' (dirty)' if dirty else ''} "
+        f"kvfence {pins['engine_version']} @ {_commit_label(commit, dirty)} "
         f"(client-side); model sha256 {str(sha)[:16]}…; transport {pins['transport']}; "
         f"flags: {flags or 'not given'}"
     )
+    return _pinned_verdict(problems, ok, pins)
+
+
+def _commit_label(commit: str | None, dirty: bool) -> str:
+    return (commit or "no git")[:12] + (" (dirty)" if dirty else "")
+
+
+def _pinned_verdict(problems: list[dict[str, Any]], ok: str, pins: dict[str, Any]) -> CheckResult:
+    """The pinned_versions verdict, with what pins the service as its evidence."""
     result = verdict("pinned_versions", problems, ok, [])
     result.evidence.append(pins)
     return result
@@ -311,15 +320,13 @@ def _pinned_by_server(
         "startup_flags": flags,
         "source": "server: GET /v1/audit/info",
     }
-    commit = (first.get("git_commit") or "no git")[:12] + (" (dirty)" if first.get("git_dirty") else "")
+    commit = _commit_label(first.get("git_commit"), bool(first.get("git_dirty")))
     expectation = "as expected" if expected else "no expected file given"
     ok = (
         f"kvfence {first.get('kvfence_version')} @ {commit}; model sha256 {str(served)[:16]}… "
         f"({expectation}); {server['mode']}, {len(pools)} pool(s); flags: {flags or 'not given'}"
     )
-    result = verdict("pinned_versions", problems, ok, [])
-    result.evidence.append(pins)
-    return result
+    return _pinned_verdict(problems, ok, pins)
 
 
 # ---- 2. capacity ------------------------------------------------------------------------------------
