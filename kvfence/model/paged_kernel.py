@@ -1,31 +1,18 @@
-"""The C decode-attention kernel (csrc/paged_attention.c): built on first use, loaded with ctypes.
+"""The C decode-attention kernel (csrc/paged_attention.c), built and loaded by `native`.
 
-It is built with the system C compiler into a per-user cache, keyed by the source, the flags and this
-CPU (`-march=native` code must not run on a different CPU), and written under a temporary name then
-renamed, so concurrent processes never load a half-written library. No torch headers are involved: the
-build takes well under a second. The library links libgomp, which resolves to the OpenMP runtime torch
-has already loaded, so the kernel shares torch's thread pool instead of competing with a second one.
-
-`load()` returns None with the reason when the kernel cannot be used (no compiler, a build error): the
-model then uses its torch (gather + SDPA) decode attention, which computes the same thing.
+`load()` returns None with the reason when the kernel cannot be used: the model then uses its torch
+(gather + SDPA) decode attention, which computes the same thing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+from kvfence.model import native
+
 STATUS = {1: "a block table names a page outside the pool or a length beyond its pages", 2: "out of memory"}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -91,49 +78,8 @@ class PagedDecodeKernel:
         return out
 
 
-def _cpu_signature() -> str:
-    """What `-march=native` depends on: the CPU's feature flags (Linux), else the platform's name."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line for line in lines if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvfence" / "kernels"
-
-
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _cpu_signature().encode()]))
-    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
-    return target
-
-
 @functools.cache
 def load() -> tuple[PagedDecodeKernel | None, str]:
-    """(the kernel, "") or (None, why not). Built once per process, and once per machine."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None, "no C compiler (cc) on PATH"
-    try:
-        return PagedDecodeKernel(ctypes.CDLL(str(_build(compiler)))), ""
-    except subprocess.CalledProcessError as exc:
-        return None, f"kernel build failed: {exc.stderr.strip()[-500:]}"
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"kernel unavailable: {exc}"
+    """(the kernel, "") or (None, why not)."""
+    library, why = native.load_library("paged_attention")
+    return (PagedDecodeKernel(library), "") if library is not None else (None, why)

@@ -1,0 +1,76 @@
+"""Build and load the C kernels under csrc/: compiled on first use with the system C compiler, loaded
+with ctypes.
+
+Each library is built into a per-user cache, keyed by its source, the flags and this CPU (`-march=native`
+code must not run on a different CPU), and written under a temporary name then renamed, so concurrent
+processes never load a half-written library. No torch headers are involved: a build takes well under a
+second. The libraries link libgomp, which resolves to the OpenMP runtime torch has already loaded, so the
+kernels share torch's thread pool instead of competing with a second one.
+
+`load_library()` returns None with the reason when a kernel cannot be used (no compiler, a build error):
+the model then takes its torch path, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+
+
+def _cpu_signature() -> str:
+    """What `-march=native` depends on: the CPU's feature flags (Linux), else the platform's name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line for line in lines if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvfence" / "kernels"
+
+
+def _build(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
+    text = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _cpu_signature().encode()]))
+    target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *flags, str(source), "-o", str(built), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
+    return target
+
+
+@functools.cache
+def load_library(name: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
+    """(csrc/`name`.c built and loaded, "") or (None, why not). Built once per process and per machine;
+    `extra_flags` (e.g. a -D switch) give a separately cached build."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler (cc) on PATH"
+    try:
+        return ctypes.CDLL(str(_build(compiler, CSRC / f"{name}.c", FLAGS + extra_flags))), ""
+    except subprocess.CalledProcessError as exc:
+        return None, f"kernel build failed: {exc.stderr.strip()[-500:]}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"kernel unavailable: {exc}"
