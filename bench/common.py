@@ -86,7 +86,7 @@ def build_engine(
     """An engine with the default config (prefix caching on, 512 MiB pool) over already loaded weights.
     Pass `model` to share one LlamaModel (it holds no per-engine state) between engines."""
     config = EngineConfig(isolation=isolation, **overrides)
-    model = model or LlamaModel(gguf.config, gguf.tensors)
+    model = model or LlamaModel.from_gguf(gguf)
     return LLMEngine(config, model, Tokenizer.from_gguf(gguf), log=lambda _: None)
 
 

@@ -191,7 +191,7 @@ def main() -> None:
     base = Workload(W1.name, W1.num_requests, W1.prompt_len, 32 if args.quick else W1.max_tokens)
     gguf = load_weights(args.threads)
     tokenizer = Tokenizer.from_gguf(gguf)
-    model = LlamaModel(gguf.config, gguf.tensors)
+    model = LlamaModel.from_gguf(gguf)
     engines = {isolation: build_engine(gguf, isolation, model=model) for isolation in (True, False)}
     for engine in engines.values():
         warm_up(engine, tokenizer)

@@ -215,7 +215,7 @@ def reference_engine(gguf: GGUFModel, window: int) -> LLMEngine:
     """A separate cold engine: no prefix cache, no faults, a pool for a few windows."""
     pages = -(-window // 16) * 8
     config = EngineConfig(num_pages=pages, max_model_len=window, enable_prefix_caching=False)
-    model = LlamaModel(gguf.config, gguf.tensors)
+    model = LlamaModel.from_gguf(gguf)
     return LLMEngine(config, model, Tokenizer.from_gguf(gguf), log=lambda _: None)
 
 
@@ -531,9 +531,7 @@ def scaled(rates: dict[str, float], scale: float) -> dict[str, float]:
 
 def serving_engine(gguf: GGUFModel, window: int, num_pages: int, faults: dict[str, float]) -> LLMEngine:
     config = EngineConfig(num_pages=num_pages, max_model_len=window, faults=faults, max_num_seqs=64)
-    return LLMEngine(
-        config, LlamaModel(gguf.config, gguf.tensors), Tokenizer.from_gguf(gguf), log=lambda _: None
-    )
+    return LLMEngine(config, LlamaModel.from_gguf(gguf), Tokenizer.from_gguf(gguf), log=lambda _: None)
 
 
 def engine_drain_state(engine: LLMEngine) -> dict[str, Any]:

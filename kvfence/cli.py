@@ -20,7 +20,7 @@ from kvfence.audit.faults import FAULTS, FaultInjector, parse_fault_spec
 from kvfence.config import CapacityError, EngineConfig, parse_size
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError, LLMEngine, load_engine
-from kvfence.model.llama import DECODE_ATTENTION
+from kvfence.model.llama import DECODE_ATTENTION, DECODE_MATMUL
 from kvfence.sampling import SamplingParams
 
 
@@ -95,6 +95,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "auto: the kernel where it can run (default: %(default)s)",
     )
     g.add_argument(
+        "--decode-matmul",
+        choices=DECODE_MATMUL,
+        default=defaults.decode_matmul,
+        help="kernel: decode rows multiply by the GGUF's quantized weights (Q4_0/Q4_1/Q8_0) in a C kernel "
+        "(float32 on CPU); dense: BLAS over the dequantized weights; auto: the kernel where it can run "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
         "--trace-pages",
         action="store_true",
         help="audit which pages each request reads and whose data they hold (lab, audits)",
@@ -118,6 +126,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         faults=dict(args.inject_fault),
         num_threads=args.num_threads,
         decode_attention=args.decode_attention,
+        decode_matmul=args.decode_matmul,
         trace_pages=args.trace_pages,
     )
 

@@ -39,6 +39,7 @@ class EngineConfig:
     faults: dict[str, float] = field(default_factory=dict)
     num_threads: int | None = None
     decode_attention: str = "auto"  # auto | kernel | sdpa (see kvfence.model.llama.DECODE_ATTENTION)
+    decode_matmul: str = "auto"  # auto | kernel | dense (see kvfence.model.llama.DECODE_MATMUL)
     trace_pages: bool = False  # audit `pages_read` events: which pages each request reads, whose data
 
     def __post_init__(self) -> None:

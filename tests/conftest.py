@@ -7,13 +7,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from fastapi import FastAPI
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
-from kvfence.model.gguf import GGUFModel, LlamaConfig, default_model_path, load_gguf
+from kvfence.model.gguf import (
+    GGUFModel,
+    LlamaConfig,
+    QuantizedWeight,
+    default_model_path,
+    load_gguf,
+    read_blocks,
+)
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.request import Request
@@ -66,8 +75,42 @@ def tiny_tensors(seed: int = 0, config: LlamaConfig = TINY) -> dict[str, torch.T
     return tensors
 
 
-def tiny_model(seed: int = 0, config: LlamaConfig = TINY, decode_attention: str = "auto") -> LlamaModel:
-    return LlamaModel(config, tiny_tensors(seed, config), decode_attention)
+class FakeReaderTensor:
+    """What `read_blocks` reads of a gguf.ReaderTensor: the type, ggml's (reversed) shape, the raw blocks."""
+
+    def __init__(self, weight: torch.Tensor, kind: gguf.GGMLQuantizationType) -> None:
+        self.tensor_type = kind
+        self.shape = np.array(list(reversed(weight.shape)))
+        self.data = gguf.quants.quantize(weight.numpy(), kind)
+
+
+def quantize(
+    tensors: dict[str, torch.Tensor], kind: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q4_1
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """The projections and LM head quantized by gguf-py as a GGUF file holds them: the dequantized tensors
+    (what the loader would return) and their codes (what it keeps in GGUFModel.quantized)."""
+    dense, quantized = dict(tensors), {}
+    for name, weight in tensors.items():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            fake = FakeReaderTensor(weight, kind)
+            dense[name] = torch.from_numpy(gguf.quants.dequantize(fake.data, kind).reshape(weight.shape))
+            blocks = read_blocks(fake)  # type: ignore[arg-type]
+            assert blocks is not None
+            quantized[name] = QuantizedWeight(*(torch.from_numpy(part) for part in blocks))
+    return dense, quantized
+
+
+def tiny_model(
+    seed: int = 0,
+    config: LlamaConfig = TINY,
+    decode_attention: str = "auto",
+    decode_matmul: str | None = None,
+) -> LlamaModel:
+    """`decode_matmul` set: the weights quantized (Q4_1), and that choice of decode matmul."""
+    if decode_matmul is None:
+        return LlamaModel(config, tiny_tensors(seed, config), decode_attention)
+    tensors, quantized = quantize(tiny_tensors(seed, config))
+    return LlamaModel(config, tensors, decode_attention, quantized, decode_matmul)
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +140,7 @@ def real_engine(gguf: GGUFModel, **overrides: object) -> LLMEngine:
     settings.update(overrides)
     engine = LLMEngine(
         EngineConfig(**settings),
-        LlamaModel(gguf.config, gguf.tensors),  # type: ignore[arg-type]
+        LlamaModel.from_gguf(gguf),  # type: ignore[arg-type]
         Tokenizer.from_gguf(gguf),
         log=lambda _: None,
     )

@@ -187,7 +187,7 @@ def test_audit_info_reports_what_pins_the_service(server: Server, smollm2: GGUFM
     assert (pool["page_size"], pool["num_pages"], pool["capacity_tokens"]) == (16, 64, 1024)
     assert pool["model_sha256"] == hashlib.sha256(smollm2.path.read_bytes()).hexdigest()
     assert pool["isolation"] is True and pool["dtype"] == "float32" and pool["kvfence_version"]
-    assert pool["decode_attention"] == "kernel"
+    assert pool["decode_attention"] == pool["decode_matmul"] == "kernel"
 
 
 @pytest.mark.parametrize(

@@ -261,7 +261,7 @@ def run_disaggregated(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> Ro
 
 
 def run_lab(gguf: GGUFModel, modes: list[str], progress: Callable[[str], None]) -> list[Row]:
-    model, tokenizer = LlamaModel(gguf.config, gguf.tensors), Tokenizer.from_gguf(gguf)
+    model, tokenizer = LlamaModel.from_gguf(gguf), Tokenizer.from_gguf(gguf)
     rows = []
     for mode in modes:
         for case in CASES:

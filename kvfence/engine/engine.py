@@ -100,8 +100,11 @@ class LLMEngine:
             context_window=self.max_model_len,
         )
         log(self.capacity.describe())
-        why = "" if model.decode_attention == "kernel" else f" ({model.decode_attention_note})"
-        log(f"decode attention: {model.decode_attention}{why}")
+        for part, path, note in (
+            ("attention", model.decode_attention, model.decode_attention_note),
+            ("matmul", model.decode_matmul, model.decode_matmul_note),
+        ):
+            log(f"decode {part}: {path}" + ("" if path == "kernel" else f" ({note})"))
         if not self.capacity.fits:
             raise CapacityError(self.capacity)
         if self.max_model_len > mc.context_length:
@@ -391,7 +394,7 @@ def load_engine(
         torch.set_num_threads(config.num_threads)
     path = config.model or default_model_path()
     gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=config.device, progress=log)
-    model = LlamaModel(gguf.config, gguf.tensors, config.decode_attention)
+    model = LlamaModel.from_gguf(gguf, config.decode_attention, config.decode_matmul)
     engine = LLMEngine(config, model, Tokenizer.from_gguf(gguf), events, log)
     engine.model_file = gguf.path
     return engine

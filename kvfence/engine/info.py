@@ -65,6 +65,7 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "device": str(engine.model.device),
         "decode_attention": engine.model.decode_attention,
+        "decode_matmul": engine.model.decode_matmul,
         "page_size": engine.pool.page_size,
         "num_pages": engine.pool.num_pages,
         "capacity_tokens": engine.capacity.capacity_tokens,

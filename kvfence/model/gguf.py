@@ -13,7 +13,7 @@ import importlib.util
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -41,6 +41,8 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+_Q = gguf.GGMLQuantizationType
+_BLOCK_FORMATS = (_Q.Q4_0, _Q.Q4_1, _Q.Q8_0)  # code * scale (+ offset) per 32 weights: QuantizedWeight
 _PROGRESS_REPORTS = 6  # progress lines per load: a few layers apart, not one per tensor
 
 
@@ -76,14 +78,29 @@ class LlamaConfig:
     tie_word_embeddings: bool
 
 
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight as the GGUF stores it: w[n, k] = codes[n, k] * scales[n, k // 32] + offsets[n, k // 32].
+
+    In float32 that is bit for bit the dequantized tensor (the product of a code and a half-precision
+    scale is exact; the add rounds once, as the reference dequantizer's does). Kept for the formats of
+    that shape: Q4_0, Q4_1 and Q8_0, whose blocks are 32 weights."""
+
+    codes: torch.Tensor  # [out_features, in_features] int8
+    scales: torch.Tensor  # [out_features, in_features // 32] float32
+    offsets: torch.Tensor  # [out_features, in_features // 32] float32
+
+
 @dataclass
 class GGUFModel:
-    """A loaded GGUF: config, HF-named tensors and all key/value metadata as python values."""
+    """A loaded GGUF: config, HF-named tensors, all key/value metadata as python values, and for the
+    weights stored in a block format `QuantizedWeight` knows, their codes (CPU tensors)."""
 
     config: LlamaConfig
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, object]
     path: Path
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
 
 @functools.cache
@@ -115,14 +132,19 @@ def load_gguf(
     config = _config_from(metadata, reader)
     report(f"{path.name}: header read, {len(reader.tensors)} tensors, {config.num_layers} layers")
     tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     report_every = max(1, len(reader.tensors) // _PROGRESS_REPORTS)
     for done, tensor in enumerate(reader.tensors, start=1):
         name = _hf_name(tensor.name)
         weights = _unpermute_rope_rows(name, _dequantize(tensor), config)
         tensors[name] = torch.from_numpy(weights).to(dtype=dtype, device=device)
+        blocks = read_blocks(tensor)
+        if blocks is not None:
+            codes, scales, offsets = (_unpermute_rope_rows(name, part, config) for part in blocks)
+            quantized[name] = QuantizedWeight(*(torch.from_numpy(part) for part in (codes, scales, offsets)))
         if done % report_every == 0 or done == len(reader.tensors):
             report(f"{path.name}: {done}/{len(reader.tensors)} tensors ({time.perf_counter() - start:.1f}s)")
-    return GGUFModel(config=config, tensors=tensors, metadata=metadata, path=path)
+    return GGUFModel(config=config, tensors=tensors, metadata=metadata, path=path, quantized=quantized)
 
 
 def read_header(path: str | Path) -> tuple[LlamaConfig, dict[str, object]]:
@@ -186,6 +208,34 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     weights = weights.reshape(tuple(reversed(tensor.shape.tolist())))
     # F32 tensors come back as views of the read-only memory map; torch needs memory it may own.
     return weights if weights.flags.writeable else weights.copy()
+
+
+def read_blocks(tensor: gguf.ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(codes int8, scales, offsets) as [out_features, in_features (// 32)] for a Q4_0, Q4_1 or Q8_0
+    tensor, None for any other type. The block layouts are ggml's: a float16 scale `d` (Q4_1: then a
+    float16 offset `m`), then the codes; 4-bit codes hold weight j in the low nibble of byte j and
+    weight j + 16 in its high nibble, and Q4_0 codes are stored plus 8."""
+    kind = tensor.tensor_type
+    if kind not in _BLOCK_FORMATS:
+        return None
+    out_features, in_features = reversed(tensor.shape.tolist())
+    blocks = np.asarray(tensor.data).reshape(out_features * in_features // 32, -1)
+    scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    offsets = np.zeros_like(scales)
+    if kind == _Q.Q8_0:
+        codes = blocks[:, 2:].copy().view(np.int8)
+    else:
+        packed = blocks[:, 4:] if kind == _Q.Q4_1 else blocks[:, 2:]
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int8)
+        if kind == _Q.Q4_1:
+            offsets = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        else:
+            codes -= 8
+    return (
+        codes.reshape(out_features, in_features),
+        scales.reshape(out_features, in_features // 32),
+        offsets.reshape(out_features, in_features // 32),
+    )
 
 
 def _unpermute_rope_rows(name: str, weights: np.ndarray, config: LlamaConfig) -> np.ndarray:

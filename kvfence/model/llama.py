@@ -3,23 +3,30 @@
 One call runs a whole step: a flat list of tokens from many sequences (chunked prefill and decode mixed).
 Each layer stores the new tokens' K/V into their pool slots, then attends over the pool: decode rows run
 through the C paged-attention kernel, in place (where it cannot run: one padded SDPA over gathered pages),
-and prefill chunks run one SDPA each. Logits are computed only at the rows that are sampled, because the
-LM head is the largest matmul of a prefill step.
+and prefill chunks run one SDPA each. Decode rows multiply by the GGUF's quantized weights in a C kernel
+(the same float32 weights in a third of the bytes; where it cannot run, BLAS over the dense copy), the
+other rows by BLAS. Logits are computed only at the rows that are sampled, because the LM head is the
+largest matmul of a prefill step.
 
 Numerics follow HF transformers' Llama (float32 RMSNorm, rotate-half RoPE) so that greedy tokens match.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from kvfence.model import paged_kernel
-from kvfence.model.gguf import LlamaConfig
+from kvfence.model import packed_matmul, paged_kernel
+from kvfence.model.gguf import GGUFModel, LlamaConfig, QuantizedWeight
+from kvfence.model.packed_matmul import PackedWeight
 
+K = TypeVar("K")
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can run (float32 on CPU)
+DECODE_MATMUL = ("auto", "kernel", "dense")  # auto: the kernel where it can run (float32 on CPU, quantized)
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -32,6 +39,28 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 1:
         return (x.expand(2, -1) @ weight)[:1]
     return x @ weight
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One (fused) weight: `dense` [in, out] for BLAS and, when the GGUF stores it quantized and the packed
+    kernel runs, `packed` for decode rows."""
+
+    dense: torch.Tensor
+    packed: PackedWeight | None
+
+
+@dataclass(frozen=True)
+class Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+
+    def projections(self) -> tuple[Projection, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
 
 
 @dataclass
@@ -60,18 +89,40 @@ class StepInputs:
 
 
 class LlamaModel:
+    """`quantized` (GGUFModel.quantized) holds the GGUF's codes of the weights in `tensors`; without it,
+    or with `decode_matmul="dense"`, every matmul runs on BLAS."""
+
     def __init__(
-        self, config: LlamaConfig, tensors: dict[str, torch.Tensor], decode_attention: str = "auto"
+        self,
+        config: LlamaConfig,
+        tensors: dict[str, torch.Tensor],
+        decode_attention: str = "auto",
+        quantized: dict[str, QuantizedWeight] | None = None,
+        decode_matmul: str = "auto",
     ) -> None:
         self.config = config
         embed = tensors["embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
-        self._kernel, self.decode_attention_note = self._decode_kernel(decode_attention)
+        self._kernel, self.decode_attention_note = self._choose_kernel(
+            "decode attention", decode_attention, DECODE_ATTENTION, paged_kernel.load
+        )
         self.decode_attention = "kernel" if self._kernel else "sdpa"
+        quantized = quantized or {}
+        self._packed_kernel, self.decode_matmul_note = self._choose_kernel(
+            "decode matmul",
+            decode_matmul,
+            DECODE_MATMUL,
+            packed_matmul.load if quantized else lambda: (None, "the weights are not stored quantized"),
+        )
         self.embed = embed
-        self.lm_head = tensors.get("lm_head.weight", embed)
+        lm_head = "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"
+        self.lm_head = Projection(tensors[lm_head], self._pack(quantized, [lm_head]))
         self.norm = tensors["norm.weight"]
-        self.layers = [self._fuse_layer(tensors, i) for i in range(config.num_layers)]
+        self.layers = [self._fuse_layer(tensors, quantized, i) for i in range(config.num_layers)]
+        packed = [self.lm_head.packed] + [p.packed for layer in self.layers for p in layer.projections()]
+        self.decode_matmul = "kernel" if any(packed) else "dense"
+        if decode_matmul == "kernel" and self.decode_matmul != "kernel":
+            raise ValueError("decode matmul 'kernel' is unavailable: no weight is stored in a packed format")
         inv_freq = 1.0 / (
             config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
         )
@@ -79,40 +130,55 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1).to(self.device)
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def _decode_kernel(self, choice: str) -> tuple[paged_kernel.PagedDecodeKernel | None, str]:
-        """The C kernel for `choice` and, when it is not used, why. `kernel` insists: no silent fallback."""
-        if choice not in DECODE_ATTENTION:
-            raise ValueError(f"decode attention must be one of {DECODE_ATTENTION}, not {choice!r}")
-        if choice == "sdpa":
+    @classmethod
+    def from_gguf(
+        cls, gguf: GGUFModel, decode_attention: str = "auto", decode_matmul: str = "auto"
+    ) -> LlamaModel:
+        return cls(gguf.config, gguf.tensors, decode_attention, gguf.quantized, decode_matmul)
+
+    def _choose_kernel(
+        self, what: str, choice: str, choices: tuple[str, ...], load: Callable[[], tuple[K | None, str]]
+    ) -> tuple[K | None, str]:
+        """The kernel `choice` ("auto", "kernel" or the torch path, choices[2]) asks for and, when it is not
+        used, why. The kernels run float32 on CPU; "kernel" insists: no silent fallback."""
+        if choice not in choices:
+            raise ValueError(f"{what} must be one of {choices}, not {choice!r}")
+        if choice == choices[2]:
             return None, "chosen"
         if self.device.type != "cpu" or self.dtype != torch.float32:
             kernel, why = None, f"the kernel runs float32 on CPU, not {self.dtype} on {self.device}"
         else:
-            kernel, why = paged_kernel.load()
+            kernel, why = load()
         if kernel is None and choice == "kernel":
-            raise ValueError(f"decode attention 'kernel' is unavailable: {why}")
+            raise ValueError(f"{what} 'kernel' is unavailable: {why}")
         return kernel, why
 
-    @staticmethod
-    def _fuse_layer(t: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    def _pack(self, quantized: dict[str, QuantizedWeight], names: Sequence[str]) -> PackedWeight | None:
+        if self._packed_kernel is None:
+            return None
+        return PackedWeight.pack([quantized.get(name) for name in names])
+
+    def _fuse_layer(self, t: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight], i: int) -> Layer:
         """One matmul for Q/K/V and one for gate/up: fewer kernel launches per layer.
 
-        Projections are stored transposed, [in, out] contiguous, and applied as `x @ w`: with 16 rows (a
-        decode batch) and two threads, MKL runs a layer's matmuls in 0.8 ms that way against 3.4 ms for
-        `x @ W.T` over the [out, in] original (measured; equal at one thread and for prefill-sized inputs)."""
+        Dense weights are stored transposed, [in, out] contiguous, and applied as `x @ w`: with 16 rows
+        (a decode batch) and two threads, MKL runs a layer's matmuls in 0.8 ms that way against 3.4 ms
+        for `x @ W.T` over the [out, in] original (measured; equal at one thread and for prefill-sized
+        inputs)."""
         p = f"layers.{i}."
 
-        def stacked(*names: str) -> torch.Tensor:
-            return torch.cat([t[p + name + ".weight"] for name in names]).T.contiguous()
+        def fused(*names: str) -> Projection:
+            keys = [p + name + ".weight" for name in names]
+            return Projection(torch.cat([t[key] for key in keys]).T.contiguous(), self._pack(quantized, keys))
 
-        return {
-            "in_norm": t[p + "input_layernorm.weight"],
-            "post_norm": t[p + "post_attention_layernorm.weight"],
-            "qkv": stacked("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "o": stacked("self_attn.o_proj"),
-            "gate_up": stacked("mlp.gate_proj", "mlp.up_proj"),
-            "down": stacked("mlp.down_proj"),
-        }
+        return Layer(
+            in_norm=t[p + "input_layernorm.weight"],
+            post_norm=t[p + "post_attention_layernorm.weight"],
+            qkv=fused("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            o=fused("self_attn.o_proj"),
+            gate_up=fused("mlp.gate_proj", "mlp.up_proj"),
+            down=fused("mlp.down_proj"),
+        )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # In float32 whatever the weights' dtype, as HF does; F.rms_norm is one fused kernel, and in
@@ -137,9 +203,10 @@ class LlamaModel:
         h = self.embed[inputs.input_ids]
         cos, sin = self.cos[inputs.positions].unsqueeze(1), self.sin[inputs.positions].unsqueeze(1)
         decode_mask = None if self._kernel else self._padding_mask(inputs, kv.shape[3])
+        blas_rows = self._blas_rows(inputs)
         for li, layer in enumerate(self.layers):
-            x = self._rms_norm(h, layer["in_norm"])
-            qkv = _matmul(x, layer["qkv"]).view(-1, nq + 2 * nkv, hd)
+            x = self._rms_norm(h, layer.in_norm)
+            qkv = self._linear(x, layer.qkv, inputs, blas_rows).view(-1, nq + 2 * nkv, hd)
             q, k = self._rope(qkv[:, : nq + nkv], cos, sin).split([nq, nkv], dim=1)  # one RoPE for Q and K
             v = qkv[:, nq + nkv :]
             k_cache, v_cache = kv[li, 0], kv[li, 1]
@@ -155,14 +222,43 @@ class LlamaModel:
                     )
                 for seq in inputs.prefills:
                     attn[seq.start : seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq)
-            h = h + _matmul(attn.view(-1, nq * hd), layer["o"])
-            x = self._rms_norm(h, layer["post_norm"])
-            gate, up = _matmul(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + _matmul(F.silu(gate) * up, layer["down"])
+            h = h + self._linear(attn.view(-1, nq * hd), layer.o, inputs, blas_rows)
+            x = self._rms_norm(h, layer.post_norm)
+            gate, up = self._linear(x, layer.gate_up, inputs, blas_rows).chunk(2, dim=-1)
+            h = h + self._linear(F.silu(gate) * up, layer.down, inputs, blas_rows)
         out = self._rms_norm(h[inputs.logits_rows], self.norm)
+        if self.lm_head.packed is not None and self._packed_kernel is not None:
+            return self._packed_kernel(out, self.lm_head.packed)  # every logits row, every step: see _linear
         # [vocab, hidden] @ [hidden, S]: the weight's own layout (it is tied to the embedding, so a
         # transposed copy would cost another 113 MB) and as fast as the transposed form for few rows.
-        return (self.lm_head @ out.T).T.float()
+        return (self.lm_head.dense @ out.T).T.float()
+
+    def _blas_rows(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The rows of a step that mixes prefill chunks and decode rows whose matmuls go to BLAS (the
+        decode rows go to the packed kernel); None for any other step."""
+        if self._packed_kernel is None or not inputs.prefills or not inputs.decode_rows.numel():
+            return None
+        blas = torch.ones(len(inputs.input_ids), dtype=torch.bool, device=inputs.input_ids.device)
+        blas[inputs.decode_rows] = False
+        return blas.nonzero().squeeze(1)
+
+    def _linear(
+        self, x: torch.Tensor, weight: Projection, inputs: StepInputs, blas_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`x @ weight`: decode rows through the packed kernel, the other rows through BLAS.
+
+        A decode row takes the kernel in every step, pure decode or mixed with prefill chunks, and the
+        kernel computes each row alone: so a request's decode arithmetic does not depend on what it is
+        batched with (batched == solo, the oracle the fence tests lean on)."""
+        if weight.packed is None or self._packed_kernel is None or not inputs.decode_rows.numel():
+            return _matmul(x, weight.dense)
+        if not inputs.prefills:  # every row is a decode row
+            return self._packed_kernel(x, weight.packed)
+        assert blas_rows is not None
+        out = x.new_empty(x.shape[0], weight.dense.shape[1])
+        out[blas_rows] = _matmul(x[blas_rows], weight.dense)
+        out[inputs.decode_rows] = self._packed_kernel(x[inputs.decode_rows], weight.packed)
+        return out
 
     @staticmethod
     def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

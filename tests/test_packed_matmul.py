@@ -1,0 +1,152 @@
+"""The decode matmul over the GGUF's quantized weights: exact weights, accuracy, batch invariance, the
+portable build, and the engine on both paths."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, FakeReaderTensor, LogitsRecorder, make_engine, quantize, tiny_model, tiny_tensors
+
+from kvfence.model import packed_matmul
+from kvfence.model.gguf import GGUFModel, QuantizedWeight, read_blocks
+from kvfence.model.llama import LlamaModel
+from kvfence.model.packed_matmul import PackedWeight
+from kvfence.sampling import SamplingParams
+
+KINDS = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> packed_matmul.PackedMatmulKernel:
+    kernel, why = packed_matmul.load()
+    assert kernel is not None, why  # CI has a C compiler: a silent fallback would leave the kernel untested
+    return kernel
+
+
+def quantized_weight(out_features: int, in_features: int, kind: gguf.GGMLQuantizationType, seed: int = 0):
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    dense, quantized = quantize({"w.proj.weight": weight}, kind)
+    return dense["w.proj.weight"], quantized["w.proj.weight"]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
+def test_codes_times_scales_plus_offsets_are_the_dequantized_weights(kind: gguf.GGMLQuantizationType) -> None:
+    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+    fake = FakeReaderTensor(weight, kind)
+    codes, scales, offsets = read_blocks(fake)  # type: ignore[arg-type, misc]
+    rebuilt = codes.astype(np.float32).reshape(64, 3, 32) * scales[..., None] + offsets[..., None]
+    assert np.array_equal(rebuilt.reshape(64, 96), gguf.quants.dequantize(fake.data, kind).reshape(64, 96))
+
+
+@pytest.mark.real_model
+def test_every_quantized_smollm2_weight_is_exactly_its_float32_tensor(smollm2: GGUFModel) -> None:
+    # Q4_1 projections and the Q8_0 embedding (the tied LM head), Q/K rows un-permuted like the tensors.
+    assert len(smollm2.quantized) == 7 * smollm2.config.num_layers + 1
+    for name, q in smollm2.quantized.items():
+        n, k = q.codes.shape
+        rebuilt = q.codes.float().view(n, k // 32, 32) * q.scales[..., None] + q.offsets[..., None]
+        assert torch.equal(rebuilt.view(n, k), smollm2.tensors[name]), name
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
+def test_kernel_matches_a_float64_matmul(kernel: packed_matmul.PackedMatmulKernel, kind) -> None:
+    dense, quantized = quantized_weight(96, 160, kind)
+    packed = PackedWeight.pack([quantized])
+    assert packed is not None
+    x = torch.randn(19, 160, generator=torch.Generator().manual_seed(2))  # tiles of 8, 8, 2 and 1 rows
+    reference = x.double() @ dense.double().T
+    assert (kernel(x, packed) - reference).abs().max() < 1e-5
+
+
+def test_a_row_is_computed_the_same_whatever_the_batch(kernel: packed_matmul.PackedMatmulKernel) -> None:
+    _, quantized = quantized_weight(64, 128, gguf.GGMLQuantizationType.Q4_1)
+    packed = PackedWeight.pack([quantized])
+    assert packed is not None
+    x = torch.randn(19, 128, generator=torch.Generator().manual_seed(3))
+    batched = kernel(x, packed)
+    for rows in (1, 2, 3, 5, 8, 11, 16):
+        for first in (0, 19 - rows):
+            assert torch.equal(kernel(x[first : first + rows], packed), batched[first : first + rows])
+
+
+def test_strided_rows_give_the_contiguous_result(kernel: packed_matmul.PackedMatmulKernel) -> None:
+    _, quantized = quantized_weight(32, 64, gguf.GGMLQuantizationType.Q8_0)
+    packed = PackedWeight.pack([quantized])
+    assert packed is not None
+    wide = torch.randn(5, 100, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(kernel(wide[:, 10:74], packed), kernel(wide[:, 10:74].contiguous(), packed))
+
+
+def test_the_portable_build_gives_the_same_bits(kernel: packed_matmul.PackedMatmulKernel) -> None:
+    portable, why = packed_matmul.load(portable=True)
+    assert portable is not None, why
+    _, quantized = quantized_weight(64, 96, gguf.GGMLQuantizationType.Q4_1)
+    packed = PackedWeight.pack([quantized])
+    assert packed is not None
+    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(portable(x, packed), kernel(x, packed))
+
+
+def test_pack_fuses_parts_and_refuses_what_it_cannot_hold() -> None:
+    _, a = quantized_weight(32, 64, gguf.GGMLQuantizationType.Q4_1, seed=6)
+    _, b = quantized_weight(64, 64, gguf.GGMLQuantizationType.Q8_0, seed=7)
+    fused = PackedWeight.pack([a, b])
+    assert fused is not None and (fused.out_features, fused.in_features) == (96, 64)
+    assert torch.equal(fused.codes[1, :, 0], b.codes[0])  # panel 1 = output features 32..63 = b's first
+    assert PackedWeight.pack([a, None]) is None  # a part BLAS must multiply: the whole fused weight
+    odd = QuantizedWeight(a.codes[:16], a.scales[:16], a.offsets[:16])
+    assert PackedWeight.pack([odd]) is None  # 16 output features: not a whole panel
+
+
+def test_engine_gives_the_same_tokens_on_the_kernel_and_on_blas() -> None:
+    models = {name: tiny_model(decode_matmul=name) for name in ("kernel", "dense")}
+    assert [m.decode_matmul for m in models.values()] == ["kernel", "dense"]
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for name, model in models.items():
+        # A 16-token budget mixes prefill chunks with decode rows, then pure decode steps follow.
+        engine = make_engine(model, max_num_batched_tokens=16)
+        outputs[name] = [r.output_token_ids for r in engine.generate(prompts, params)]
+    assert outputs["kernel"] == outputs["dense"]
+    assert all(len(tokens) == 12 for tokens in outputs["kernel"])
+
+
+def decode_logits(model: LlamaModel, with_prefill_alongside: bool) -> list[torch.Tensor]:
+    """Request A's logits per step; A is prefilled alone, then decodes alone or while B's prompt is
+    prefilled in 8-token chunks in the same steps."""
+    engine = make_engine(model, max_num_batched_tokens=9)
+    recorder = LogitsRecorder(engine)
+    a = engine.add_request(
+        [(5 * j) % 250 + 3 for j in range(7)], SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+    engine.step()  # A's prefill
+    if with_prefill_alongside:
+        engine.add_request([(3 * j) % 250 + 3 for j in range(40)], SamplingParams(max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    return recorder.steps[a.request_id]
+
+
+def test_a_decode_row_computes_the_same_in_a_mixed_step() -> None:
+    """Decode rows take the kernel in pure decode steps and in steps mixed with prefill chunks alike, so
+    a request's decode logits are bit-identical whether or not another request is prefilling."""
+    model = tiny_model(decode_matmul="kernel")
+    alone, mixed = decode_logits(model, False), decode_logits(model, True)
+    assert len(alone) == len(mixed) == 8
+    assert all(torch.equal(x, y) for x, y in zip(alone, mixed, strict=True))
+
+
+def test_choices_and_fallbacks() -> None:
+    assert tiny_model().decode_matmul == "dense"  # no quantized weights
+    assert "not stored quantized" in tiny_model().decode_matmul_note
+    with pytest.raises(ValueError, match="unavailable"):
+        LlamaModel(TINY, tiny_tensors(), decode_matmul="kernel")
+    tensors, quantized = quantize(tiny_tensors())
+    bf16 = {name: t.to(torch.bfloat16) for name, t in tensors.items()}
+    auto = LlamaModel(TINY, bf16, quantized=quantized)
+    assert auto.decode_matmul == "dense" and "float32" in auto.decode_matmul_note
+    with pytest.raises(ValueError, match="decode matmul must be one of"):
+        LlamaModel(TINY, tensors, quantized=quantized, decode_matmul="fast")
