@@ -148,5 +148,10 @@ def test_choices_and_fallbacks() -> None:
     bf16 = {name: t.to(torch.bfloat16) for name, t in tensors.items()}
     auto = LlamaModel(TINY, bf16, quantized=quantized)
     assert auto.decode_matmul == "dense" and "float32" in auto.decode_matmul_note
+    q_only = {"layers.0.self_attn.q_proj.weight": quantized["layers.0.self_attn.q_proj.weight"]}
+    partial = LlamaModel(TINY, tensors, quantized=q_only)  # Q without K and V: no fused weight to pack
+    assert partial.decode_matmul == "dense" and "no weight fits" in partial.decode_matmul_note
+    with pytest.raises(ValueError, match="no weight fits"):
+        LlamaModel(TINY, tensors, quantized=q_only, decode_matmul="kernel")
     with pytest.raises(ValueError, match="decode matmul must be one of"):
         LlamaModel(TINY, tensors, quantized=quantized, decode_matmul="fast")

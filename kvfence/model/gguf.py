@@ -3,6 +3,8 @@
 Contract: `load_gguf` returns every tensor dequantized, in torch Linear layout ([out_features, in_features]),
 named as in HF's `LlamaModel` without the "model." prefix, with the Q/K rows restored to HF's rotate_half
 RoPE order. The result is bit-identical (in float32) to what transformers loads from the same file.
+Weights stored in a 32-weight block format (Q4_0, Q4_1, Q8_0) are also kept as their codes, scales and
+offsets (`GGUFModel.quantized`), rows in the same order, for the decode-matmul kernel.
 """
 
 from __future__ import annotations

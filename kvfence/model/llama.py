@@ -43,7 +43,8 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Projection:
-    """One (fused) weight: `dense` [in, out] for BLAS and, when the GGUF stores it quantized and the packed
+    """One (fused) weight: `dense`, the float tensor BLAS multiplies ([in, out] in the layers; the LM head
+    keeps its embedding layout, [vocab, hidden]) and, when the GGUF stores it quantized and the packed
     kernel runs, `packed` for decode rows."""
 
     dense: torch.Tensor
@@ -120,9 +121,11 @@ class LlamaModel:
         self.norm = tensors["norm.weight"]
         self.layers = [self._fuse_layer(tensors, quantized, i) for i in range(config.num_layers)]
         packed = [self.lm_head.packed] + [p.packed for layer in self.layers for p in layer.projections()]
-        self.decode_matmul = "kernel" if any(packed) else "dense"
-        if decode_matmul == "kernel" and self.decode_matmul != "kernel":
-            raise ValueError("decode matmul 'kernel' is unavailable: no weight is stored in a packed format")
+        if self._packed_kernel is not None and not any(packed):
+            if decode_matmul == "kernel":
+                raise ValueError("decode matmul 'kernel' is unavailable: no weight fits its panels")
+            self._packed_kernel, self.decode_matmul_note = None, "no weight fits the kernel's panels"
+        self.decode_matmul = "kernel" if self._packed_kernel else "dense"
         inv_freq = 1.0 / (
             config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
         )
@@ -203,10 +206,9 @@ class LlamaModel:
         h = self.embed[inputs.input_ids]
         cos, sin = self.cos[inputs.positions].unsqueeze(1), self.sin[inputs.positions].unsqueeze(1)
         decode_mask = None if self._kernel else self._padding_mask(inputs, kv.shape[3])
-        blas_rows = self._blas_rows(inputs)
         for li, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.in_norm)
-            qkv = self._linear(x, layer.qkv, inputs, blas_rows).view(-1, nq + 2 * nkv, hd)
+            qkv = self._linear(x, layer.qkv, inputs).view(-1, nq + 2 * nkv, hd)
             q, k = self._rope(qkv[:, : nq + nkv], cos, sin).split([nq, nkv], dim=1)  # one RoPE for Q and K
             v = qkv[:, nq + nkv :]
             k_cache, v_cache = kv[li, 0], kv[li, 1]
@@ -222,10 +224,10 @@ class LlamaModel:
                     )
                 for seq in inputs.prefills:
                     attn[seq.start : seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq)
-            h = h + self._linear(attn.view(-1, nq * hd), layer.o, inputs, blas_rows)
+            h = h + self._linear(attn.view(-1, nq * hd), layer.o, inputs)
             x = self._rms_norm(h, layer.post_norm)
-            gate, up = self._linear(x, layer.gate_up, inputs, blas_rows).chunk(2, dim=-1)
-            h = h + self._linear(F.silu(gate) * up, layer.down, inputs, blas_rows)
+            gate, up = self._linear(x, layer.gate_up, inputs).chunk(2, dim=-1)
+            h = h + self._linear(F.silu(gate) * up, layer.down, inputs)
         out = self._rms_norm(h[inputs.logits_rows], self.norm)
         if self.lm_head.packed is not None and self._packed_kernel is not None:
             return self._packed_kernel(out, self.lm_head.packed)  # every logits row, every step: see _linear
@@ -233,30 +235,20 @@ class LlamaModel:
         # transposed copy would cost another 113 MB) and as fast as the transposed form for few rows.
         return (self.lm_head.dense @ out.T).T.float()
 
-    def _blas_rows(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The rows of a step that mixes prefill chunks and decode rows whose matmuls go to BLAS (the
-        decode rows go to the packed kernel); None for any other step."""
-        if self._packed_kernel is None or not inputs.prefills or not inputs.decode_rows.numel():
-            return None
-        blas = torch.ones(len(inputs.input_ids), dtype=torch.bool, device=inputs.input_ids.device)
-        blas[inputs.decode_rows] = False
-        return blas.nonzero().squeeze(1)
-
-    def _linear(
-        self, x: torch.Tensor, weight: Projection, inputs: StepInputs, blas_rows: torch.Tensor | None
-    ) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: Projection, inputs: StepInputs) -> torch.Tensor:
         """`x @ weight`: decode rows through the packed kernel, the other rows through BLAS.
 
         A decode row takes the kernel in every step, pure decode or mixed with prefill chunks, and the
         kernel computes each row alone: so a request's decode arithmetic does not depend on what it is
-        batched with (batched == solo, the oracle the fence tests lean on)."""
+        batched with (batched == solo, the oracle the fence tests lean on). In a mixed step BLAS runs
+        over every row and the decode rows are then overwritten: a few wasted rows cost less than
+        copying the prefill rows out and their results back (W2 at concurrency 16: 31.2 s with the
+        copies, 23.4 s without, in two runs)."""
         if weight.packed is None or self._packed_kernel is None or not inputs.decode_rows.numel():
             return _matmul(x, weight.dense)
         if not inputs.prefills:  # every row is a decode row
             return self._packed_kernel(x, weight.packed)
-        assert blas_rows is not None
-        out = x.new_empty(x.shape[0], weight.dense.shape[1])
-        out[blas_rows] = _matmul(x[blas_rows], weight.dense)
+        out = _matmul(x, weight.dense)
         out[inputs.decode_rows] = self._packed_kernel(x[inputs.decode_rows], weight.packed)
         return out
 

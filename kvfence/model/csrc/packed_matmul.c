@@ -12,8 +12,9 @@
  *   scales   [panels, in_features / BLOCK, PANEL] float32; offsets likewise
  *   x        [rows, in_features], rows x_stride floats apart
  *   y        [rows, panels * PANEL], contiguous
- * Each row accumulates alone, over k in order, with fused multiply-adds, whatever tile it lands in: a
- * row's result does not depend on how many rows share the call (batch invariance). The AVX-512 path and
+ * Each row accumulates alone, over k in order (a partial sum per block of 32, added to the row's total),
+ * with fused multiply-adds, whatever tile it lands in: a row's result does not depend on how many rows
+ * share the call (batch invariance). The AVX-512 path and
  * the portable one (KVF_PORTABLE, or any other CPU) perform the same operations and give the same bits.
  */
 #include <math.h>
