@@ -178,8 +178,11 @@ def _llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, 2, weights.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weights.shape)
 
 
-def _write_tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:
-    """A 1-layer model file: hidden 8, 2 heads of 4, 1 kv head, vocab 16."""
+def _write_tiny_gguf(
+    path: Path, arch: str, tensors: dict[str, np.ndarray], q8_0: frozenset[str] = frozenset()
+) -> None:
+    """A 1-layer model file: hidden 8, 2 heads of 4, 1 kv head, vocab 16; the tensors named in `q8_0`
+    are stored as Q8_0 blocks."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
     writer.add_context_length(32)
@@ -189,7 +192,11 @@ def _write_tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> N
     writer.add_head_count_kv(1)
     writer.add_layer_norm_rms_eps(1e-6)
     for name, array in tensors.items():
-        writer.add_tensor(name, array)
+        if name in q8_0:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -236,6 +243,20 @@ def test_synthetic_llama_file_unpermutes_qk_and_casts(tmp_path: Path) -> None:
         tensor = loaded.tensors[hf_name]
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, torch.from_numpy(original[gguf_name]).to(torch.bfloat16))
+
+
+def test_block_quantized_weights_keep_their_codes_for_float32_on_cpu(tmp_path: Path) -> None:
+    tensors = _tiny_llama_tensors()
+    tensors["blk.0.ffn_down.weight"] = np.random.default_rng(1).standard_normal((8, 32)).astype(np.float32)
+    _write_tiny_gguf(tmp_path / "q8.gguf", "llama", tensors, q8_0=frozenset({"blk.0.ffn_down.weight"}))
+
+    loaded = load_gguf(tmp_path / "q8.gguf")
+    assert list(loaded.quantized) == ["layers.0.mlp.down_proj.weight"]
+    q = loaded.quantized["layers.0.mlp.down_proj.weight"]
+    rebuilt = q.codes.float().view(8, 1, 32) * q.scales[..., None] + q.offsets[..., None]
+    assert torch.equal(rebuilt.view(8, 32), loaded.tensors["layers.0.mlp.down_proj.weight"])
+    # Only float32 on CPU uses the codes (the packed kernel): other loads do not keep them.
+    assert load_gguf(tmp_path / "q8.gguf", dtype=torch.bfloat16).quantized == {}
 
 
 def test_non_llama_architecture_is_rejected(tmp_path: Path) -> None:

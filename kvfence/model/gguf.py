@@ -125,6 +125,7 @@ def load_gguf(
 
     Raises ValueError for a non-llama architecture or a tensor this loader does not know (e.g. biases,
     MoE experts, llama3 `rope_freqs`), rather than silently dropping weights the model would need.
+    The quantized codes are kept only for float32 on CPU, the one case the packed kernel serves.
     """
     path = Path(path)
     report = progress or (lambda _message: None)
@@ -135,12 +136,13 @@ def load_gguf(
     report(f"{path.name}: header read, {len(reader.tensors)} tensors, {config.num_layers} layers")
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
+    keep_codes = dtype == torch.float32 and torch.device(device).type == "cpu"
     report_every = max(1, len(reader.tensors) // _PROGRESS_REPORTS)
     for done, tensor in enumerate(reader.tensors, start=1):
         name = _hf_name(tensor.name)
         weights = _unpermute_rope_rows(name, _dequantize(tensor), config)
         tensors[name] = torch.from_numpy(weights).to(dtype=dtype, device=device)
-        blocks = read_blocks(tensor)
+        blocks = read_blocks(tensor) if keep_codes else None
         if blocks is not None:
             codes, scales, offsets = (_unpermute_rope_rows(name, part, config) for part in blocks)
             quantized[name] = QuantizedWeight(*(torch.from_numpy(part) for part in (codes, scales, offsets)))
