@@ -24,6 +24,7 @@ import torch
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
+from kvfence.engine.info import code_info
 from kvfence.model.gguf import GGUFModel, default_model_path, load_gguf
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
@@ -421,7 +422,7 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     meta = {
         "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "torch": torch.__version__,
+        **code_info(),  # the kvfence version and commit measured (git_dirty: uncommitted changes)
         "torch_threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),

@@ -43,6 +43,7 @@ from common import (
 )
 
 from kvfence.model.gguf import GGUFModel
+from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
 
 ROWS = (("kvfence", 1), ("kvfence", 4), ("kvfence", 16), ("hf", 1), ("hf", 16))  # system, concurrency/batch
@@ -70,6 +71,7 @@ class Bench:
 
     def __init__(self, threads: int) -> None:
         self.gguf: GGUFModel = load_weights(threads)
+        self.model = LlamaModel.from_gguf(self.gguf)  # holds no per-engine state: one for every engine
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.hf_model: torch.nn.Module = load_hf_model(self.gguf)
         self.pad_id = self.tokenizer.eos_token_id
@@ -82,7 +84,7 @@ class Bench:
             return lambda: run_hf(self.hf_model, prompts, max_tokens, width, self.pad_id)
 
         def run() -> RunResult:
-            engine = build_engine(self.gguf)  # fresh: its prefix cache holds nothing from earlier runs
+            engine = build_engine(self.gguf, model=self.model)  # fresh: an empty prefix cache
             warm_up(engine, self.tokenizer)
             return run_kvfence(engine, prompts, max_tokens, width)
 
@@ -121,7 +123,13 @@ def main() -> None:
     bench = Bench(args.threads)
     count = args.requests or (4 if args.quick else None)
     sequential = min(args.sequential_requests, count or args.sequential_requests)
-    payload: dict[str, object] = {"quick": args.quick, "hf_ttft": "timing streamer in the same generate()"}
+    paths = {"decode_attention": bench.model.decode_attention, "decode_matmul": bench.model.decode_matmul}
+    print(f"kvfence decode paths: {paths}")
+    payload: dict[str, object] = {
+        "quick": args.quick,
+        "hf_ttft": "timing streamer in the same generate()",
+        "kvfence_decode_paths": paths,
+    }
     table, ratios = [], {}
     for name in args.workloads.split(","):
         workload = WORKLOADS[name.strip()]
