@@ -9,6 +9,8 @@ import pytest
 import torch
 from conftest import TINY, FakeReaderTensor, LogitsRecorder, make_engine, quantize, tiny_model, tiny_tensors
 
+from kvfence.config import EngineConfig
+from kvfence.engine.engine import LLMEngine
 from kvfence.model import packed_matmul
 from kvfence.model.gguf import GGUFModel, QuantizedWeight, read_blocks
 from kvfence.model.llama import LlamaModel
@@ -155,3 +157,16 @@ def test_choices_and_fallbacks() -> None:
         LlamaModel(TINY, tensors, quantized=q_only, decode_matmul="kernel")
     with pytest.raises(ValueError, match="decode matmul must be one of"):
         LlamaModel(TINY, tensors, quantized=quantized, decode_matmul="fast")
+
+
+def test_the_engine_names_its_decode_paths_at_start() -> None:
+    lines: list[str] = []
+    LLMEngine(
+        EngineConfig(num_pages=64, page_size=4, max_model_len=256),
+        tiny_model(decode_matmul="auto"),
+        log=lines.append,
+    )
+    assert "decode attention: kernel" in lines and "decode matmul: kernel" in lines
+    lines.clear()
+    LLMEngine(EngineConfig(num_pages=64, page_size=4, max_model_len=256), tiny_model(), log=lines.append)
+    assert "decode matmul: dense (the weights are not stored quantized)" in lines
