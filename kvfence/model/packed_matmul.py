@@ -44,11 +44,12 @@ class PackedWeight:
     def pack(cls, parts: Sequence[QuantizedWeight | None]) -> PackedWeight | None:
         """The weights of `parts` stacked along output features (a fused projection), or None when one is
         not quantized or the shape does not fit the panels."""
-        if any(part is None for part in parts):
+        present = [part for part in parts if part is not None]
+        if len(present) < len(parts):
             return None
-        codes = torch.cat([part.codes for part in parts if part is not None])
-        scales = torch.cat([part.scales for part in parts if part is not None])
-        offsets = torch.cat([part.offsets for part in parts if part is not None])
+        codes = torch.cat([part.codes for part in present])
+        scales = torch.cat([part.scales for part in present])
+        offsets = torch.cat([part.offsets for part in present])
         out_features, in_features = codes.shape
         if out_features % PANEL or in_features % BLOCK:
             return None
