@@ -84,6 +84,12 @@ class FakeReaderTensor:
         self.data = gguf.quants.quantize(weight.numpy(), kind)
 
 
+def dequantize(q: QuantizedWeight) -> torch.Tensor:
+    """codes * scales + offsets, block by block: the float32 weight a QuantizedWeight stands for."""
+    n, k = q.codes.shape
+    return (q.codes.float().view(n, k // 32, 32) * q.scales[..., None] + q.offsets[..., None]).view(n, k)
+
+
 def quantize(
     tensors: dict[str, torch.Tensor], kind: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q4_1
 ) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:

@@ -7,7 +7,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, FakeReaderTensor, LogitsRecorder, make_engine, quantize, tiny_model, tiny_tensors
+from conftest import (
+    TINY,
+    FakeReaderTensor,
+    LogitsRecorder,
+    dequantize,
+    make_engine,
+    quantize,
+    tiny_model,
+    tiny_tensors,
+)
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
@@ -47,9 +56,7 @@ def test_every_quantized_smollm2_weight_is_exactly_its_float32_tensor(smollm2: G
     # Q4_1 projections and the Q8_0 embedding (the tied LM head), Q/K rows un-permuted like the tensors.
     assert len(smollm2.quantized) == 7 * smollm2.config.num_layers + 1
     for name, q in smollm2.quantized.items():
-        n, k = q.codes.shape
-        rebuilt = q.codes.float().view(n, k // 32, 32) * q.scales[..., None] + q.offsets[..., None]
-        assert torch.equal(rebuilt.view(n, k), smollm2.tensors[name]), name
+        assert torch.equal(dequantize(q), smollm2.tensors[name]), name
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
