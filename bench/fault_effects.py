@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfence.audit.faults import FaultEffect
-from kvfence.cache.fence import INTEGRITY_REASONS, MappingRecord
+from kvfence.cache.fence import MappingRecord
 from kvfence.engine.engine import LLMEngine
+from kvfence.trail.faults import FaultEffect
+from kvfence.trail.reasons import INTEGRITY_REASONS
 
 SINGLE_NODE_FAULTS = (
     "stale_mapping",

@@ -44,7 +44,6 @@ from fault_effects import FaultLedger
 from serving import Cluster, metric, serve, start_cluster
 
 from kvfence.api.server import build_app
-from kvfence.cache.fence import INTEGRITY_REASONS
 from kvfence.cache.pool import PageState
 from kvfence.config import EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
@@ -54,6 +53,8 @@ from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import IncrementalDecoder, Tokenizer
 from kvfence.request import Request
 from kvfence.sampling import SamplingParams
+from kvfence.trail.reasons import INTEGRITY_REASONS
+from kvfence.units import cdiv
 
 MODEL = "smollm2-stress"
 ADMIN_KEY = "stress-admin"
@@ -166,7 +167,7 @@ def _length(shape: str, limits: Shape, max_tokens: int, preamble: int, rng: rand
     if shape == "short":
         return rng.randint(preamble + 1, preamble + 2 * ps)
     if shape == "page_edge":
-        pages = rng.randint(-(-preamble // ps) + 1, max(-(-preamble // ps) + 1, (window - max_tokens) // ps))
+        pages = rng.randint(cdiv(preamble, ps) + 1, max(cdiv(preamble, ps) + 1, (window - max_tokens) // ps))
         return min(pages * ps + rng.choice((-1, 0, 1)), window - max_tokens)
     if shape == "medium":
         return rng.randint(preamble + 1, max(preamble + 1, (window - max_tokens) // 2))
@@ -213,7 +214,7 @@ class Reference:
 
 def reference_engine(gguf: GGUFModel, window: int) -> LLMEngine:
     """A separate cold engine: no prefix cache, no faults, a pool for a few windows."""
-    pages = -(-window // 16) * 8
+    pages = cdiv(window, 16) * 8
     config = EngineConfig(num_pages=pages, max_model_len=window, enable_prefix_caching=False)
     model = LlamaModel.from_gguf(gguf)
     return LLMEngine(config, model, Tokenizer.from_gguf(gguf), log=lambda _: None)

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-from kvfence.audit.events import EventLog
-from kvfence.audit.faults import FAULTS, FaultInjector, parse_fault_spec
-from kvfence.config import CapacityError, EngineConfig, parse_size
+from kvfence.config import CapacityError, EngineConfig
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError, LLMEngine, load_engine
 from kvfence.model.llama import DECODE_ATTENTION, DECODE_MATMUL
 from kvfence.sampling import SamplingParams
+from kvfence.trail.events import EventLog
+from kvfence.trail.faults import FAULTS, FaultInjector, parse_fault_spec
+from kvfence.units import parse_size
 
 
 def default_device() -> str:

@@ -53,10 +53,10 @@ from kvfence.api.protocol import (
     ModelList,
     Usage,
 )
-from kvfence.cache.fence import INTEGRITY_REASONS
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError, RequestOutput
 from kvfence.request import Status
+from kvfence.trail.reasons import INTEGRITY_REASONS
 
 _Outputs = AsyncGenerator[RequestOutput, None]
 DEFAULT_MAX_TOKENS = 256

@@ -58,9 +58,8 @@ from kvfence.audit.probe import (
     run_probes,
     verdict,
 )
-from kvfence.cache.fence import INTEGRITY_REASONS
-from kvfence.engine.info import engine_version, git_commit
-from kvfence.model.gguf import file_sha256
+from kvfence.pins import file_sha256, git_commit, package_version
+from kvfence.trail.reasons import INTEGRITY_REASONS
 
 Event = dict[str, Any]
 Trail = list[Event]
@@ -261,7 +260,7 @@ def check_pinned(
     sha = file_sha256(path) if path and path.is_file() else None
     disaggregated = any("where" in e for trail in trails.values() for e in trail)
     pins = {
-        "engine_version": engine_version(),
+        "engine_version": package_version(),
         "git_commit": commit,
         "git_dirty": dirty,
         "model_file": str(path) if path else None,

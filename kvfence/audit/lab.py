@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from kvfence.audit.faults import FaultInjector
 from kvfence.config import EngineConfig
 from kvfence.disagg.connector import ZmqConnector
 from kvfence.disagg.decode import DecodeWorker
@@ -39,6 +38,8 @@ from kvfence.model.gguf import GGUFModel, default_model_path, load_gguf
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.sampling import SamplingParams
+from kvfence.trail.faults import FaultInjector
+from kvfence.units import cdiv
 
 SECRET = (
     "Confidential note for tenant A. The vault access code is 4471-ALPHA-RIVER, the board meets on "
@@ -107,7 +108,7 @@ def summarise(
     row = Row(
         mode=mode,
         case=case.name,
-        requested=-(-(len(prompt) + MAX_TOKENS) // PAGE),
+        requested=cdiv(len(prompt) + MAX_TOKENS, PAGE),
         allocated=sum(len(e["pages"]) for e in events if e["kind"] == "pages_allocated"),
         transferred=sum(1 for e in events if e["kind"] == "page_received"),
         steps=sum(1 for e in events if e["kind"] == "step"),

@@ -11,10 +11,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvfence.audit.faults import FaultInjector
 from kvfence.cache.fence import MappingRecord
 from kvfence.cache.pool import NO_OWNER, KVPool, PageState
 from kvfence.cache.prefix import PrefixCache
+from kvfence.trail.faults import FaultInjector
 
 
 class OutOfPages(RuntimeError):

@@ -13,8 +13,8 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from kvfence.audit.faults import FaultInjector
 from kvfence.cache.pool import KVPool
+from kvfence.trail.faults import FaultInjector
 
 
 def extend_chain(tenant: str, hashes: list[int], token_ids: list[int], page_size: int) -> None:

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvfence.cache.fence import CHECKSUM_MISMATCH, STALE_WRITE
 from kvfence.disagg.connector import Connector, Message
 from kvfence.disagg.worker import Worker
 from kvfence.engine.engine import AdmissionError, LLMEngine, RequestOutput
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
+from kvfence.trail.reasons import CHECKSUM_MISMATCH, STALE_WRITE
 
 TRANSFER_TIMEOUT_S = 30.0  # a transfer with no progress this long is aborted (its pages stay quarantined)
 

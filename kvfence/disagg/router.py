@@ -20,16 +20,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvfence.audit.events import EventLog
-from kvfence.audit.faults import FaultInjector
 from kvfence.disagg.connector import PEER_DOWN, PEER_UP, Connector, Message, ZmqConnector
 from kvfence.engine.async_engine import STATS_TIMEOUT_S
 from kvfence.engine.engine import AdmissionError, RequestOutput, context_refusal
-from kvfence.engine.info import code_info
 from kvfence.engine.stats import EngineStats
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.pins import code_info
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
+from kvfence.trail.events import EventLog
+from kvfence.trail.faults import FaultInjector
 
 ROUTER_TIMEOUT_S = 120.0  # no message from the workers for this long: the router gives up on the request
 REHELLO = "rehello"  # token of the hello the router sends a worker whose connection came (back) up

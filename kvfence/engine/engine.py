@@ -16,20 +16,22 @@ from pathlib import Path
 
 import torch
 
-from kvfence.audit.events import EventLog
-from kvfence.audit.faults import FaultInjector
-from kvfence.audit.trace import PageTrace
 from kvfence.cache.allocator import PageAllocator
-from kvfence.cache.fence import INTEGRITY_REASONS, Fence, MappingRecord
+from kvfence.cache.fence import Fence, MappingRecord
 from kvfence.cache.pool import KVPool
 from kvfence.cache.prefix import PrefixCache
 from kvfence.config import CapacityError, CapacityReport, EngineConfig
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.scheduler import Scheduler
+from kvfence.engine.trace import PageTrace
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import IncrementalDecoder, Tokenizer
 from kvfence.request import Request, Status
 from kvfence.sampling import SamplingParams, make_generator
+from kvfence.trail.events import EventLog
+from kvfence.trail.faults import FaultInjector
+from kvfence.trail.reasons import INTEGRITY_REASONS
+from kvfence.units import cdiv
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 log = logging.getLogger("kvfence.engine")
@@ -300,7 +302,7 @@ class LLMEngine:
         """Every prefill chunk and the first decode step are on the record. Later decode steps repeat the
         first with one more token; the finish event's token count sums them up, so the trail stays small."""
         if n > 1 or len(request.output_token_ids) <= 1:
-            pages = request.record.pages[: -(-(request.num_computed_tokens + n) // self.pool.page_size)]
+            pages = request.record.pages[: cdiv(request.num_computed_tokens + n, self.pool.page_size)]
             if self.fence.enabled:
                 self.events.emit(request.request_id, "validated", pages=pages)
             self.events.emit(request.request_id, "step", tokens=n, position=request.num_computed_tokens)

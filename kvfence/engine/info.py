@@ -7,51 +7,11 @@ guess the page size. Everything here is static after start-up, so it is safe to 
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
-import torch
-
-import kvfence
 from kvfence.engine.engine import LLMEngine
-from kvfence.model.gguf import file_sha256
-
-
-def engine_version() -> str | None:
-    try:
-        return importlib.metadata.version("kvfence")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-@functools.cache
-def git_commit(directory: Path) -> tuple[str | None, bool]:
-    """(HEAD commit, working tree dirty) of the checkout holding `directory`; (None, False) if none."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=directory, capture_output=True, text=True, timeout=10, check=True
-        ).stdout
-
-    try:
-        head, status = git("rev-parse", "HEAD").strip(), git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
-        return None, False
-    return head or None, bool(status.strip())
-
-
-def code_info() -> dict[str, Any]:
-    commit, dirty = git_commit(Path(kvfence.__file__).parent)
-    return {
-        "kvfence_version": engine_version(),
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "torch": torch.__version__,
-    }
+from kvfence.pins import code_info, file_sha256
 
 
 def engine_info(engine: LLMEngine) -> dict[str, Any]:

@@ -14,12 +14,13 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kvfence.audit.faults import FaultInjector
 from kvfence.cache.fence import Fence, StepLayout
 from kvfence.cache.pool import KVPool
 from kvfence.model.llama import LlamaModel, PrefillSeq, StepInputs
 from kvfence.request import Request
 from kvfence.sampling import sample
+from kvfence.trail.faults import FaultInjector
+from kvfence.units import cdiv
 
 NON_FINITE_LOGITS = "non_finite_logits"  # the model produced NaN/inf for this row: abort it, not the batch
 
@@ -120,7 +121,7 @@ def build_layout(requests: list[Request], num_new: list[int], page_size: int) ->
     """Flatten the batch's records: the pages each row reads/writes this step and every new token's slot."""
     cached = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
     new = np.array(num_new, dtype=np.int64)
-    mapped = -(-(cached + new) // page_size)  # pages covering every token the step touches
+    mapped = cdiv(cached + new, page_size)  # pages covering every token the step touches
     starts = np.concatenate([[0], np.cumsum(mapped)]).astype(np.int64)
     pages = np.fromiter(
         chain.from_iterable(r.record.pages[:m] for r, m in zip(requests, mapped.tolist(), strict=True)),

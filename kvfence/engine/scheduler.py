@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvfence.audit.events import EventLog
-from kvfence.audit.faults import FaultInjector
 from kvfence.cache.allocator import PageAllocator
 from kvfence.cache.prefix import PrefixCache, extend_chain
 from kvfence.request import Request, Status
+from kvfence.trail.events import EventLog
+from kvfence.trail.faults import FaultInjector
+from kvfence.units import cdiv
 
 
 @dataclass
@@ -138,7 +139,7 @@ class Scheduler:
 
     def _pages_needed(self, request: Request, n: int) -> int:
         total = request.num_computed_tokens + n
-        return max(0, -(-total // self.page_size) - len(request.record.pages))
+        return max(0, cdiv(total, self.page_size) - len(request.record.pages))
 
     def _allocate(self, request: Request, count: int) -> None:
         if count:

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from kvfence.cache.fence import INTEGRITY_REASONS
 from kvfence.cache.pool import PageState
 from kvfence.engine.engine import LLMEngine
+from kvfence.trail.reasons import INTEGRITY_REASONS
 
 
 @dataclass(frozen=True)

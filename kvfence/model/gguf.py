@@ -10,7 +10,6 @@ offsets (`GGUFModel.quantized`), rows in the same order, for the decode-matmul k
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import re
 import time
@@ -106,15 +105,6 @@ class GGUFModel:
 
 
 @functools.cache
-def file_sha256(path: Path) -> str:
-    """The hex sha256 of a (model) file, computed once per process: what pins the weights being served."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def load_gguf(
     path: str | Path,
     dtype: torch.dtype = torch.float32,

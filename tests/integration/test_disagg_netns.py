@@ -32,6 +32,7 @@ from kvfence.disagg.router import Router
 from kvfence.model.gguf import GGUFModel, default_model_path, read_header
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.sampling import SamplingParams
+from kvfence.units import cdiv
 
 pytestmark = pytest.mark.real_model
 
@@ -220,4 +221,4 @@ def test_answer_across_namespaces_equals_single_node(cluster: NetnsCluster, smol
     assert reply.usage is not None
     page_size = cluster.router.workers["decode"].page_size
     # KV of every prompt token but the last, which decode computes itself before sampling.
-    assert len(received) == -(-(reply.usage.prompt_tokens - 1) // page_size)
+    assert len(received) == cdiv(reply.usage.prompt_tokens - 1, page_size)

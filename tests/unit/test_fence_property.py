@@ -12,11 +12,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvfence.audit.faults import FaultInjector
 from kvfence.cache.allocator import PageAllocator
 from kvfence.cache.fence import Fence, MappingRecord, StepLayout
 from kvfence.cache.pool import NO_OWNER, KVPool, PageState
 from kvfence.cache.prefix import PrefixCache, extend_chain
+from kvfence.trail.faults import FaultInjector
+from kvfence.units import cdiv
 
 PAGE = 2
 TENANTS = ["a", "b", "c"]
@@ -55,7 +56,7 @@ class FenceMachine(RuleBasedStateMachine):
         hit = self.prefix.lookup(holder.record.tenant, holder.hashes[: (len(tokens) - 1) // PAGE])
         self.allocator.share(holder.record, hit)
         holder.written = len(hit) * PAGE
-        need = -(-len(tokens) // PAGE) - len(hit)
+        need = cdiv(len(tokens), PAGE) - len(hit)
         if need > self.allocator.num_free_pages:
             self.allocator.release(holder.record)
             return

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvfence.audit.events import EventLog
 from kvfence.cache.fence import StepLayout
 from kvfence.cache.pool import KVPool
 from kvfence.request import Request
+from kvfence.trail.events import EventLog
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from conftest import real_engine
 from kvfence.model.gguf import GGUFModel
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
+from kvfence.units import cdiv
 
 pytestmark = pytest.mark.real_model
 
@@ -48,7 +49,7 @@ def test_preemption_on_the_real_model(smollm2: GGUFModel) -> None:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     solo = [real_engine(smollm2).generate([p], params)[0].output_token_ids for p in prompts]
-    pages = -(-(max(len(p) for p in prompts) + params.max_tokens) // 16) + 1
+    pages = cdiv(max(len(p) for p in prompts) + params.max_tokens, 16) + 1
     small = real_engine(smollm2, num_pages=pages, max_model_len=pages * 16, enable_prefix_caching=False)
     requests = small.generate(prompts, params)
     assert sum(r.num_preemptions for r in requests) > 0

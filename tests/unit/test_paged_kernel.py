@@ -9,6 +9,7 @@ from conftest import TINY, make_engine, tiny_model, tiny_tensors
 from kvfence.model import paged_kernel
 from kvfence.model.llama import LlamaModel
 from kvfence.sampling import SamplingParams
+from kvfence.units import cdiv
 
 PAGES, PAGE_SIZE, HEADS, KV_HEADS, HEAD_DIM = 40, 4, 6, 2, 16
 
@@ -26,12 +27,12 @@ def paged_case(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
     k_cache = torch.randn(PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
     v_cache = torch.randn(PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
     q = torch.randn(len(lengths), HEADS, HEAD_DIM, generator=gen)
-    width = max(-(-n // PAGE_SIZE) for n in lengths)
+    width = max(cdiv(n, PAGE_SIZE) for n in lengths)
     order = torch.randperm(PAGES, generator=gen)
     tables = torch.zeros(len(lengths), width, dtype=torch.long)
     used = 0
     for row, n in enumerate(lengths):
-        pages = -(-n // PAGE_SIZE)
+        pages = cdiv(n, PAGE_SIZE)
         tables[row, :pages] = order[used : used + pages]
         used += pages
     return q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.long)

@@ -14,15 +14,15 @@ import pytest
 import torch
 from conftest import make_engine
 
-from kvfence.audit.trace import PageTrace
-from kvfence.cache.fence import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF
 from kvfence.cache.pool import KVPool, PageState
 from kvfence.disagg.connector import PEER_DOWN, MemoryHub, Message
 from kvfence.disagg.decode import DecodeWorker
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.engine.stats import EngineStats
+from kvfence.engine.trace import PageTrace
 from kvfence.model.llama import LlamaModel
 from kvfence.sampling import SamplingParams
+from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF
 
 _rng = random.Random(11)
 PROMPTS = {n: [_rng.randrange(256) for _ in range(n)] for n in (1, 6, 13, 22, 30, 40)}

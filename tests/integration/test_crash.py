@@ -29,6 +29,7 @@ import pytest
 from kvfence.config import EngineConfig
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.units import cdiv
 
 stress = importlib.import_module("stress")
 serving = importlib.import_module("serving")
@@ -180,7 +181,7 @@ def test_prefill_crash_fences_its_transfers_and_recovers(cluster: Any, jobs: Job
         tasks = [
             asyncio.create_task(stress.run_job(client, cluster.url, j, timeout_s=WAIT_S)) for j in victims
         ]
-        per_victim = -(-149 // 16)
+        per_victim = cdiv(149, 16)
         await asyncio.to_thread(
             wait_for,
             lambda: cluster.worker_stats("decode").pages_free <= free - len(victims) * per_victim,

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import pytest
 from conftest import make_engine
 
-from kvfence.audit.trace import PageTrace
-from kvfence.cache.fence import FOREIGN_OWNER, STALE_GENERATION, STALE_WRITE, UNWRITTEN_READ
 from kvfence.engine.engine import LLMEngine
+from kvfence.engine.trace import PageTrace
 from kvfence.model.llama import LlamaModel
 from kvfence.request import Request, Status
 from kvfence.sampling import SamplingParams
+from kvfence.trail.reasons import FOREIGN_OWNER, STALE_GENERATION, STALE_WRITE, UNWRITTEN_READ
 
 _rng = random.Random(7)
 PROMPTS = {n: [_rng.randrange(256) for _ in range(n)] for n in (5, 7, 9, 10, 12, 14, 18, 20, 56)}

@@ -23,7 +23,8 @@ from kvfence.api.server import build_app
 from kvfence.audit.acceptance import add_arguments, check_pinned, run
 from kvfence.audit.probe import check_test_address
 from kvfence.engine.async_engine import AsyncEngine
-from kvfence.model.gguf import GGUFModel, file_sha256
+from kvfence.model.gguf import GGUFModel
+from kvfence.pins import file_sha256
 
 ADMIN = "audit-admin"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}

@@ -1,0 +1,83 @@
+"""The house has floors: a module may import only from its own package or from a lower floor.
+
+This is what keeps the hot path (cache/, engine/) free of tools, and the HTTP-only audit client free of
+torch. The test reads every import statement (function-level ones too) with `ast`, so a new upward
+import fails here instead of in a review.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import kvfence
+
+ROOT = Path(kvfence.__file__).parent
+# Bottom to top. Packages on one floor may not import each other either.
+FLOORS: list[set[str]] = [
+    {"units", "pins", "config", "sampling", "trail"},
+    {"model"},
+    {"cache"},
+    {"request"},
+    {"engine"},
+    {"disagg", "api"},
+    {"harness"},
+    {"audit"},
+    {"cli"},
+]
+FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}
+
+
+def unit_of(module: str) -> str:
+    """'kvfence.cache.pool' -> 'cache'; 'kvfence.cli' -> 'cli'."""
+    return module.split(".")[1]
+
+
+def kvfence_imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] if node.module != "kvfence" else [f"kvfence.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n.startswith("kvfence.")]
+    return found
+
+
+def test_every_module_has_a_floor() -> None:
+    units = {p.stem if p.is_file() else p.name for p in ROOT.iterdir() if p.suffix == ".py" or p.is_dir()}
+    units -= {"__init__", "__pycache__", "csrc"}
+    assert units <= set(FLOOR), f"modules without a floor: {sorted(units - set(FLOOR))}"
+
+
+def test_no_module_imports_a_higher_floor() -> None:
+    upward = []
+    for path in sorted(ROOT.rglob("*.py")):
+        here = unit_of("kvfence." + ".".join(path.relative_to(ROOT).with_suffix("").parts))
+        for line, module in kvfence_imports(path):
+            there = unit_of(module)
+            if there != here and FLOOR[there] >= FLOOR[here]:
+                upward.append(f"{path.relative_to(ROOT.parent)}:{line} ({here}) imports {module} ({there})")
+    assert not upward, "imports that run up (or across) a floor:\n" + "\n".join(upward)
+
+
+def test_the_layering_check_sees_an_upward_import(tmp_path: Path) -> None:
+    """The checker itself: a cache module importing the engine is reported."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from kvfence.engine.engine import LLMEngine\n")
+    assert kvfence_imports(bad) == [(2, "kvfence.engine.engine")]
+    assert FLOOR[unit_of("kvfence.engine.engine")] > FLOOR["cache"]
+
+
+def test_trail_and_pins_load_without_torch() -> None:
+    """The lowest floor is light: the audit trail, fault points, reasons and pins need no torch."""
+    code = (
+        "import sys, kvfence.trail.events, kvfence.trail.faults, kvfence.trail.reasons, kvfence.pins, "
+        "kvfence.units; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
