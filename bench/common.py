@@ -24,10 +24,10 @@ import torch
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
-from kvfence.model.gguf import GGUFModel, default_model_path, load_gguf
+from kvfence.model.gguf import GGUFModel, load_gguf
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.pins import code_info
+from kvfence.pins import code_info, default_model_path
 from kvfence.request import Request
 from kvfence.sampling import SamplingParams
 

@@ -62,8 +62,9 @@ from common import (
 from kvfence.cache.pool import KVPool
 from kvfence.config import EngineConfig
 from kvfence.disagg.connector import Message, ZmqConnector
-from kvfence.model.gguf import LlamaConfig, default_model_path, read_header
+from kvfence.model.gguf import LlamaConfig, read_header
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.pins import default_model_path
 
 KVFENCE = str(Path(sys.executable).parent / "kvfence")
 MODEL = default_model_path().stem

@@ -26,8 +26,9 @@ from kvfence.config import EngineConfig
 from kvfence.disagg.launch import spawn_workers
 from kvfence.disagg.router import ROUTER_TIMEOUT_S, Router
 from kvfence.engine.stats import EngineStats
-from kvfence.model.gguf import default_model_path, read_header
+from kvfence.model.gguf import read_header
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.pins import default_model_path
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 60.0

@@ -215,8 +215,9 @@ def _run_router(
     args: argparse.Namespace, prefill: str, decode: str, listen: str = "tcp://127.0.0.1:0"
 ) -> int:
     from kvfence.disagg.router import Router
-    from kvfence.model.gguf import default_model_path, read_header
+    from kvfence.model.gguf import read_header
     from kvfence.model.tokenizer import Tokenizer
+    from kvfence.pins import default_model_path
 
     config, metadata = read_header(args.model or default_model_path())
     router = Router(
@@ -244,7 +245,7 @@ def _run_http(args: argparse.Namespace, client: EngineClient) -> int:
     import uvicorn
 
     from kvfence.api.server import build_app
-    from kvfence.model.gguf import default_model_path
+    from kvfence.pins import default_model_path
 
     try:
         api_keys = _api_keys(args.api_keys)

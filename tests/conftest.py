@@ -19,12 +19,12 @@ from kvfence.model.gguf import (
     GGUFModel,
     LlamaConfig,
     QuantizedWeight,
-    default_model_path,
     load_gguf,
     read_blocks,
 )
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.pins import default_model_path
 from kvfence.request import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the harnesses tests share

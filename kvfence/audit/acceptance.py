@@ -233,7 +233,7 @@ def wait_for_drained_pool(reader: AuditReader, timeout_s: float = SETTLE_TIMEOUT
 
 
 def default_model_file() -> Path | None:
-    from kvfence.model.gguf import default_model_path
+    from kvfence.pins import default_model_path
 
     try:
         return default_model_path()

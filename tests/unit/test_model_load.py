@@ -15,8 +15,9 @@ import pytest
 import torch
 from conftest import dequantize
 
-from kvfence.model.gguf import GGUFModel, default_model_path, load_gguf
+from kvfence.model.gguf import GGUFModel, load_gguf
 from kvfence.model.tokenizer import IncrementalDecoder, Tokenizer, pre_tokenizer_for
+from kvfence.pins import default_model_path
 
 real_model = pytest.mark.real_model
 
