@@ -340,11 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--inject-fault", type=_fault, action="append", default=[], metavar="NAME[:RATE]")
     router.set_defaults(run=_router)
 
-    from kvfence.audit import acceptance, lab
+    from kvfence.audit import cli as audit_cli
+    from kvfence.audit import lab
 
     audit_parser = commands.add_parser("audit", help="the five acceptance checks against a running server")
-    acceptance.add_arguments(audit_parser)
-    audit_parser.set_defaults(run=acceptance.run)
+    audit_cli.add_arguments(audit_parser)
+    audit_parser.set_defaults(run=audit_cli.run)
 
     lab_parser = commands.add_parser("lab", help="the four-request isolation lab on the real model")
     lab.add_arguments(lab_parser)

@@ -20,8 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvfence.api.server import build_app
-from kvfence.audit.acceptance import add_arguments, check_pinned, run
-from kvfence.audit.probe import check_test_address
+from kvfence.audit.cli import add_arguments, run
+from kvfence.audit.client import check_test_address
+from kvfence.audit.pinned import check_pinned
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.model.gguf import GGUFModel
 from kvfence.pins import file_sha256

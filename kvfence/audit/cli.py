@@ -1,0 +1,199 @@
+"""`kvfence audit`: the five acceptance checks of a running kvfence service, plus the black-box probes.
+
+The probes (probes.py) drive the server over HTTP; with the admin key the command then reads every probe
+request's audit trail (`GET /v1/audit/requests/{id}`) and `/metrics` (client.py), and checks:
+
+1. pinned_versions        engine version, git commit, model file sha256, transport, start-up flags
+                          (pinned.py);
+2. capacity               the measured and advertised window fit the pool (checks.py, as are the rest);
+3. rejection_terminates   a refused request's trail holds `rejected` and nothing else happened;
+4. complete_handoff       incomplete KV ends in an integrity abort with no content; a 200 rests on a
+                          finished, fenced trail;
+5. recycle_timing         a dropped stream is aborted, drained and released in order, no page is reused
+                          while held, the pool drains, and a normal request succeeds afterwards;
+plus tenant_pages         no request reads or shares a page of another tenant.
+
+`--black-box` runs only the probes (for engines without an audit trail). Output (report.py): a table on
+stdout, a progress bar on stderr, `--json FILE`, and `--html FILE` (self-contained: inline CSS and SVG
+timelines of every probe request's pages). The exit status is 1 when any check fails, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from kvfence.audit.checks import (
+    check_capacity,
+    check_handoff,
+    check_recycle,
+    check_rejections,
+    check_tenant_pages,
+)
+from kvfence.audit.client import (
+    AuditError,
+    AuditReader,
+    Target,
+    check_test_address,
+    collect_trails,
+    discover,
+    wait_for_drained_pool,
+)
+from kvfence.audit.pinned import check_pinned
+from kvfence.audit.probes import PROBE_STEPS, run_probes
+from kvfence.audit.report import DEFAULT_PAGE_SIZE, ProgressBar, Report, render_html, render_table
+from kvfence.audit.result import CheckResult
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `kvfence audit` options."""
+    parser.add_argument("--url", required=True, help="server base URL (loopback or private test address)")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a tenant's key (repeat: at least two tenants)",
+    )
+    parser.add_argument(
+        "--admin-key", help="the server's admin key (reads audit trails; not needed with --black-box)"
+    )
+    parser.add_argument("--model", help="model id (default: the first one /v1/models lists)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the full report as JSON")
+    parser.add_argument(
+        "--html", type=Path, metavar="FILE", help="write a self-contained HTML report with page timelines"
+    )
+    parser.add_argument(
+        "--black-box", action="store_true", help="only the HTTP probes (engines without an audit trail)"
+    )
+    parser.add_argument(
+        "--model-file", type=Path, help="the GGUF file served, for its sha256 (default: the packaged model)"
+    )
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=DEFAULT_PAGE_SIZE,
+        help="tokens per KV page, for a server without /v1/audit/info (default: %(default)s)",
+    )
+    parser.add_argument("--server-flags", help="the server's start-up flags, recorded as given")
+    parser.add_argument(
+        "--expect-fault",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a fault armed on the server: it must be caught",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds per request (default: %(default)s)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the audit: 0 when every check passes, 1 when one fails, 2 on a usage or connection error."""
+    url = str(args.url).rstrip("/").removesuffix("/v1")
+    keys = tuple(args.api_key)
+    problem = _usage_problem(url, keys, args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        served, advertised = discover(url, keys[0])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        print(f"error: cannot list the models of {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = _audit(url, keys, args.model or served, advertised, args)
+    except (httpx.HTTPError, AuditError) as exc:
+        print(f"error: cannot audit {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    _write_outputs(report, args)
+    print(render_table(report.results))
+    failing = [r.name for r in report.results if r.passed is False]
+    print(f"audit {'FAILED: ' + ', '.join(failing) if failing else 'PASSED'}")
+    return 0 if report.passed else 1
+
+
+def _usage_problem(url: str, keys: tuple[str, ...], args: argparse.Namespace) -> str | None:
+    if len(keys) < 2:
+        return "give --api-key at least twice (two tenants) for the tenant checks"
+    if not args.black_box and not args.admin_key:
+        return "--admin-key is needed to read audit trails (or use --black-box)"
+    try:
+        check_test_address(url)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _audit(
+    url: str, keys: tuple[str, ...], model: str, advertised: int | None, args: argparse.Namespace
+) -> Report:
+    steps = len(PROBE_STEPS) + (1 if args.black_box else 3)
+    bar = ProgressBar(steps)
+    probes = run_probes(Target(url, keys, model, args.timeout), advertised, bar)
+    target = {
+        "url": url,
+        "model": model,
+        "advertised_window": advertised,
+        "tenants": len(keys),
+        "black_box": args.black_box,
+    }
+    report = Report(
+        target, list(probes.results), probes.exchanges, boundary=probes.boundary, page_size=args.page_size
+    )
+    if not args.black_box:
+        report.results += _white_box(url, args, report, bar)
+    bar("report")
+    return report
+
+
+def _white_box(url: str, args: argparse.Namespace, report: Report, bar: ProgressBar) -> list[CheckResult]:
+    """The five acceptance checks and tenant_pages, from the probe requests' trails and /metrics."""
+    reader = AuditReader(url, args.admin_key, args.timeout)
+    try:
+        bar("trails")
+        ids = [str(e.request_id) for e in report.exchanges if e.request_id]
+        report.trails = trails = collect_trails(reader, ids)
+        pool = wait_for_drained_pool(reader)
+        server = reader.info()
+    finally:
+        reader.close()
+    if server is not None:  # the server's own page size, not the auditor's guess
+        report.page_size = next(iter(server["pools"].values()))["page_size"]
+    bar("checks")
+    disaggregated = any("where" in e for t in trails.values() for e in t)
+    recovery = next(r for r in report.results if r.name == "recovery")
+    exchanges, advertised = report.exchanges, report.target["advertised_window"]
+    return [
+        check_pinned(server, args.model_file, report.target["model"], args.server_flags, trails),
+        check_capacity(pool, report.boundary, advertised, report.page_size, disaggregated),
+        check_rejections(exchanges, trails),
+        check_handoff(exchanges, trails, args.expect_fault),
+        check_recycle(exchanges, trails, pool, recovery),
+        check_tenant_pages(trails),
+    ]
+
+
+def _write_outputs(report: Report, args: argparse.Namespace) -> None:
+    if args.json:
+        args.json.write_text(json.dumps(report.to_dict(), indent=1, default=str), encoding="utf-8")
+    if args.html:
+        args.html.write_text(render_html(report), encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m kvfence.audit.cli ...`: the same as `kvfence audit ...`."""
+    parser = argparse.ArgumentParser(
+        prog="kvfence audit", description="Acceptance checks of a kvfence server."
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
