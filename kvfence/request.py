@@ -71,12 +71,9 @@ class Request:
     def is_finished(self) -> bool:
         return self.status in TERMINAL
 
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
-
     def move_to(self, status: Status) -> None:
-        """Non-terminal transitions (WAITING <-> RUNNING)."""
+        """Non-terminal transitions: scheduling and preemption (WAITING <-> RUNNING), and parking for a KV
+        transfer and back (TRANSFERRING)."""
         assert status not in TERMINAL, "use finish() to end a request"
         self._check_transition(status)
         self.status = status

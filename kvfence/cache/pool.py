@@ -4,7 +4,7 @@ KV layout is [layers, 2, pages, page_size, kv_heads, head_dim] on the model's de
 zeroed on reuse (as in every fast engine): a recycled page holds its previous owner's data until it is
 overwritten, which is exactly why every read must be fenced.
 
-Metadata (DESIGN section 2) is host-side numpy, one entry per page:
+Metadata (README: "How the fence works") is host-side numpy, one entry per page:
   generation  bumped on every allocation            (allocator only)
   owner       tenant id allowed to read the page    (allocator only; NO_OWNER when free)
   written     slots written at this generation      (the KV writer only; reset to 0 on allocation)
@@ -60,14 +60,6 @@ class KVPool:
         return (
             num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         )
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_pages * self.page_size
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [pages, page_size, kv_heads, head_dim] of one layer's K and V."""

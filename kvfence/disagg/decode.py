@@ -19,8 +19,10 @@ import numpy as np
 import xxhash
 
 from kvfence.disagg.connector import Connector, Message
+from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.worker import Worker
-from kvfence.engine.engine import AdmissionError, LLMEngine, RequestOutput
+from kvfence.engine.engine import AdmissionError
+from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
 from kvfence.trail.reasons import CHECKSUM_MISMATCH, STALE_WRITE
@@ -39,7 +41,7 @@ class DecodeWorker(Worker):
     role = "decode"
 
     def __init__(
-        self, engine: LLMEngine, connector: Connector, transfer_timeout_s: float = TRANSFER_TIMEOUT_S
+        self, engine: HandoffEngine, connector: Connector, transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     ) -> None:
         super().__init__(engine, connector)
         self.inbound: dict[

@@ -8,6 +8,7 @@ from multiprocessing.connection import Connection
 from kvfence.config import EngineConfig
 from kvfence.disagg.connector import ZmqConnector
 from kvfence.disagg.decode import DecodeWorker
+from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.disagg.worker import Worker
 
@@ -19,7 +20,9 @@ def run_worker(role: str, config: EngineConfig, bind: str, ready: Connection | N
     """Load the engine, bind, announce the bound address on `ready`, then serve until killed."""
     from kvfence.engine.engine import load_engine
 
-    engine = load_engine(config, log=lambda line: print(f"[{role}] {line}", flush=True))
+    engine = load_engine(
+        config, log=lambda line: print(f"[{role}] {line}", flush=True), engine_cls=HandoffEngine
+    )
     worker = WORKERS[role](engine, ZmqConnector(bind))
     print(f"[{role}] listening on {worker.connector.address}", flush=True)
     if ready is not None:

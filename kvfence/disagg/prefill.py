@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import xxhash
 
 from kvfence.disagg.connector import Connector, Message
+from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.worker import Worker
-from kvfence.engine.engine import AdmissionError, LLMEngine, RequestOutput
+from kvfence.engine.engine import AdmissionError
+from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
-from kvfence.sampling import SamplingParams
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Transfer:
 class PrefillWorker(Worker):
     role = "prefill"
 
-    def __init__(self, engine: LLMEngine, connector: Connector) -> None:
+    def __init__(self, engine: HandoffEngine, connector: Connector) -> None:
         super().__init__(engine, connector)
         self.transfers: dict[str, Transfer] = {}
         self.faults = engine.faults
@@ -45,9 +46,7 @@ class PrefillWorker(Worker):
         request_id, prompt = f["request_id"], f["prompt"]
         transfer = Transfer(request_id, f["decode"], [tuple(t) for t in f["targets"]], len(prompt) - 1)
         try:
-            self.engine.add_request(
-                prompt[:-1], SamplingParams(max_tokens=1), f["tenant"], request_id, prefill_only=True
-            )
+            self.engine.add_prefill(prompt[:-1], f["tenant"], request_id)
         except AdmissionError as refusal:
             if not self.faults.fire("placeholder_transfer"):
                 self.reply(sender, "rejected", request_id=request_id, code=refusal.code, message=str(refusal))
@@ -55,9 +54,7 @@ class PrefillWorker(Worker):
             # The incident: the over-long prompt is swapped for a one-token placeholder and the transfer
             # of that single page is then reported complete.
             self.engine.events.emit(request_id, "fault_injected", fault="placeholder_transfer")
-            self.engine.add_request(
-                prompt[:1], SamplingParams(max_tokens=1), f["tenant"], request_id, prefill_only=True
-            )
+            self.engine.add_prefill(prompt[:1], f["tenant"], request_id)
             transfer.placeholder = True
         self.transfers[request_id] = transfer
         self.reply(sender, "accepted", request_id=request_id)

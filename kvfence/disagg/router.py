@@ -22,7 +22,8 @@ from typing import Any
 
 from kvfence.disagg.connector import PEER_DOWN, PEER_UP, Connector, Message, ZmqConnector
 from kvfence.engine.async_engine import STATS_TIMEOUT_S
-from kvfence.engine.engine import AdmissionError, RequestOutput, context_refusal
+from kvfence.engine.engine import AdmissionError, context_refusal
+from kvfence.engine.output import RequestOutput
 from kvfence.engine.stats import EngineStats
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import code_info

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from kvfence.disagg.connector import Connector, Message
-from kvfence.engine.engine import LLMEngine
+from kvfence.disagg.handoff import HandoffEngine
 from kvfence.engine.info import engine_info
 from kvfence.engine.stats import EngineStats
 
@@ -22,7 +22,7 @@ log = logging.getLogger("kvfence.disagg")
 class Worker:
     role = "worker"
 
-    def __init__(self, engine: LLMEngine, connector: Connector) -> None:
+    def __init__(self, engine: HandoffEngine, connector: Connector) -> None:
         self.engine = engine
         self.connector = connector
         self.stopped = threading.Event()

@@ -15,8 +15,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from kvfence.engine.engine import LLMEngine, RequestOutput
+from kvfence.engine.engine import LLMEngine
 from kvfence.engine.info import engine_info
+from kvfence.engine.output import RequestOutput
 from kvfence.engine.stats import EngineStats
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.sampling import SamplingParams

@@ -35,7 +35,6 @@ LogitsObserver = Callable[[list[Request], torch.Tensor], None]
 class StepResult:
     sampled: dict[str, int]  # request id -> new token, for rows that reached the end of their tokens
     aborted: dict[str, str]  # request id -> fence violation, or NON_FINITE_LOGITS
-    num_tokens: int  # tokens computed this step
 
 
 class ModelRunner:
@@ -58,7 +57,7 @@ class ModelRunner:
             requests, num_new = [requests[r] for r in keep], [num_new[r] for r in keep]
             layout = build_layout(requests, num_new, self.pool.page_size)
         if not requests:
-            return StepResult({}, aborted, 0)
+            return StepResult({}, aborted)
         if self.observer is not None:
             self.observer(requests, layout)
         inputs, sample_rows = self._model_inputs(requests, num_new, layout)
@@ -74,7 +73,7 @@ class ModelRunner:
                 aborted[request.request_id] = NON_FINITE_LOGITS
             else:
                 sampled[request.request_id] = token
-        return StepResult(sampled, aborted, sum(num_new))
+        return StepResult(sampled, aborted)
 
     def _model_inputs(
         self, requests: list[Request], num_new: list[int], layout: StepLayout

@@ -13,12 +13,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvfence.cache.allocator import PageAllocator
-from kvfence.cache.prefix import PrefixCache, extend_chain
+from kvfence.cache.manager import KVCacheManager
 from kvfence.request import Request, Status
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
-from kvfence.units import cdiv
 
 
 @dataclass
@@ -30,18 +28,16 @@ class Batch:
 class Scheduler:
     def __init__(
         self,
-        allocator: PageAllocator,
-        prefix: PrefixCache | None,
+        kv_cache: KVCacheManager,
         events: EventLog,
         faults: FaultInjector,
         max_num_seqs: int,
         max_num_batched_tokens: int,
     ) -> None:
-        self.allocator = allocator
-        self.prefix = prefix
+        self.kv_cache = kv_cache
         self.events = events
         self.faults = faults
-        self.page_size = allocator.pool.page_size
+        self.page_size = kv_cache.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -88,43 +84,27 @@ class Scheduler:
     def _reserve(self, request: Request, n: int) -> bool:
         """Pages for `request`'s next n tokens, preempting from the back of the running list as needed.
         False when `request` itself had to be preempted."""
-        need = self._pages_needed(request, n)
-        while need > self.allocator.num_free_pages:
+        total = request.num_computed_tokens + n
+        while self.kv_cache.pages_needed(request, total) > self.kv_cache.num_free_pages:
             victim = self.running[-1]
             self.preempt(victim)
             if victim is request:
                 return False
-        self._allocate(request, need)
-        return True
+        return self.kv_cache.allocate(request, total)
 
     def _admit(self, request: Request, budget: int) -> int:
         """Prefix lookup and pages for the first chunk; returns the chunk size, 0 when it cannot start yet."""
         if not request.record.pages:
-            self._share_cached_prefix(request)
+            # At least one token must be computed to produce logits, so never take the last from cache.
+            request.num_computed_tokens = self.kv_cache.share_cached_prefix(request, request.num_tokens - 1)
         n = min(request.num_tokens - request.num_computed_tokens, budget)
-        need = self._pages_needed(request, n)
-        if need > self.allocator.num_free_pages:
-            self._release(request)  # give back prefix pages too: a waiting request holds nothing
+        if not self.kv_cache.allocate(request, request.num_computed_tokens + n):
+            self.kv_cache.release(request)  # give back prefix pages too: a waiting request holds nothing
             request.num_computed_tokens = 0
             return 0
-        self._allocate(request, need)
         if request.num_computed_tokens == 0 and self.faults.fire("read_beyond_written"):
             n = self._believe_unwritten_prefix(request, n)
         return n
-
-    def _share_cached_prefix(self, request: Request) -> None:
-        if self.prefix is None:
-            return
-        # At least one token must be computed to produce logits, so never take the last token from cache.
-        full_pages = (request.num_tokens - 1) // self.page_size
-        extend_chain(request.tenant, request.page_hashes, request.all_token_ids, self.page_size)
-        pages = self.prefix.lookup(request.record.tenant, request.page_hashes[:full_pages])
-        if pages:
-            self.allocator.share(request.record, pages)
-            request.num_computed_tokens = len(pages) * self.page_size
-            self.events.emit(
-                request.request_id, "prefix_hit", pages=pages, tokens=request.num_computed_tokens
-            )
 
     def _believe_unwritten_prefix(self, request: Request, n: int) -> int:
         """Fault `read_beyond_written`: the request believes its first full pages already hold its prompt
@@ -137,26 +117,11 @@ class Scheduler:
         request.num_computed_tokens = full
         return n - full
 
-    def _pages_needed(self, request: Request, n: int) -> int:
-        total = request.num_computed_tokens + n
-        return max(0, cdiv(total, self.page_size) - len(request.record.pages))
-
-    def _allocate(self, request: Request, count: int) -> None:
-        if count:
-            pages = self.allocator.allocate(request.record, count)
-            self.events.emit(
-                request.request_id,
-                "pages_allocated",
-                pages=pages,
-                generations=request.record.generations[-count:],
-            )
-
     def preempt(self, request: Request) -> None:
         """Release every page; the request restarts later from its tokens (prompt + output so far)."""
         self.running.remove(request)
-        self._release(request)
+        self.kv_cache.release(request)
         request.num_computed_tokens = 0
-        request.num_published_pages = 0
         request.num_preemptions += 1
         request.move_to(Status.WAITING)
         self.waiting.appendleft(request)
@@ -164,11 +129,7 @@ class Scheduler:
 
     def reserve(self, request: Request, tokens: int) -> bool:
         """Allocate pages for the request's first `tokens` tokens now, or nothing."""
-        need = self._pages_needed(request, tokens)
-        if need > self.allocator.num_free_pages:
-            return False
-        self._allocate(request, need)
-        return True
+        return self.kv_cache.allocate(request, tokens)
 
     def park(self, request: Request) -> None:
         """Hold the request's pages without scheduling it while its KV is transferred."""
@@ -193,7 +154,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.transferring.pop(request.request_id, None)
         if status is Status.FINISHED:
-            self._release(request)
+            self.kv_cache.release(request)
             self.events.emit(
                 request.request_id, "finished", reason=reason, output_tokens=len(request.output_token_ids)
             )
@@ -203,11 +164,10 @@ class Scheduler:
             request.request_id, "aborted" if status is Status.ABORTED else "rejected", reason=reason
         )
         if quarantine and request.record.pages:
-            pages = self.allocator.quarantine(request.record)
+            self.kv_cache.quarantine(request)
             self.quarantined[request.request_id] = request
-            self.events.emit(request.request_id, "quarantined", pages=pages)
         else:
-            self._release(request)
+            self.kv_cache.release(request)
 
     def drain(self, request_id: str, how: str) -> bool:
         """Release a quarantined request's pages: `how` says what proves nothing more can land in them
@@ -216,26 +176,5 @@ class Scheduler:
         if request is None:
             return False
         self.events.emit(request_id, "drained", how=how)
-        self._release(request)
+        self.kv_cache.release(request)
         return True
-
-    def _release(self, request: Request) -> None:
-        if request.record.pages:
-            pages = list(request.record.pages)
-            self.allocator.release(request.record)
-            self.events.emit(request.request_id, "released", pages=pages)
-
-    def publish_full_pages(self, request: Request) -> None:
-        """Offer pages that became full this step to the prefix cache (content is now final)."""
-        if self.prefix is None:
-            return
-        full = min(request.num_computed_tokens, request.num_tokens) // self.page_size
-        done = request.num_published_pages
-        if full <= done:
-            return
-        extend_chain(request.tenant, request.page_hashes, request.all_token_ids, self.page_size)
-        for logical in range(done, full):
-            page = request.record.pages[logical]
-            if not self.prefix.is_cached(page):
-                self.prefix.insert(page, request.page_hashes[logical])
-        request.num_published_pages = full

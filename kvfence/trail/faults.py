@@ -1,4 +1,4 @@
-"""Named fault injection points (DESIGN section 4). Every point is off unless explicitly armed.
+"""Named fault injection points (README: "How the fence works"). Every point is off unless explicitly armed.
 
 A fault simulates one bookkeeping bug. Arming it never disables a protection: the fence must catch what
 the fault does, and tests prove that by running the same fault with isolation off (the leak) and on.
@@ -67,9 +67,6 @@ class FaultInjector:
         if not 0 < rate <= 1:
             raise ValueError("fault rate must be in (0, 1]")
         self._armed[name] = _Arming(rate, times)
-
-    def disarm(self, name: str) -> None:
-        self._armed.pop(name, None)
 
     def fire(self, name: str) -> bool:
         arming = self._armed.get(name)

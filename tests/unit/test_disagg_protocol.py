@@ -17,6 +17,7 @@ from conftest import make_engine
 from kvfence.cache.pool import KVPool, PageState
 from kvfence.disagg.connector import PEER_DOWN, MemoryHub, Message
 from kvfence.disagg.decode import DecodeWorker
+from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.engine.stats import EngineStats
 from kvfence.engine.trace import PageTrace
@@ -47,11 +48,23 @@ class Pipeline:
         settings = {"isolation": isolation, "enable_prefix_caching": False}
         # Each worker's window is what its own pool can hold (a prefill pool may be smaller than decode's).
         self.prefill = PrefillWorker(
-            make_engine(model, num_pages=prefill_pages, max_model_len=min(48, prefill_pages * 4), **settings),
+            make_engine(
+                model,
+                HandoffEngine,
+                num_pages=prefill_pages,
+                max_model_len=min(48, prefill_pages * 4),
+                **settings,
+            ),
             self.hub.connector(PREFILL),
         )
         self.decode = DecodeWorker(
-            make_engine(model, num_pages=decode_pages, max_model_len=min(48, decode_pages * 4), **settings),
+            make_engine(
+                model,
+                HandoffEngine,
+                num_pages=decode_pages,
+                max_model_len=min(48, decode_pages * 4),
+                **settings,
+            ),
             self.hub.connector(DECODE),
         )
         self.trace = PageTrace(self.decode.engine.pool)

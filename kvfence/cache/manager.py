@@ -1,0 +1,130 @@
+"""The scheduler's one door to the KV cache (vLLM's KVCacheManager idea).
+
+`KVCacheManager` stands between the scheduler and the pool, the allocator and the prefix index, so the
+scheduler never sees how pages are counted, shared, hashed or published. It speaks in a request's
+tokens; every page that changes hands goes on the request's audit trail here, in the order it happened.
+
+The cache sits below `Request` in the house, so it reads a request through the `CachedSequence`
+protocol: the attributes it needs, nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvfence.cache.allocator import PageAllocator
+from kvfence.cache.fence import MappingRecord
+from kvfence.cache.pool import KVPool, PageState
+from kvfence.cache.prefix import PrefixCache, extend_chain
+from kvfence.trail.events import EventLog
+from kvfence.units import cdiv
+
+
+class CachedSequence(Protocol):
+    """What the manager reads and keeps of a request: its record, its tokens and its hash chain."""
+
+    request_id: str
+    tenant: str
+    record: MappingRecord
+    page_hashes: list[int]  # prefix-cache chain over the full pages of all its tokens
+    num_published_pages: int  # logical pages already offered to the prefix cache
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+class KVCacheManager:
+    """Pages for a request's tokens: allocate, share a cached prefix, publish full pages, release,
+    quarantine. Contract: a sequence's record is edited only through these methods (and so only by the
+    allocator); `num_published_pages` never exceeds the pages the record holds."""
+
+    def __init__(
+        self, pool: KVPool, allocator: PageAllocator, prefix: PrefixCache | None, events: EventLog
+    ) -> None:
+        self.pool = pool
+        self.allocator = allocator
+        self.prefix = prefix
+        self.events = events
+        self.page_size = pool.page_size
+
+    def new_record(self, tenant: str) -> MappingRecord:
+        """An empty record for a tenant (the pool's owner id comes from the name, never from a request)."""
+        return MappingRecord(self.allocator.tenant_id(tenant))
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free_pages
+
+    def pages_needed(self, seq: CachedSequence, num_tokens: int) -> int:
+        """Pages to add so that the record covers the sequence's first `num_tokens` tokens."""
+        return max(0, cdiv(num_tokens, self.page_size) - len(seq.record.pages))
+
+    def allocate(self, seq: CachedSequence, num_tokens: int) -> bool:
+        """Fresh pages (each at a new generation) until the record covers `num_tokens` tokens: all of
+        them now, or none and False."""
+        count = self.pages_needed(seq, num_tokens)
+        if count > self.num_free_pages:
+            return False
+        if count:
+            pages = self.allocator.allocate(seq.record, count)
+            generations = seq.record.generations[-count:]
+            self.events.emit(seq.request_id, "pages_allocated", pages=pages, generations=generations)
+        return True
+
+    def share_cached_prefix(self, seq: CachedSequence, num_tokens: int) -> int:
+        """Take references on the tenant's cached pages holding the longest prefix of the sequence's first
+        `num_tokens` tokens (full pages only); returns how many tokens they hold."""
+        if self.prefix is None:
+            return 0
+        extend_chain(seq.tenant, seq.page_hashes, seq.all_token_ids, self.page_size)
+        pages = self.prefix.lookup(seq.record.tenant, seq.page_hashes[: num_tokens // self.page_size])
+        if not pages:
+            return 0
+        self.allocator.share(seq.record, pages)
+        tokens = len(pages) * self.page_size
+        self.events.emit(seq.request_id, "prefix_hit", pages=pages, tokens=tokens)
+        return tokens
+
+    def publish_full_pages(self, seq: CachedSequence, num_computed: int) -> None:
+        """Offer the pages that the sequence's first `num_computed` tokens fill to the prefix cache: their
+        content is final. A page whose content another cached page already holds stays private, and a page
+        the record no longer holds (a bookkeeping bug freed or reallocated it) is never published: the
+        fence aborts the request at its next step, and the cache must not outlive it with that page."""
+        if self.prefix is None:
+            return
+        full = num_computed // self.page_size
+        if full <= seq.num_published_pages:
+            return
+        extend_chain(seq.tenant, seq.page_hashes, seq.all_token_ids, self.page_size)
+        for logical in range(seq.num_published_pages, full):
+            page = seq.record.pages[logical]
+            if self._holds(seq.record, logical) and not self.prefix.is_cached(page):
+                self.prefix.insert(page, seq.page_hashes[logical])
+        seq.num_published_pages = full
+
+    def _holds(self, record: MappingRecord, logical: int) -> bool:
+        """The record's entry is still its page: same generation, owned by the record's tenant."""
+        page = record.pages[logical]
+        pool = self.pool
+        return bool(
+            pool.generation[page] == record.generations[logical]
+            and pool.state[page] == PageState.OWNED
+            and pool.owner[page] == record.tenant
+        )
+
+    def release(self, seq: CachedSequence) -> None:
+        """Give back every page of the record (to the prefix cache or the free queue)."""
+        seq.num_published_pages = 0
+        if seq.record.pages:
+            pages = list(seq.record.pages)
+            self.allocator.release(seq.record)
+            self.events.emit(seq.request_id, "released", pages=pages)
+
+    def quarantine(self, seq: CachedSequence) -> None:
+        """Block every read and write of the record's pages while a transfer into them may be in flight
+        (invariant 4); `release` later, once the transfer is drained."""
+        if seq.record.pages:
+            self.events.emit(seq.request_id, "quarantined", pages=self.allocator.quarantine(seq.record))
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()

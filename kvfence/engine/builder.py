@@ -1,0 +1,106 @@
+"""Building an engine's parts from its config: the pool sized once, the capacity report, the fence, the
+cache manager, the scheduler and the runner, wired together in the one order that works.
+
+Construction fails closed (invariant 3 at start-up): the pool is compared with the context window before
+anything can be served, and the comparison is printed whether or not it fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvfence.cache.allocator import PageAllocator
+from kvfence.cache.fence import Fence
+from kvfence.cache.manager import KVCacheManager
+from kvfence.cache.pool import KVPool
+from kvfence.cache.prefix import PrefixCache
+from kvfence.config import CapacityError, CapacityReport, EngineConfig
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.scheduler import Scheduler
+from kvfence.engine.trace import PageTrace
+from kvfence.model.llama import LlamaModel
+from kvfence.trail.events import EventLog
+from kvfence.trail.faults import FaultInjector
+
+
+@dataclass
+class EngineParts:
+    capacity: CapacityReport
+    max_model_len: int
+    faults: FaultInjector
+    pool: KVPool
+    prefix: PrefixCache | None
+    allocator: PageAllocator
+    fence: Fence
+    kv_cache: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def capacity_report(config: EngineConfig, model: LlamaModel) -> CapacityReport:
+    """The pool `config` asks for, in pages and bytes, next to the context window it must hold."""
+    mc = model.config
+    page_bytes = KVPool.bytes_per_page(
+        mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, model.dtype
+    )
+    num_pages = config.num_pages or config.kv_cache_memory // page_bytes
+    return CapacityReport(
+        num_pages=num_pages,
+        page_size=config.page_size,
+        pool_bytes=num_pages * page_bytes,
+        context_window=config.max_model_len or mc.context_length,
+    )
+
+
+def check_start(config: EngineConfig, model: LlamaModel, log: Callable[[str], None]) -> CapacityReport:
+    """Say what will serve (pool vs window, decode paths, isolation) and refuse a window that cannot be."""
+    capacity = capacity_report(config, model)
+    log(capacity.describe())
+    for part, path, note in (
+        ("attention", model.decode_attention, model.decode_attention_note),
+        ("matmul", model.decode_matmul, model.decode_matmul_note),
+    ):
+        log(f"decode {part}: {path}" + ("" if path == "kernel" else f" ({note})"))
+    if not capacity.fits:
+        raise CapacityError(capacity)
+    if capacity.context_window > model.config.context_length:
+        raise ValueError(
+            f"max_model_len {capacity.context_window} exceeds the model's {model.config.context_length}"
+        )
+    if not config.isolation:
+        log(
+            "WARNING: isolation is OFF. KV pages are read and written without the fence. "
+            "Use this only for the lab and for benchmarks, never to serve tenants."
+        )
+    return capacity
+
+
+def build_parts(
+    config: EngineConfig, model: LlamaModel, events: EventLog, log: Callable[[str], None]
+) -> EngineParts:
+    capacity = check_start(config, model, log)
+    faults = FaultInjector()
+    for name, rate in config.faults.items():
+        faults.arm(name, rate)
+    mc = model.config
+    pool = KVPool(
+        mc.num_layers,
+        capacity.num_pages,
+        config.page_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        model.dtype,
+        model.device,
+    )
+    prefix = PrefixCache(pool, faults) if config.enable_prefix_caching else None
+    allocator = PageAllocator(pool, prefix, faults)
+    fence = Fence(pool, enabled=config.isolation)
+    kv_cache = KVCacheManager(pool, allocator, prefix, events)
+    scheduler = Scheduler(kv_cache, events, faults, config.max_num_seqs, config.max_num_batched_tokens)
+    runner = ModelRunner(model, pool, fence, faults)
+    if config.trace_pages:
+        runner.observer = PageTrace(pool, events, allocator.tenant_name)
+    return EngineParts(
+        capacity, capacity.context_window, faults, pool, prefix, allocator, fence, kv_cache, scheduler, runner
+    )

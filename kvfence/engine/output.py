@@ -1,0 +1,105 @@
+"""From sampled tokens to what a client sees: detokenised text, stop strings, the reason a request ends,
+and the immutable snapshots (`RequestOutput`) handed to other threads.
+
+The engine calls `append` once per sampled token and finishes the request when it answers a reason; this
+module never finishes anything itself (the one finish stays with the scheduler).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvfence.model.tokenizer import IncrementalDecoder, Tokenizer
+from kvfence.request import Request, Status
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """An immutable snapshot of what one step changed for one request (safe to hand to other threads)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    status: Status
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+    @classmethod
+    def of(cls, request: Request, tokens: list[int] | None = None, text: str = "") -> RequestOutput:
+        return cls(
+            request.request_id,
+            tokens or [],
+            text,
+            request.is_finished,
+            request.status,
+            request.finish_reason,
+            len(request.prompt_token_ids),
+            len(request.output_token_ids),
+        )
+
+
+class OutputProcessor:
+    """Per-request incremental decoders, and the stop rules: EOS, `max_tokens`, the window, stop strings.
+    Without a tokenizer (tests on a tiny model) there is no text and no EOS, only token ids."""
+
+    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.stop_token_ids = tokenizer.stop_token_ids if tokenizer else set()
+        self._decoders: dict[str, IncrementalDecoder] = {}
+
+    def start(self, request: Request) -> None:
+        if self.tokenizer is not None:
+            self._decoders[request.request_id] = IncrementalDecoder(self.tokenizer)
+
+    def forget(self, request_id: str) -> None:
+        self._decoders.pop(request_id, None)
+
+    def append(self, request: Request, token: int) -> str | None:
+        """Append a sampled token and its text; returns why the request must now finish, or None."""
+        request.output_token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        ending = self._ending(request, token)
+        decoder = self._decoders.get(request.request_id)
+        request.output_text += decoder.step(token, final=ending is not None) if decoder else ""
+        return self._stop_string(request) or ending
+
+    @staticmethod
+    def new_text(request: Request) -> str:
+        """Text not yet streamed. While running, the last len(longest stop)-1 characters are held back:
+        they may be the start of a stop string, which must never reach the client."""
+        end = len(request.output_text)
+        if not request.is_finished and request.params.stop:
+            end -= max(len(s) for s in request.params.stop) - 1
+        if end <= request.num_streamed_chars:
+            return ""
+        text = request.output_text[request.num_streamed_chars : end]
+        request.num_streamed_chars = end
+        return text
+
+    def _ending(self, request: Request, token: int) -> str | None:
+        """Why `token`, just appended, is the request's last (EOS: "stop", budget or window: "length"), or
+        None. Known before the token is decoded, so that the decoder can give out what it holds back."""
+        if token in self.stop_token_ids and not request.params.ignore_eos:
+            return "stop"
+        if (
+            len(request.output_token_ids) >= request.params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return "length"
+        return None
+
+    @staticmethod
+    def _stop_string(request: Request) -> str | None:
+        """A stop string appeared: the text is cut where it starts and the reason is "stop"."""
+        for stop in request.params.stop:
+            # A stop string can only start in text not yet streamed (see new_text).
+            cut = request.output_text.find(stop, request.num_streamed_chars)
+            if cut != -1:
+                request.output_text = request.output_text[:cut]
+                return "stop"
+        return None
