@@ -3,7 +3,7 @@
 Requests ignore unknown fields (OpenAI clients send extras), but a field asking for something this server
 does not do (n > 1, best_of > 1, logprobs, echo, suffix, logit_bias, penalties, a batch of prompts) is
 refused with a clear message rather than silently dropped. Text must be valid Unicode: JSON can carry lone
-surrogates (`"\ud800"`), which no tokenizer can encode. api/server.py turns every validation failure into
+surrogates (`"\ud800"`), which no tokenizer can encode. api/errors.py turns every validation failure into
 HTTP 400 `invalid_request_error`.
 """
 

@@ -19,7 +19,8 @@ from conftest import real_engine, serving
 from openai.types.chat import ChatCompletion
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfence.api.server import _EngineStreamResponse, build_app
+from kvfence.api.responses import EngineStreamResponse
+from kvfence.api.server import build_app
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.model.gguf import GGUFModel
 from kvfence.sampling import SamplingParams
@@ -321,7 +322,7 @@ def test_stream_is_closed_when_the_client_leaves_during_a_send() -> None:
 
         outputs = engine_stream()
         await anext(outputs)  # the handler has already taken the first output
-        response = _EngineStreamResponse(body(outputs), outputs, {})  # type: ignore[arg-type]
+        response = EngineStreamResponse(body(outputs), outputs, {})  # type: ignore[arg-type]
         await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)  # type: ignore[arg-type]
         return list(closed)  # before asyncio.run's own clean-up could close it
 

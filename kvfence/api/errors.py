@@ -1,0 +1,123 @@
+"""OpenAI-shaped errors: the exception handlers raise, and the handlers that render every failure.
+
+Contracts:
+- Every error body, ours or the framework's (validation, unknown route or method, a crash), has OpenAI's
+  shape `{"error": {"message", "type", "param", "code"}}`; the type follows the status (5xx:
+  `server_error`).
+- Text echoed from the request (a field name, a model) is made encodable before rendering, so a lone
+  surrogate in the input can never turn a 4xx into a 500.
+- An engine abort is HTTP 500 and names its reason as the code; a KV integrity abort is typed
+  `kv_integrity_error` (invariant 8).
+- An error raised for a known request carries its `x-request-id`; every 503 carries `retry-after: 1`.
+- A crash is answered with the exception's type name only, never its message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvfence.api.protocol import ErrorDetail, ErrorResponse
+from kvfence.engine.output import RequestOutput
+from kvfence.trail.reasons import INTEGRITY_REASONS
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+}
+
+
+class APIError(Exception):
+    """Raised anywhere in a handler; rendered as an OpenAI error body with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=type_ or error_type(status), param=param, code=code)
+        self.headers = {"x-request-id": request_id} if request_id else {}
+        if status == 503:  # every 503 here is transient (no free pages now, a worker restarting)
+            self.headers["retry-after"] = "1"
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def _error_response(status: int, detail: ErrorDetail, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error body; text echoed from the request (a field name, a model) is made encodable first, so a
+    lone surrogate in the input can never turn a 4xx into a 500 while rendering."""
+    update = {"message": _encodable(detail.message), "param": _encodable(detail.param)}
+    safe = detail.model_copy(update=update)
+    return JSONResponse(ErrorResponse(error=safe).model_dump(), status_code=status, headers=headers)
+
+
+def _encodable(text: str | None) -> str | None:
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def abort_error(output: RequestOutput) -> APIError:
+    """The error for a request the engine aborted: integrity failures are named as such (invariant 8)."""
+    reason = output.finish_reason or "aborted"
+    if reason in INTEGRITY_REASONS:
+        return APIError(
+            500,
+            f"The request was aborted because its KV cache failed an integrity check "
+            f"({reason}); no output is returned.",
+            "kv_integrity_error",
+            reason,
+            request_id=output.request_id,
+        )
+    return APIError(
+        500, f"The request was aborted ({reason}).", "server_error", reason, request_id=output.request_id
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or the framework's, leaves in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc.status, exc.detail, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        message = "; ".join(_describe_validation_error(e) for e in errors) or "invalid request"
+        param = next((p for p in errors[0]["loc"][1:2] if isinstance(p, str)), None) if errors else None
+        return _error_response(400, ErrorDetail(message=message, type="invalid_request_error", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = ErrorDetail(
+            message=f"{request.method} {request.url.path}: {exc.detail}", type=error_type(exc.status_code)
+        )
+        return _error_response(exc.status_code, detail, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def crash(_: Request, exc: Exception) -> JSONResponse:
+        return _error_response(
+            500, ErrorDetail(message=f"internal error: {type(exc).__name__}", type="server_error")
+        )
+
+
+def _describe_validation_error(error: dict[str, Any]) -> str:
+    where = ".".join(str(part) for part in error["loc"][1:])  # loc[0] is "body"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
