@@ -1,6 +1,7 @@
-"""Shared benchmark helpers: weights, prompts, the offline kvfence and HF runners, metrics, tables, JSON.
+"""Shared benchmark helpers: weights, prompts, the offline kvfence and HF runners, metrics, table rows, JSON.
 
-Every bench script imports from here; nothing below is duplicated in the scripts. Times come from
+What only benchmark scripts share lives here; what tests or the lab use too (clusters, load, tables, SSE)
+lives in kvfence.harness. Nothing below is duplicated in the scripts. Times come from
 `time.monotonic()`, the clock `Request` uses for arrival_time / first_token_time / finish_time.
 """
 
@@ -24,6 +25,7 @@ import torch
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
+from kvfence.harness.load import WORDS
 from kvfence.model.gguf import GGUFModel, load_gguf
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
@@ -33,12 +35,6 @@ from kvfence.sampling import SamplingParams
 
 T = TypeVar("T")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-_WORD_TEXT = (
-    "river mountain lantern copper violet harbor meadow engine quartz willow falcon ember canyon marble "
-    "orchard thunder glacier saffron compass beacon velvet cobalt prairie summit harvest crystal maple "
-    "signal anchor cedar timber lagoon"
-)
-WORDS = tuple(_WORD_TEXT.split())
 
 
 @dataclass(frozen=True)
@@ -397,18 +393,6 @@ def run_cells(result: RunResult) -> list[object]:
         *(result.pct(metric, q) * 1e3 for metric in ("ttft", "tpot") for q in (50, 95)),
         f"{result.foreign_cpu * 100:.0f}",
     ]
-
-
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    def cell(value: object) -> str:
-        return f"{value:.2f}" if isinstance(value, float) else str(value)
-
-    text = [[cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in text)) for i, h in enumerate(headers)]
-    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for row in text:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
 
 
 def verdict(name: str, passed: bool, detail: str) -> str:

@@ -28,17 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +46,6 @@ from common import (
     RequestTiming,
     RunResult,
     make_prompts,
-    print_table,
     run_cells,
     wait_for_quiet,
     write_json,
@@ -62,14 +54,16 @@ from common import (
 from kvfence.cache.pool import KVPool
 from kvfence.config import EngineConfig
 from kvfence.disagg.connector import Message, ZmqConnector
+from kvfence.harness.cluster import cluster
+from kvfence.harness.procs import Proc, descendants
+from kvfence.harness.sse import aiter_events
+from kvfence.harness.tables import print_table
 from kvfence.model.gguf import LlamaConfig, read_header
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path
 
-KVFENCE = str(Path(sys.executable).parent / "kvfence")
 MODEL = default_model_path().stem
 ADMIN = "bench-admin-key"
-START_TIMEOUT_S = 240.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SYSTEMS = {  # label -> extra `kvfence serve` arguments
     "single node": ["--num-threads", "2"],
@@ -77,83 +71,7 @@ SYSTEMS = {  # label -> extra `kvfence serve` arguments
 }
 
 
-# ---- kvfence processes (incident.py uses these too) -----------------------------------------------------
-
-
-@dataclass
-class Proc:
-    """A `kvfence` subprocess whose output is collected (and echoed on failure)."""
-
-    name: str
-    command: str  # as typed by an operator: `kvfence ...`
-    popen: subprocess.Popen[str]
-    log: list[str] = field(default_factory=list)
-
-    def tail(self, lines: int = 30) -> str:
-        return "".join(self.log[-lines:])
-
-    def wait_for_line(self, text: str, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not any(text in line for line in self.log):
-            self._check_alive(deadline, f"print {text!r}")
-            time.sleep(0.2)
-
-    def wait_for_http(self, url: str, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            self._check_alive(deadline, f"serve {url}")
-            time.sleep(0.5)
-
-    def _check_alive(self, deadline: float, what: str) -> None:
-        if self.popen.poll() is not None:
-            raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{self.tail()}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{self.name} did not {what} in time:\n{self.tail()}")
-
-
-def launch(name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
-    """Start `kvfence ARGS` (stdout and stderr collected by a thread, so the pipe never fills)."""
-    command = " ".join(["kvfence", *args])
-    print(f"  $ {command}", flush=True)
-    popen = subprocess.Popen(
-        [KVFENCE, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-    proc = Proc(name, command, popen)
-    threading.Thread(target=_collect, args=(proc,), daemon=True).start()
-    return proc
-
-
-def _collect(proc: Proc) -> None:
-    assert proc.popen.stdout is not None
-    for line in proc.popen.stdout:
-        proc.log.append(line)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (found through the parent pids in /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+# ---- the server's processes ------------------------------------------------------------------------------
 
 
 def cpu_seconds(pid: int) -> float:
@@ -165,46 +83,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def stop(procs: list[Proc]) -> None:
-    """SIGTERM (a `serve --disaggregated` parent then kills its workers itself), then SIGKILL whatever of
-    the process tree is left, by pid."""
-    trees = {proc.popen.pid: descendants(proc.popen.pid) for proc in procs}
-    for proc in procs:
-        if proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.popen.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait(timeout=10)
-    for pid in (child for tree in trees.values() for child in tree):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on 127.0.0.1 right now (held together while chosen)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
-
-
-def audit(url: str, request_id: str) -> list[dict[str, Any]]:
-    """The request's trail across router, prefill and decode (admin endpoint; [] when there is none)."""
-    response = httpx.get(
-        f"{url}/v1/audit/requests/{request_id}", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30
-    )
-    return response.json()["events"] if response.status_code == 200 else []
 
 
 # ---- load through the HTTP API --------------------------------------------------------------------------
@@ -228,10 +111,7 @@ async def stream_one(
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         response.raise_for_status()
         request_id = response.headers["x-request-id"]
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
+        async for chunk in aiter_events(response.aiter_lines()):
             if "error" in chunk:
                 raise RuntimeError(f"{request_id} aborted: {chunk['error']}")
             tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
@@ -273,13 +153,10 @@ def run_system(
     label: str, prompts: list[list[int]], warm: list[list[int]], max_tokens: int, concurrency: int
 ) -> SystemRun:
     wait_for_quiet(max_wait_s=30)
-    (port,) = free_ports(1)
-    url = f"http://127.0.0.1:{port}"
-    server = launch(label, ["serve", "--port", str(port), "--admin-key", ADMIN, *SYSTEMS[label]])
-    try:
-        server.wait_for_http(url)
+    with cluster(serve_args=SYSTEMS[label], admin_key=ADMIN) as running:
+        url, server = running.url, running.processes[0]
         asyncio.run(drive(url, warm, 8, 2))
-        tree = [server.popen.pid, *descendants(server.popen.pid)]
+        tree = [server.pid, *descendants(server.pid)]
         cpu_before, foreign = sum(cpu_seconds(p) for p in tree), ForeignCpu()
         ids, timings, wall = asyncio.run(drive(url, prompts, max_tokens, concurrency))
         own_share = (sum(cpu_seconds(p) for p in tree) - cpu_before) / (wall * (os.cpu_count() or 1))
@@ -293,10 +170,8 @@ def run_system(
             foreign_cpu=max(0.0, foreign.share() - own_share),
         )
         idle = idle_cpu(server, tree)
-        trails = [audit(url, i) for i in ids] if "--disaggregated" in SYSTEMS[label] else []
+        trails = [running.audit(i) for i in ids] if "--disaggregated" in SYSTEMS[label] else []
         return SystemRun(result, ids, idle, trails)
-    finally:
-        stop([server])
 
 
 def idle_cpu(server: Proc, tree: list[int], seconds: float = 3.0) -> dict[str, float]:
@@ -305,7 +180,7 @@ def idle_cpu(server: Proc, tree: list[int], seconds: float = 3.0) -> dict[str, f
     time.sleep(1.0)
     before = {pid: cpu_seconds(pid) for pid in tree}
     time.sleep(seconds)
-    names = {server.popen.pid: "server"}
+    names = {server.pid: "server"}
     workers = sorted(pid for pid in tree if b"spawn_main" in _cmdline(pid))
     names |= dict(zip(workers, ("prefill", "decode"), strict=False))
     names |= {pid: "mp tracker" for pid in tree if b"resource_tracker" in _cmdline(pid)}

@@ -33,7 +33,6 @@ from common import (
     load_weights,
     make_prompts,
     median_min_max,
-    print_table,
     quietly,
     run_kvfence,
     verdict,
@@ -42,6 +41,7 @@ from common import (
 )
 
 from kvfence.engine.engine import LLMEngine
+from kvfence.harness.tables import print_table
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
 

@@ -24,18 +24,21 @@ from __future__ import annotations
 import gc
 import sys
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
 
 import httpx
-from common import build_engine, load_weights, print_table, verdict, write_json
-from disagg import ADMIN, MODEL, Proc, audit, free_ports, launch, stop
+from common import build_engine, load_weights, verdict, write_json
 
+from kvfence.harness.cluster import Cluster, Command, cluster
+from kvfence.harness.tables import print_table
+from kvfence.pins import default_model_path
 from kvfence.sampling import SamplingParams
 
+MODEL = default_model_path().stem
+ADMIN = "bench-admin-key"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 SECRET = (
     "Internal memo for tenant A only. The vault access code is 4471-ALPHA-RIVER and the launch date "
@@ -93,29 +96,18 @@ def _collapse(kinds: list[str]) -> str:
     return ", ".join(kind if n == 1 else f"{kind} x{n}" for kind, n in runs)
 
 
-@contextmanager
-def deployment(isolation: bool) -> Iterator[tuple[str, list[Proc]]]:
-    """Prefill, decode and router processes; yields the router's base URL once it serves."""
+def deployment(isolation: bool) -> AbstractContextManager[Cluster]:
+    """Prefill, decode and router processes; the router's URL serves once it is entered."""
     off = [] if isolation else ["--isolation", "off"]
     fault = [] if isolation else ["--inject-fault", "placeholder_transfer"]
-    prefill_port, decode_port, http_port = free_ports(3)
-    prefill, decode = (f"tcp://127.0.0.1:{port}" for port in (prefill_port, decode_port))
-    procs: list[Proc] = []
-    try:
-        procs.append(
-            launch("prefill", ["serve", "--role", "prefill", "--listen", prefill, *PREFILL, *off, *fault])
-        )
-        procs.append(launch("decode", ["serve", "--role", "decode", "--listen", decode, *DECODE, *off]))
-        for proc in procs:
-            proc.wait_for_line("listening on")
-        router_args = ["router", "--prefill", prefill, "--decode", decode, "--port", str(http_port)]
-        keys = "; ".join(f"{key} {tenant}" for key, tenant in KEYS.items())
-        procs.append(launch("router", [*router_args, "--admin-key", ADMIN, *off], {"KVFENCE_API_KEYS": keys}))
-        url = f"http://127.0.0.1:{http_port}"
-        procs[-1].wait_for_http(url)
-        yield url, procs
-    finally:
-        stop(procs)
+    return cluster(
+        prefill=Command([*PREFILL, *off, *fault]),
+        decode=Command([*DECODE, *off]),
+        router_process=True,
+        api_keys=KEYS,
+        admin_key=ADMIN,
+        isolation=isolation,
+    )
 
 
 def post(url: str, key: str, path: str, body: dict[str, Any]) -> Reply:
@@ -130,7 +122,8 @@ def post(url: str, key: str, path: str, body: dict[str, Any]) -> Reply:
 
 def run_deployment(isolation: bool) -> Outcome:
     print(f"\n== isolation {'on' if isolation else 'off'} ==", flush=True)
-    with deployment(isolation) as (url, procs):
+    with deployment(isolation) as running:
+        url = running.url
         a = [
             post(
                 url,
@@ -146,8 +139,8 @@ def run_deployment(isolation: bool) -> Outcome:
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": B_MAX_TOKENS},
         )
-        trail = audit(url, b.request_id)
-        commands = [proc.command for proc in procs]
+        trail = running.audit(b.request_id)
+        commands = [proc.command for proc in running.processes]
     return Outcome(isolation, a, b, trail, commands)
 
 

@@ -24,13 +24,13 @@ from common import (
     build_engine,
     load_weights,
     make_prompts,
-    print_table,
     wait_for_quiet,
     write_json,
 )
 from torch.profiler import ProfilerActivity, profile
 
 from kvfence.engine.engine import LLMEngine
+from kvfence.harness.tables import print_table
 from kvfence.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent

@@ -3,13 +3,13 @@
     .venv/bin/python bench/soak.py [--minutes 10] [--clients 8] [--window 512] [--num-pages 128]
                                    [--cancel-rate 0.1] [--idle-every 60] [--threads 1] [--seed 0]
 
-Clients of 4 tenants send stress.py's job mix (short, page-edge, at and beyond the window, one-token
-prompts; some hung up mid-stream) without pause. Every second, on the engine thread (AsyncEngine.call):
-`engine.check_integrity()` plus a count of live requests and free pages; and this process's resident
-memory (VmRSS). Every --idle-every seconds the clients pause until the engine is idle, and the free pages
-are read then: at idle every page must be free or cached and unreferenced. Reports drift (RSS of the first
-minute vs the last, pages free at each idle point) in a table and bench/results/soak.json. Loopback only;
-bounded by --minutes.
+Clients of 4 tenants send the stress job mix of kvfence/harness/load.py (short, page-edge, at and beyond
+the window, one-token prompts; some hung up mid-stream) without pause. Every second, on the engine thread
+(AsyncEngine.call): `engine.check_integrity()` plus a count of live requests and free pages; and this
+process's resident memory (VmRSS). Every --idle-every seconds the clients pause until the engine is idle,
+and the free pages are read then: at idle every page must be free or cached and unreferenced. Reports
+drift (RSS of the first minute vs the last, pages free at each idle point) in a table and
+bench/results/soak.json. Loopback only; bounded by --minutes.
 """
 
 from __future__ import annotations
@@ -26,24 +26,14 @@ from typing import Any
 import httpx
 import numpy as np
 import torch
-from common import load_weights, print_table, write_json
-from serving import serve
-from stress import (
-    ADMIN_KEY,
-    KEEPALIVE_S,
-    MODEL,
-    Job,
-    Outcome,
-    Shape,
-    make_jobs,
-    make_tenants,
-    run_job,
-    serving_engine,
-)
+from common import load_weights, write_json
 
-from kvfence.api.server import build_app
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.engine.engine import LLMEngine
+from kvfence.harness.cluster import cluster
+from kvfence.harness.load import KEEPALIVE_S, MODEL, Job, Outcome, Shape, make_jobs, make_tenants, run_job
+from kvfence.harness.runs import ADMIN_KEY, serving_engine, tenant_keys
+from kvfence.harness.tables import print_table
 from kvfence.model.tokenizer import Tokenizer
 
 SAMPLE_EVERY_S = 1.0
@@ -97,7 +87,7 @@ def engine_sample(engine: LLMEngine) -> tuple[int, int, str]:
 
 
 def endless_jobs(tokenizer: Tokenizer, shape: Shape, cancel_rate: float, seed: int) -> Iterator[Job]:
-    """stress.py's job mix, batch after batch with fresh seeds (fresh prompts, same shapes)."""
+    """The stress job mix, batch after batch with fresh seeds (fresh prompts, same shapes)."""
     tenants = make_tenants(4, seed)
     for batch in itertools.count():
         yield from make_jobs(tokenizer, tenants, 64, shape, cancel_rate, seed * 10_000 + batch)
@@ -221,16 +211,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gguf = load_weights()
-    engine = AsyncEngine(serving_engine(gguf, args.window, args.num_pages, faults={}))
-    tenants = make_tenants(4, args.seed)
-    server = serve(build_app(engine, MODEL, {t.key: t.name for t in tenants}, ADMIN_KEY))
+    engine = serving_engine(gguf, args.window, args.num_pages, faults={})
+    keys = tenant_keys(make_tenants(4, args.seed))
     jobs = endless_jobs(
         Tokenizer.from_gguf(gguf), Shape(args.window, 16, args.max_tokens), args.cancel_rate, args.seed
     )
-    try:
-        result = asyncio.run(Soak(server.url, engine, jobs, args).run())
-    finally:
-        server.stop()
+    with cluster(engine, api_keys=keys, admin_key=ADMIN_KEY, model_name=MODEL) as running:
+        result = asyncio.run(Soak(running.url, running.engine, jobs, args).run())
     summary = summarize(result)
     print_summary(result, summary)
     samples = [asdict(s) for s in result.samples]

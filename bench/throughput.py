@@ -32,7 +32,6 @@ from common import (
     load_hf_model,
     load_weights,
     make_prompts,
-    print_table,
     quietly,
     run_cells,
     run_hf,
@@ -42,6 +41,7 @@ from common import (
     write_json,
 )
 
+from kvfence.harness.tables import print_table
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer

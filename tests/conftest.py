@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from contextlib import AbstractContextManager
 
 import gguf
 import numpy as np
@@ -15,6 +12,7 @@ from fastapi import FastAPI
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
+from kvfence.harness.server import serving as serve_app
 from kvfence.model.gguf import (
     GGUFModel,
     LlamaConfig,
@@ -26,9 +24,6 @@ from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path
 from kvfence.request import Request
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the harnesses tests share
-from serving import serve
 
 TINY = LlamaConfig(
     vocab_size=256,
@@ -124,7 +119,8 @@ def tiny() -> LlamaModel:
     return tiny_model()
 
 
-def make_engine(model: LlamaModel, **overrides: object) -> LLMEngine:
+def make_engine(model: LlamaModel, engine_cls: type[LLMEngine] = LLMEngine, **overrides: object) -> LLMEngine:
+    """A tiny-model engine; `engine_cls` HandoffEngine for a prefill or decode worker's."""
     settings: dict[str, object] = {
         "num_pages": 64,
         "page_size": 4,
@@ -132,7 +128,7 @@ def make_engine(model: LlamaModel, **overrides: object) -> LLMEngine:
         "max_model_len": 48,
     }
     settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings), model, log=lambda _: None)  # type: ignore[arg-type]
+    return engine_cls(EngineConfig(**settings), model, log=lambda _: None)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
@@ -188,11 +184,6 @@ def assert_same_greedy(
             return
 
 
-@contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """`app` under uvicorn on a free loopback port, in a thread (bench/serving.py); yields its URL."""
-    server = serve(app)
-    try:
-        yield server.url
-    finally:
-        server.stop()
+def serving(app: FastAPI) -> AbstractContextManager[str]:
+    """`app` under uvicorn on a free loopback port, in a thread (kvfence.harness.server); yields its URL."""
+    return serve_app(app)

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,17 +27,15 @@ from typing import Any
 import torch
 
 from kvfence.config import EngineConfig
-from kvfence.disagg.connector import ZmqConnector
-from kvfence.disagg.decode import DecodeWorker
-from kvfence.disagg.prefill import PrefillWorker
+from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.router import Router
 from kvfence.engine.engine import AdmissionError, LLMEngine
+from kvfence.harness.cluster import InThread, cluster
 from kvfence.model.gguf import GGUFModel, load_gguf
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path
 from kvfence.sampling import SamplingParams
-from kvfence.trail.faults import FaultInjector
 from kvfence.units import cdiv
 
 SECRET = (
@@ -196,45 +192,18 @@ def run_single(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> Row:
 # ---- disaggregated ----------------------------------------------------------------------------------------
 
 
-@contextmanager
-def cluster(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> Iterator[tuple[Router, list[LLMEngine]]]:
-    """Prefill and decode workers on their own threads and sockets, and a router: real ZeroMQ over TCP."""
+def engines(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> tuple[HandoffEngine, HandoffEngine]:
+    """The prefill engine (a pool of 256 tokens, the defect armed on it) and the decode engine (512 tokens,
+    tracing the pages each step reads); neither caches prefixes."""
     base = EngineConfig(enable_prefix_caching=False, isolation=case.isolation)
-    prefill_engine = LLMEngine(
-        replace(
-            base, num_pages=16, max_model_len=256, faults={"placeholder_transfer": 1.0} if case.defect else {}
-        ),
-        model,
-        tokenizer,
-        log=lambda _: None,
+    faults = {"placeholder_transfer": 1.0} if case.defect else {}
+    prefill = HandoffEngine(
+        replace(base, num_pages=16, max_model_len=256, faults=faults), model, tokenizer, log=lambda _: None
     )
-    decode_engine = LLMEngine(
+    decode = HandoffEngine(
         replace(base, num_pages=32, max_model_len=512, trace_pages=True), model, tokenizer, log=lambda _: None
     )
-    workers = [
-        PrefillWorker(prefill_engine, ZmqConnector("tcp://127.0.0.1:0")),
-        DecodeWorker(decode_engine, ZmqConnector("tcp://127.0.0.1:0")),
-    ]
-    threads = [threading.Thread(target=w.serve_forever, daemon=True) for w in workers]
-    for thread in threads:
-        thread.start()
-    router = Router(
-        workers[0].connector.address,
-        workers[1].connector.address,
-        tokenizer,
-        model.config.vocab_size,
-        isolation=case.isolation,
-        faults=FaultInjector(),
-    )
-    router.start()
-    try:
-        yield router, [prefill_engine, decode_engine]
-    finally:
-        router.shutdown()
-        for worker, thread in zip(workers, threads, strict=True):
-            worker.stopped.set()
-            thread.join(timeout=10)
-            worker.connector.close()
+    return prefill, decode
 
 
 async def _collect(router: Router, prompt: list[int], tenant: str, request_id: str) -> tuple[str, str]:
@@ -247,15 +216,22 @@ async def _collect(router: Router, prompt: list[int], tenant: str, request_id: s
 
 
 def run_disaggregated(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> Row:
-    with cluster(model, tokenizer, case) as (router, engines):
+    """Prefill and decode workers on threads of this process over real ZeroMQ (TCP), the router in front,
+    started and stopped by the harness; the engines stay here so the pools can be compared."""
+    prefill, decode = engines(model, tokenizer, case)
+    pools: list[LLMEngine] = [prefill, decode]
+    with cluster(
+        prefill=InThread(prefill), decode=InThread(decode), http=False, isolation=case.isolation
+    ) as running:
+        router = running.router
         asyncio.run(_collect(router, a_prompt(tokenizer), "A", "a"))
         prompt = b_prompt(tokenizer, case.prompt_tokens)
-        before = snapshot(engines)
+        before = snapshot(pools)
         try:
             status, output = asyncio.run(_collect(router, prompt, "B", "b"))
         except AdmissionError as refusal:
             status, output = "rejected", f"400 {refusal.code}"
-        unchanged = same(before, snapshot(engines)) if status in ("rejected", "aborted") else None
+        unchanged = same(before, snapshot(pools)) if status in ("rejected", "aborted") else None
         return summarise("disaggregated", case, prompt, router.audit_events("b"), status, output, unchanged)
 
 

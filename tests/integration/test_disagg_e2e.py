@@ -7,22 +7,18 @@ reads A's stale pages. Isolation on: B gets a 400 before anything is reserved an
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from multiprocessing import Process
+from contextlib import AbstractContextManager
+from dataclasses import replace
 
 import httpx
 import openai
 import pytest
-from conftest import real_engine, serving
+from conftest import real_engine
 
-from kvfence.api.server import build_app
 from kvfence.config import EngineConfig
-from kvfence.disagg.launch import spawn_workers
-from kvfence.disagg.router import Router
-from kvfence.model.gguf import GGUFModel, read_header
+from kvfence.harness.cluster import Cluster, Spawned, cluster
+from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path, file_sha256
 from kvfence.sampling import SamplingParams
@@ -47,43 +43,29 @@ SECRET = (
 LONG_PROMPT = "Summarise this log line by line. " + " ".join(f"entry {i} ok;" for i in range(120))
 
 
-@dataclass
-class Cluster:
-    url: str
-    router: Router
-    prefill: Process
-    decode: Process
-
-    def client(self, key: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
-
-    def audit(self, request_id: str) -> list[dict[str, object]]:
-        response = httpx.get(
-            f"{self.url}/v1/audit/requests/{request_id}", headers={"Authorization": f"Bearer {ADMIN}"}
-        )
-        return response.json()["events"] if response.status_code == 200 else []
-
-
-def start_cluster(isolation: bool, prefill_faults: dict[str, float] | None = None) -> Iterator[Cluster]:
-    (prefill, prefill_addr), (decode, decode_addr) = spawn_workers(
-        [
-            ("prefill", replace(PREFILL, isolation=isolation, faults=prefill_faults or {})),
-            ("decode", replace(DECODE, isolation=isolation)),
-        ]
+def disaggregated(
+    isolation: bool, prefill_faults: dict[str, float] | None = None
+) -> AbstractContextManager[Cluster]:
+    """Prefill and decode worker processes, the router and its HTTP server here; both workers and the
+    router with the same isolation."""
+    return cluster(
+        prefill=Spawned(replace(PREFILL, isolation=isolation, faults=prefill_faults or {})),
+        decode=Spawned(replace(DECODE, isolation=isolation)),
+        api_keys=KEYS,
+        admin_key=ADMIN,
+        model_name=MODEL,
+        isolation=isolation,
     )
-    config, metadata = read_header(default_model_path())
-    router = Router(prefill_addr, decode_addr, Tokenizer(metadata), config.vocab_size, isolation=isolation)
-    try:
-        with serving(build_app(router, MODEL, KEYS, ADMIN)) as url:
-            yield Cluster(url, router, prefill, decode)
-    finally:
-        for process in (prefill, decode):
-            process.kill()
+
+
+def client(cluster: Cluster, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def fenced() -> Iterator[Cluster]:
-    yield from start_cluster(isolation=True)
+    with disaggregated(isolation=True) as running:
+        yield running
 
 
 def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -92,7 +74,7 @@ def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
 
 def test_disaggregated_answer_equals_single_node(fenced: Cluster, smollm2: GGUFModel) -> None:
     question = "What is the capital of France? Answer in one sentence."
-    reply = fenced.client("key-a").chat.completions.create(
+    reply = client(fenced, "key-a").chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0
     )
     engine = real_engine(smollm2)
@@ -111,10 +93,10 @@ def test_disaggregated_answer_equals_single_node(fenced: Cluster, smollm2: GGUFM
 
 
 def test_streaming_through_the_router(fenced: Cluster) -> None:
-    client = fenced.client("key-b")
+    b = client(fenced, "key-b")
     messages = [{"role": "user", "content": "Name three colors."}]
-    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
-    chunks = client.chat.completions.create(
+    full = b.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    chunks = b.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
     )
     assert (
@@ -124,9 +106,9 @@ def test_streaming_through_the_router(fenced: Cluster) -> None:
 
 
 def test_incident_is_refused_before_any_reservation(fenced: Cluster) -> None:
-    client = fenced.client("key-b")
+    b = client(fenced, "key-b")
     with pytest.raises(openai.BadRequestError) as err:
-        client.with_options(max_retries=0).chat.completions.with_raw_response.create(
+        b.with_options(max_retries=0).chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=16
         )
     assert err.value.code == "context_length_exceeded"
@@ -157,36 +139,29 @@ def test_audit_info_names_both_pools(fenced: Cluster, smollm2: GGUFModel) -> Non
 def test_prefill_crash_mid_load_fails_only_its_requests(smollm2: GGUFModel) -> None:
     """worker_crash_mid_transfer: kill -9 of the prefill process; decode drains its quarantine on the lost
     connection, the router answers an error, and nothing leaks."""
-    cluster_iter = start_cluster(isolation=True)
-    cluster = next(cluster_iter)
-    try:
-        client = cluster.client("key-a")
-        reply = client.chat.completions.create(
+    with disaggregated(isolation=True) as running:
+        a = client(running, "key-a")
+        reply = a.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
         )
         assert reply.choices[0].message.content
-        os.kill(cluster.prefill.pid, signal.SIGKILL)
-        cluster.prefill.join(timeout=10)
+        running.workers["prefill"].kill()  # SIGKILL, then wait (bounded) for the process to be gone
         with pytest.raises(openai.APIError):
-            client.with_options(timeout=60).chat.completions.create(
+            a.with_options(timeout=60).chat.completions.create(
                 model=MODEL,
                 messages=[{"role": "user", "content": "Tell me a story about a lighthouse."}],
                 max_tokens=8,
             )
-        stats = cluster.router._ask(cluster.router.decode, "stats").fields["stats"]
-        assert stats["pages_by_state"]["quarantined"] == 0
-        assert stats["pages_free"] == stats["num_pages"]
-    finally:
-        next(cluster_iter, None)
+        stats = running.worker_stats("decode")
+        assert stats.pages_by_state["quarantined"] == 0
+        assert stats.pages_free == stats.num_pages
 
 
 def test_incident_leaks_with_isolation_off(smollm2: GGUFModel) -> None:
     """The 2026 incident reproduced: with the fence off and prefill swapping an over-long prompt for a
     one-token placeholder, B's decode reads pages last written by tenant A and answers a fluent 200."""
-    cluster_iter = start_cluster(isolation=False, prefill_faults={"placeholder_transfer": 1.0})
-    cluster = next(cluster_iter)
-    try:
-        a = cluster.client("key-a")
+    with disaggregated(isolation=False, prefill_faults={"placeholder_transfer": 1.0}) as running:
+        a = client(running, "key-a")
         for i in range(2):
             a.completions.create(
                 model=MODEL,
@@ -194,12 +169,12 @@ def test_incident_leaks_with_isolation_off(smollm2: GGUFModel) -> None:
                 max_tokens=8,
                 temperature=0,
             )
-        b = cluster.client("key-b").chat.completions.with_raw_response.create(
+        b = client(running, "key-b").chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=16, temperature=0
         )
         assert b.http_response.status_code == 200
         request_id = b.headers["x-request-id"]
-        events = cluster.audit(request_id)
+        events = running.audit(request_id)
         writers = {p["last_writer"] for e in events if e["kind"] == "pages_read" for p in e["pages"]}
         assert "tenant-a" in writers, f"B read no page of tenant A: {writers}"
         assert any(e["kind"] == "fault_injected" and e["fault"] == "placeholder_transfer" for e in events)
@@ -207,5 +182,3 @@ def test_incident_leaks_with_isolation_off(smollm2: GGUFModel) -> None:
         assert engine.tokenizer is not None
         solo = engine.generate([chat_ids(engine.tokenizer, LONG_PROMPT)], SamplingParams(max_tokens=16))[0]
         assert b.parse().choices[0].message.content != solo.output_text
-    finally:
-        next(cluster_iter, None)

@@ -12,26 +12,18 @@ namespaces, the veths and the bridge, whatever happened.
 from __future__ import annotations
 
 import os
-import queue
 import shutil
 import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import openai
 import pytest
-from conftest import real_engine, serving
+from conftest import real_engine
 from test_disagg_e2e import KEYS, MODEL, chat_ids
 
-from kvfence.api.server import build_app
-from kvfence.disagg.router import Router
-from kvfence.model.gguf import GGUFModel, read_header
-from kvfence.model.tokenizer import Tokenizer
-from kvfence.pins import default_model_path
+from kvfence.harness.cluster import Cluster, Command, cluster
+from kvfence.model.gguf import GGUFModel
 from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv
 
@@ -42,7 +34,6 @@ SUBNET = "10.231.0"
 BRIDGE = f"kvfbr{PID}"
 ROOT_IP = f"{SUBNET}.254"
 START_TIMEOUT_S = 180.0
-KVFENCE = Path(sys.executable).parent / "kvfence"
 WORKER_OPTIONS = ("--num-pages", "32", "--max-model-len", "512", "--num-threads", "1", "--device", "cpu")
 
 
@@ -128,83 +119,38 @@ def network_unavailable_reason() -> str | None:
     return None
 
 
-@dataclass
-class WorkerProcess:
-    host: Host
-    process: subprocess.Popen[str]
-    lines: queue.Queue[str] = field(default_factory=queue.Queue)
-    log: list[str] = field(default_factory=list)
-
-    def wait_listening(self, deadline: float) -> None:
-        """Until the worker prints `listening on` (its model is loaded and its socket bound)."""
-        while not any("listening on" in line for line in self.log):
-            if self.process.poll() is not None and self.lines.empty():
-                pytest.fail(f"the {self.host.role} worker exited:\n" + "".join(self.log[-30:]))
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {self.host.role} worker did not start:\n" + "".join(self.log[-30:]))
-            try:
-                self.log.append(self.lines.get(timeout=0.5))
-            except queue.Empty:
-                continue
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
-
-
-def start_worker(host: Host) -> WorkerProcess:
-    command = ["ip", "netns", "exec", host.namespace, str(KVFENCE), "serve", "--role", host.role]
-    command += ["--listen", host.address, *WORKER_OPTIONS]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    worker = WorkerProcess(host, process)
-    threading.Thread(target=_pump, args=(process, worker.lines), daemon=True).start()
-    return worker
-
-
-def _pump(process: subprocess.Popen[str], lines: queue.Queue[str]) -> None:
-    """Drain the worker's output (so it never blocks on a full pipe) into `lines`."""
-    assert process.stdout is not None
-    for line in process.stdout:
-        lines.put(line)
-
-
-@dataclass
-class NetnsCluster:
-    url: str
-    router: Router
-    workers: list[WorkerProcess]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[NetnsCluster]:
+@pytest.fixture(scope="module", name="cluster")
+def namespaced_cluster() -> Iterator[Cluster]:
+    """Each worker a `kvfence serve --role ...` process inside its namespace; the router and its HTTP server
+    here, its ZeroMQ socket on the bridge."""
     reason = network_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    workers: list[WorkerProcess] = []
     try:
         try:
             build_network()
         except NetworkUnavailable as exc:
             pytest.skip(f"cannot build the namespaced network: {exc}")
-        workers = [start_worker(host) for host in HOSTS]  # both load the model at once
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for worker in workers:
-            worker.wait_listening(deadline)
-        config, metadata = read_header(default_model_path())
-        prefill, decode = (host.address for host in HOSTS)
-        router = Router(prefill, decode, Tokenizer(metadata), config.vocab_size, listen=f"tcp://{ROOT_IP}:0")
-        with serving(build_app(router, MODEL, KEYS, None)) as url:
-            yield NetnsCluster(url, router, workers)
+        prefill, decode = (
+            Command(WORKER_OPTIONS, listen=host.address, prefix=("ip", "netns", "exec", host.namespace))
+            for host in HOSTS
+        )
+        with cluster(
+            prefill=prefill,
+            decode=decode,
+            api_keys=KEYS,
+            model_name=MODEL,
+            router_listen=f"tcp://{ROOT_IP}:0",
+            start_timeout_s=START_TIMEOUT_S,
+        ) as running:
+            yield running
     finally:
-        for worker in workers:
-            worker.stop()
         tear_down_network()
 
 
-def test_answer_across_namespaces_equals_single_node(cluster: NetnsCluster, smollm2: GGUFModel) -> None:
-    for worker in cluster.workers:  # each worker really runs on another network stack than this process
-        assert os.readlink(f"/proc/{worker.process.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+def test_answer_across_namespaces_equals_single_node(cluster: Cluster, smollm2: GGUFModel) -> None:
+    for worker in cluster.workers.values():  # each worker really runs on another network stack than this one
+        assert os.readlink(f"/proc/{worker.pid}/ns/net") != os.readlink("/proc/self/ns/net")
     question = "What is the capital of France? Answer in one sentence."
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="key-a", max_retries=0, timeout=120)
     reply = client.chat.completions.create(

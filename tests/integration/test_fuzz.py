@@ -2,14 +2,14 @@
 
 The server is the real SmolLM2 behind uvicorn with a 64-token window, so every accepted request generates
 at most a few dozen tokens and anything bigger is refused at once. Rules for every answer: no 5xx except
-`kv_integrity_error`; every 4xx in OpenAI's error shape. tests/test_server.py already covers malformed
-JSON on chat, unknown models, token ids out of range, n/logprobs/top_logprobs on chat and max_tokens=0;
-this file adds the rest of the list, and the request-size limit (413 before the body is read whole).
+`kv_integrity_error`; every 4xx in OpenAI's error shape. tests/integration/test_server.py already covers
+malformed JSON on chat, unknown models, token ids out of range, n/logprobs/top_logprobs on chat and
+max_tokens=0; this file adds the rest of the list, and the request-size limit (413 before the body is read
+whole).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import socket
 from collections.abc import Iterator
@@ -22,11 +22,10 @@ from conftest import real_engine
 from hypothesis import HealthCheck, given, settings
 from schemathesis.generation.modes import GenerationMode
 
-from kvfence.api.server import DEFAULT_MAX_BODY_BYTES, build_app
-from kvfence.engine.async_engine import AsyncEngine
+from kvfence.api.body_limit import DEFAULT_MAX_BODY_BYTES
+from kvfence.harness.cluster import Cluster, cluster
+from kvfence.harness.sse import iter_events
 from kvfence.model.gguf import GGUFModel
-
-serving = importlib.import_module("serving")
 
 pytestmark = pytest.mark.real_model
 
@@ -39,11 +38,10 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
 @pytest.fixture(scope="module")
-def server(smollm2: GGUFModel) -> Iterator[Any]:
-    engine = AsyncEngine(real_engine(smollm2, num_pages=8, max_model_len=WINDOW))
-    running = serving.serve(build_app(engine, MODEL, {KEY: "tenant-fuzz"}, "fuzz-admin"))
-    yield running
-    running.stop()
+def server(smollm2: GGUFModel) -> Iterator[Cluster]:
+    engine = real_engine(smollm2, num_pages=8, max_model_len=WINDOW)
+    with cluster(engine, api_keys={KEY: "tenant-fuzz"}, admin_key="fuzz-admin", model_name=MODEL) as running:
+        yield running
 
 
 def assert_openai_answer(status: int, content: bytes) -> None:
@@ -64,8 +62,7 @@ def assert_openai_error(body: dict[str, Any], server_side: bool) -> None:
 
 
 def _sse_errors(content: bytes) -> list[dict[str, Any]]:
-    events = [line.removeprefix(b"data: ") for line in content.splitlines() if line.startswith(b"data: {")]
-    return [event for event in map(json.loads, events) if "error" in event]
+    return [event for event in iter_events(content.decode(errors="replace").splitlines()) if "error" in event]
 
 
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
@@ -80,7 +77,7 @@ FUZZ = [
 
 
 @pytest.mark.parametrize(("label", "mode"), FUZZ, ids=[f"{label} {mode}" for label, mode in FUZZ])
-def test_fuzz_the_openapi_document(server: Any, label: str, mode: GenerationMode) -> None:
+def test_fuzz_the_openapi_document(server: Cluster, label: str, mode: GenerationMode) -> None:
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     operation = schema.find_operation_by_label(label)
     assert operation is not None, f"{label} is not in the server's OpenAPI document"
@@ -105,7 +102,7 @@ def test_fuzz_the_openapi_document(server: Any, label: str, mode: GenerationMode
 # ---- explicit bad requests -----------------------------------------------------------------------------
 
 
-def post(server: Any, path: str, **kwargs: Any) -> httpx.Response:
+def post(server: Cluster, path: str, **kwargs: Any) -> httpx.Response:
     headers = {**AUTH, "content-type": "application/json", **kwargs.pop("headers", {})}
     return httpx.post(f"{server.url}{path}", headers=headers, timeout=60, **kwargs)
 
@@ -125,7 +122,7 @@ BAD_BODIES = {
 
 
 @pytest.mark.parametrize("body", BAD_BODIES.values(), ids=BAD_BODIES.keys())
-def test_malformed_bodies_are_400(server: Any, body: bytes) -> None:
+def test_malformed_bodies_are_400(server: Cluster, body: bytes) -> None:
     response = post(server, "/v1/completions", content=body)
     assert response.status_code == 400, response.text
     assert_openai_answer(response.status_code, response.content)
@@ -154,14 +151,14 @@ BAD_FIELDS = {
 
 
 @pytest.mark.parametrize("fields", BAD_FIELDS.values(), ids=BAD_FIELDS.keys())
-def test_wrong_types_and_unsupported_options_are_400(server: Any, fields: dict[str, Any]) -> None:
+def test_wrong_types_and_unsupported_options_are_400(server: Cluster, fields: dict[str, Any]) -> None:
     response = post(server, "/v1/completions", json=completion(**fields))
     assert response.status_code == 400, response.text
     assert_openai_answer(response.status_code, response.content)
     assert response.json()["error"]["param"] == next(iter(fields))
 
 
-def test_neutral_values_of_unsupported_options_are_accepted(server: Any) -> None:
+def test_neutral_values_of_unsupported_options_are_accepted(server: Cluster) -> None:
     neutral = {"n": 1, "best_of": 1, "echo": False, "logit_bias": {}, "presence_penalty": 0, "suffix": ""}
     assert post(server, "/v1/completions", json=completion(**neutral)).status_code == 200
 
@@ -171,12 +168,12 @@ def test_neutral_values_of_unsupported_options_are_accepted(server: Any) -> None
     [{"prompt": ""}, {"prompt": []}],
     ids=["empty text", "no token ids"],
 )
-def test_empty_prompts_are_400(server: Any, fields: dict[str, Any]) -> None:
+def test_empty_prompts_are_400(server: Cluster, fields: dict[str, Any]) -> None:
     response = post(server, "/v1/completions", json=completion(**fields))
     assert response.status_code == 400 and response.json()["error"]["code"] == "empty_prompt"
 
 
-def test_empty_chat_is_400(server: Any) -> None:
+def test_empty_chat_is_400(server: Cluster) -> None:
     response = post(server, "/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
@@ -191,7 +188,7 @@ def test_empty_chat_is_400(server: Any) -> None:
     ],
     ids=["max_tokens 1e6", "max_tokens 1e30", "1 MB prompt", "100k token ids"],
 )
-def test_huge_requests_are_refused_before_any_page(server: Any, fields: dict[str, Any]) -> None:
+def test_huge_requests_are_refused_before_any_page(server: Cluster, fields: dict[str, Any]) -> None:
     response = post(server, "/v1/completions", json=completion(**fields))
     assert response.status_code == 400, response.text[:300]
     assert response.json()["error"]["code"] == "context_length_exceeded"
@@ -200,7 +197,9 @@ def test_huge_requests_are_refused_before_any_page(server: Any, fields: dict[str
 @pytest.mark.parametrize(
     "fields", [{"temperature": 1e-40}, {"top_p": 5e-324}], ids=["temperature 1e-40", "top_p 5e-324"]
 )
-def test_vanishing_temperature_or_top_p_is_greedy_not_a_crash(server: Any, fields: dict[str, Any]) -> None:
+def test_vanishing_temperature_or_top_p_is_greedy_not_a_crash(
+    server: Cluster, fields: dict[str, Any]
+) -> None:
     """logits / 1e-40 overflow float32, and a top_p below float32's range drops every token: such values
     sample greedily (their limit) instead of failing the step, and with it every request in the batch."""
     greedy = post(server, "/v1/completions", json=completion(max_tokens=6, temperature=0))
@@ -212,7 +211,7 @@ def test_vanishing_temperature_or_top_p_is_greedy_not_a_crash(server: Any, field
 # ---- request size ----------------------------------------------------------------------------------------
 
 
-def raw_exchange(server: Any, head: bytes, body_parts: list[bytes]) -> bytes:
+def raw_exchange(server: Cluster, head: bytes, body_parts: list[bytes]) -> bytes:
     """Send a raw HTTP/1.1 request (headers, then body parts, never the end of a chunked body) and return
     whatever the server answers within 10 s."""
     host, port = server.url.removeprefix("http://").split(":")
@@ -236,7 +235,7 @@ def assert_413(answer: bytes) -> None:
     assert set(error) == ERROR_FIELDS and error["code"] == "request_too_large"
 
 
-def test_declared_oversized_body_is_refused_before_it_is_sent(server: Any) -> None:
+def test_declared_oversized_body_is_refused_before_it_is_sent(server: Cluster) -> None:
     head = (
         b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
         + f"authorization: Bearer {KEY}\r\ncontent-length: {DEFAULT_MAX_BODY_BYTES + 1}\r\n\r\n".encode()
@@ -244,7 +243,7 @@ def test_declared_oversized_body_is_refused_before_it_is_sent(server: Any) -> No
     assert_413(raw_exchange(server, head, [b'{"model": "']))  # 11 of 8 MiB + 1 bytes ever sent
 
 
-def test_chunked_oversized_body_is_refused_while_streaming(server: Any) -> None:
+def test_chunked_oversized_body_is_refused_while_streaming(server: Cluster) -> None:
     """No Content-Length: the bytes are counted as they arrive; the 413 comes although the body never
     ends (its terminating chunk is never sent)."""
     head = (
@@ -258,6 +257,6 @@ def test_chunked_oversized_body_is_refused_while_streaming(server: Any) -> None:
     assert_413(raw_exchange(server, head, parts))
 
 
-def test_a_body_under_the_limit_still_works(server: Any) -> None:
+def test_a_body_under_the_limit_still_works(server: Cluster) -> None:
     padded = json.dumps(completion()) + " " * (DEFAULT_MAX_BODY_BYTES // 2)
     assert post(server, "/v1/completions", content=padded.encode()).status_code == 200

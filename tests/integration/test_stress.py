@@ -1,16 +1,15 @@
-"""Load with faults through the real server, short: bench/stress.py's harness and rules on a smaller load.
+"""Load with faults through the real server, short: bench/stress.py's runs and rules on a smaller load.
 
 Single node: 12 clients of 4 tenants, 48 requests of mixed lengths (page edges, exactly at the window,
 just beyond it), 20% hung up mid-stream, single-node faults armed at random. Disaggregated: a smaller run
 through the Router with transfer faults on the prefill worker and page faults in the decode worker.
 Each run must show: completed requests equal to their offline references, a clear error for every other
 request, no canary of one tenant in another's output, every fault effect caught (single node), a clean
-pool after the drain, and /health answering throughout (RunReport.problems in bench/stress.py).
+pool after the drain, and /health answering throughout (RunReport.problems: kvfence/harness/judge.py).
 """
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Iterator
 
@@ -18,12 +17,12 @@ import pytest
 import torch
 from conftest import make_engine
 
+from kvfence.harness.judge import RunReport, print_report
+from kvfence.harness.runs import FAULT_RATES, Plan, run_disaggregated, run_single_node
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.llama import LlamaModel
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
-
-stress = importlib.import_module("stress")
 
 
 @pytest.fixture
@@ -36,13 +35,13 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _caught(report: object) -> int:
-    return sum(row.get("caught", 0) for row in report.faults["by_fault"].values())  # type: ignore[attr-defined]
+def _caught(report: RunReport) -> int:
+    return sum(row.get("caught", 0) for row in report.faults["by_fault"].values())
 
 
 @pytest.mark.real_model
 def test_single_node_load_with_faults(smollm2: GGUFModel, one_torch_thread: None) -> None:
-    plan = stress.Plan(
+    plan = Plan(
         clients=12,
         requests=48,
         tenants=4,
@@ -54,8 +53,8 @@ def test_single_node_load_with_faults(smollm2: GGUFModel, one_torch_thread: None
         time_limit_s=60.0,
         seed=0,
     )
-    report = stress.run_single_node(smollm2, plan, rates=stress.FAULT_RATES)
-    stress.print_report(report)
+    report = run_single_node(smollm2, plan, rates=FAULT_RATES)
+    print_report(report)
     assert report.problems == []
     counts = report.counts()
     assert counts["completed"] >= 10 and counts["cancelled"] >= 1 and counts["rejected"] >= 1, counts
@@ -64,7 +63,7 @@ def test_single_node_load_with_faults(smollm2: GGUFModel, one_torch_thread: None
 
 @pytest.mark.real_model
 def test_disaggregated_load_with_faults(smollm2: GGUFModel, one_torch_thread: None) -> None:
-    plan = stress.Plan(
+    plan = Plan(
         clients=8,
         requests=20,
         tenants=4,
@@ -76,8 +75,8 @@ def test_disaggregated_load_with_faults(smollm2: GGUFModel, one_torch_thread: No
         time_limit_s=60.0,
         seed=1,
     )
-    report = stress.run_disaggregated(smollm2, plan)
-    stress.print_report(report)
+    report = run_disaggregated(smollm2, plan)
+    print_report(report)
     assert report.problems == []
     assert report.counts()["completed"] >= 5, report.counts()
 

@@ -1,0 +1,136 @@
+"""`kvfence` commands as OS processes: start one, wait for it to be ready, stop it and everything below it.
+
+Contracts: a process's stdout and stderr are collected by a thread (the pipe never fills) and shown in
+the error when it exits or does not get ready in time; every wait is bounded; `stop` is idempotent and
+leaves no descendant behind (a `serve --disaggregated` parent's worker processes included), killing by
+pid only, never by name. A command may run after a prefix (`ip netns exec NS`): the prefix must exec the
+command, as `ip netns exec` does, so that the pid is the kvfence process itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvfence.harness.server import healthy
+
+KVFENCE = str(Path(sys.executable).parent / "kvfence")
+START_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 20.0
+
+
+@dataclass
+class Proc:
+    """A `kvfence` subprocess whose output is collected (and echoed on failure)."""
+
+    name: str
+    command: str  # as typed by an operator: `kvfence ...` (without the prefix)
+    popen: subprocess.Popen[str]
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def tail(self, lines: int = 30) -> str:
+        return "".join(self.log[-lines:])
+
+    def wait_for_line(self, text: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until the process prints a line containing `text` (RuntimeError if it exits or times out)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.log):
+            self._check_alive(deadline, f"print {text!r}")
+            time.sleep(0.2)
+
+    def wait_for_http(self, url: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until `url`/health answers 200 (RuntimeError if the process exits or times out)."""
+        deadline = time.monotonic() + timeout_s
+        while not healthy(url):
+            self._check_alive(deadline, f"serve {url}")
+            time.sleep(0.5)
+
+    def _check_alive(self, deadline: float, what: str) -> None:
+        if self.popen.poll() is not None:
+            raise RuntimeError(f"{self.name} exited ({self.popen.returncode}):\n{self.tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{self.name} did not {what} in time:\n{self.tail()}")
+
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """kill -9, and wait (bounded) for the process to be gone."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=timeout_s)
+
+
+def launch(
+    name: str,
+    args: Sequence[str],
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
+    echo: bool = True,
+) -> Proc:
+    """Start `[prefix] kvfence ARGS` (stdout and stderr collected by a thread, so the pipe never fills);
+    `echo` prints the command as an operator would type it."""
+    command = " ".join(["kvfence", *args])
+    if echo:
+        print(f"  $ {command}", flush=True)
+    popen = subprocess.Popen(
+        [*prefix, KVFENCE, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    proc = Proc(name, command, popen)
+    threading.Thread(target=_collect, args=(proc,), daemon=True).start()
+    return proc
+
+
+def _collect(proc: Proc) -> None:
+    assert proc.popen.stdout is not None
+    for line in proc.popen.stdout:
+        proc.log.append(line)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (found through the parent pids in /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop(procs: Sequence[Proc], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM (a `serve --disaggregated` parent then kills its workers itself), then SIGKILL whatever of
+    the process tree is left, by pid. Processes already gone are fine."""
+    trees = {proc.pid: descendants(proc.pid) for proc in procs}
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for pid in (child for tree in trees.values() for child in tree):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,104 @@
+"""One HTTP app on loopback, in this process, and what a harness reads from a running server over HTTP.
+
+Contracts: every address is on 127.0.0.1; every wait is bounded; `ServerThread.stop()` is idempotent.
+`serve(app)` binds its socket before uvicorn starts, so there is no race for the port, and returns only
+once the app's lifespan ran (its engine or router started). `free_ports` holds the sockets together
+while it chooses, so the ports it returns are distinct.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+
+LOOPBACK = "127.0.0.1"
+START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class ServerThread:
+    """A uvicorn server for one app, on a socket bound here (no race for the port), in a daemon thread."""
+
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+    sock: socket.socket
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask uvicorn to exit (the app's lifespan shuts its engine down), wait at most `timeout_s`."""
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout_s)
+        self.sock.close()
+
+
+def serve(app: FastAPI, start_timeout_s: float = START_TIMEOUT_S) -> ServerThread:
+    """Start `app` on a free loopback port; returns once it accepts connections (lifespan ran)."""
+    sock = socket.socket()
+    sock.bind((LOOPBACK, 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            sock.close()
+            raise RuntimeError("the HTTP server did not start")
+        time.sleep(0.05)
+    return ServerThread(f"http://{LOOPBACK}:{sock.getsockname()[1]}", server, thread, sock)
+
+
+@contextlib.contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """`app` under uvicorn on a free loopback port, in a thread; yields its URL, stops it on exit."""
+    server = serve(app)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 right now (held together while chosen)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind((LOOPBACK, 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+
+
+def metric(url: str, name: str, labels: dict[str, str] | None = None, timeout_s: float = 30.0) -> float:
+    """One sample of the server's /metrics (KeyError when absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=timeout_s).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == (labels or {}):
+                return float(sample.value)
+    raise KeyError(name)
+
+
+def audit_trail(url: str, admin_key: str, request_id: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """The request's trail from the admin endpoint (router, prefill and decode alike); [] when none."""
+    response = httpx.get(
+        f"{url}/v1/audit/requests/{request_id}",
+        headers={"Authorization": f"Bearer {admin_key}"},
+        timeout=timeout_s,
+    )
+    return response.json()["events"] if response.status_code == 200 else []
+
+
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """GET /health answered 200 (False for any transport error)."""
+    try:
+        return httpx.get(url + "/health", timeout=timeout_s).status_code == 200
+    except httpx.TransportError:
+        return False
