@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 ARGS ?=
 
-.PHONY: setup setup-test serve test lint bench
+.PHONY: setup setup-test serve test test-fast lint bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ serve: setup
 test: setup-test
 	$(VENV)/bin/ruff check kvfence tests bench
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The unit tests alone (tiny random model, no processes): the quick loop while working.
+test-fast: setup-test
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 lint: setup-test
 	$(VENV)/bin/ruff check kvfence tests bench

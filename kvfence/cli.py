@@ -1,4 +1,7 @@
-"""The `kvfence` command: `serve` (the OpenAI-compatible server) and `generate` (one prompt, offline).
+"""The `kvfence` command, one entry point: `serve` (the OpenAI-compatible server, single node, one
+prefill/decode worker, or `--disaggregated` locally), `router` (the front of remote workers), `audit`
+(acceptance checks against a running server), `lab` (the isolation lab) and `generate` (one prompt,
+offline).
 
 Engine options are defined once (`add_engine_options`) and turned into an EngineConfig once
 (`engine_config`), so every subcommand that runs the engine takes the same flags with the same meaning.

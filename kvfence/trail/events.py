@@ -1,4 +1,4 @@
-"""The audit trail: ordered lifecycle events per request (DESIGN section 5).
+"""The audit trail: ordered lifecycle events per request (README: "How the fence works").
 
 Events live in a bounded in-memory ring (the oldest requests fall out first) and, when a path is given,
 are appended to a JSONL file. The engine thread writes; the server reads: one lock guards both.
