@@ -11,10 +11,13 @@ Progress and the capacity line go to stderr, so `generate` prints only the answe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +29,13 @@ from kvfence.sampling import SamplingParams
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FAULTS, FaultInjector, parse_fault_spec
 from kvfence.units import parse_size
+
+if TYPE_CHECKING:
+    from kvfence.disagg.keys import TransportKeys
+
+ROLES = ("prefill", "decode", "router")
+DEFAULT_LISTEN = "tcp://127.0.0.1:5600"  # a worker's address when neither --listen nor its key names one
+CHILD_STOP_S = 10.0  # how long `serve --disaggregated` waits for a worker to stop before killing it
 
 
 def default_device() -> str:
@@ -182,7 +192,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.role != "single":
         from kvfence.disagg.launch import run_worker
 
-        run_worker(args.role, engine_config(args), args.listen)
+        keys = _transport_keys(args, args.role, [args.listen] if args.listen else [])
+        run_worker(
+            args.role, engine_config(args), args.listen or _own_address(keys) or DEFAULT_LISTEN, keys=keys
+        )
         return 0
     if args.disaggregated:
         return _serve_disaggregated(args)
@@ -196,26 +209,79 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_disaggregated(args: argparse.Namespace) -> int:
-    """One prefill and one decode worker process plus the router, all on this host."""
-    from kvfence.disagg.launch import spawn_workers
+    """One prefill and one decode worker process plus the router, all on this host, speaking CURVE with
+    keys made for this run only (unless --insecure-transport). SIGTERM and SIGINT stop every child."""
+    from kvfence.disagg.keys import ephemeral
+    from kvfence.disagg.launch import free_ports, spawn_workers
 
     config = engine_config(args)
-    (prefill, prefill_address), (decode, decode_address) = spawn_workers(
-        [("prefill", config), ("decode", config)]
-    )
+    addresses = {role: f"tcp://127.0.0.1:{port}" for role, port in zip(ROLES, free_ports(3), strict=True)}
+    keys = None if args.insecure_transport else ephemeral([(r, r, a) for r, a in addresses.items()])
+    _log(f"transport: {'INSECURE (--insecure-transport)' if keys is None else 'CURVE with ephemeral keys'}")
+    children = spawn_workers([("prefill", config), ("decode", config)], bind=addresses, keys=keys)
     try:
-        return _run_router(args, prefill_address, decode_address)
+        with _terminate_on_sigterm():
+            router_keys = keys["router"] if keys else None
+            return _run_router(
+                args, addresses["prefill"], addresses["decode"], addresses["router"], router_keys
+            )
     finally:
-        prefill.kill()
-        decode.kill()
+        for process, _ in children:
+            process.terminate()
+        for process, _ in children:
+            process.join(timeout=CHILD_STOP_S)
+            if process.is_alive():
+                process.kill()
+
+
+@contextlib.contextmanager
+def _terminate_on_sigterm() -> Iterator[None]:
+    """SIGTERM (kill, systemd, docker stop) ends the server like Ctrl-C, so that `finally` blocks run and
+    no child outlives it: uvicorn drains and re-raises the signal it caught, and this handler turns that
+    into SystemExit instead of the default immediate death."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _router(args: argparse.Namespace) -> int:
-    return _run_router(args, args.prefill, args.decode, args.listen)
+    keys = _transport_keys(
+        args, "router", [args.prefill, args.decode, *([args.listen] if args.listen else [])]
+    )
+    if keys is not None:
+        for role in ("prefill", "decode"):
+            peer = keys.book.by_address.get(getattr(args, role))
+            if peer is None or peer.role != role:
+                _log(f"error: --{role} {getattr(args, role)} is not a {role} worker in {args.keys}/peers")
+                return 2
+    listen = args.listen or _own_address(keys) or "tcp://127.0.0.1:0"
+    return _run_router(args, args.prefill, args.decode, listen, keys)
+
+
+def _own_address(keys: TransportKeys | None) -> str | None:
+    """Where this process listens according to the allow-list (None without keys)."""
+    return keys.book.by_name[keys.identity.name].address if keys else None
+
+
+def _transport_keys(args: argparse.Namespace, role: str, addresses: list[str]) -> TransportKeys | None:
+    """The process's transport keys from --keys, or None (insecure) where that is allowed; a bad key
+    directory or a non-loopback address without keys ends the command with a clear message (exit 2)."""
+    from kvfence.disagg.keys import KeyConfigError, resolve
+
+    try:
+        keys = resolve(args.keys, args.key_name or role, addresses, args.insecure_transport)
+    except KeyConfigError as exc:
+        _log(f"error: {exc}")
+        sys.exit(2)
+    if keys is None:
+        _log("WARNING: the transport is INSECURE: no keys, any process that reaches this port may send to it")
+    return keys
 
 
 def _run_router(
-    args: argparse.Namespace, prefill: str, decode: str, listen: str = "tcp://127.0.0.1:0"
+    args: argparse.Namespace, prefill: str, decode: str, listen: str, keys: TransportKeys | None
 ) -> int:
     from kvfence.disagg.router import Router
     from kvfence.model.gguf import read_header
@@ -232,8 +298,19 @@ def _run_router(
         listen=listen,
         events=EventLog(path=args.audit_log) if args.audit_log else None,
         faults=_faults(args.inject_fault),
+        keys=keys,
     )
     return _run_http(args, router)
+
+
+def _keys_generate(args: argparse.Namespace) -> int:
+    from kvfence.disagg.keys import generate
+
+    book = generate(args.directory, [(role, role, getattr(args, role)) for role in ROLES])
+    _log(f"wrote {args.directory}/peers and one .secret per process (mode 0600):")
+    for peer in book:
+        _log(f"  {peer.name:8} {peer.address}: copy {peer.name}.secret and peers to that host only")
+    return 0
 
 
 def _faults(specs: list[tuple[str, float]]) -> FaultInjector:
@@ -302,6 +379,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_transport_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--keys",
+        type=Path,
+        help="transport key directory (kvfence keys generate): CURVE on every socket, peers from its "
+        "allow-list",
+    )
+    parser.add_argument("--key-name", help="this process's name in --keys (default: its role)")
+    parser.add_argument(
+        "--insecure-transport",
+        action="store_true",
+        help="allow a non-loopback address without keys (any process that reaches it may send: trusted "
+        "networks only; shown in /v1/audit/info and failed by kvfence audit)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfence", description="A paged-KV LLM server with fenced KV.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -315,7 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="single",
         help="single-node server, or one prefill/decode worker (no HTTP) for a router",
     )
-    serve.add_argument("--listen", default="tcp://127.0.0.1:5600", help="a worker's ZeroMQ address")
+    serve.add_argument(
+        "--listen",
+        help=f"a worker's ZeroMQ address (default: its address in --keys, else {DEFAULT_LISTEN})",
+    )
+    add_transport_options(serve)
     serve.add_argument(
         "--disaggregated",
         action="store_true",
@@ -329,10 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--decode", required=True, help="decode worker address")
     router.add_argument(
         "--listen",
-        default="tcp://127.0.0.1:0",
         help="the router's own ZeroMQ address; workers reply to it, so it must be reachable "
-        "from them (e.g. tcp://10.0.0.3:5700)",
+        "from them (default: its address in --keys, else a free loopback port)",
     )
+    add_transport_options(router)
     router.add_argument("--model", type=Path, help="GGUF file for the tokenizer (default: packaged SmolLM2)")
     router.add_argument(
         "--isolation",
@@ -342,6 +439,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     router.add_argument("--inject-fault", type=_fault, action="append", default=[], metavar="NAME[:RATE]")
     router.set_defaults(run=_router)
+
+    keys = commands.add_parser("keys", help="transport keys for a disaggregated deployment")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True)
+    generate_keys = keys_commands.add_parser(
+        "generate", help="a CURVE keypair per process and the allow-list (DIR/peers) naming them"
+    )
+    generate_keys.add_argument("directory", type=Path)
+    for role in ROLES:
+        generate_keys.add_argument(
+            f"--{role}", required=True, metavar="ADDRESS", help=f"where the {role} listens"
+        )
+    generate_keys.set_defaults(run=_keys_generate)
 
     from kvfence.audit import cli as audit_cli
     from kvfence.audit import lab

@@ -68,6 +68,13 @@ class _EngineCollector:
             value=s.refused_writes,
         )
         yield counter("kvfence_fence_checks", "Batched fence validations run", value=s.validation_checks)
+        yield _family(
+            counter,
+            "kvfence_transport_rejected",
+            "Frames between router and workers dropped before being acted on, by reason",
+            s.transport_rejected,
+            "reason",
+        )
         yield counter(
             "kvfence_fence_validation_seconds", "Time spent in fence validation", value=s.validation_seconds
         )

@@ -1,61 +1,142 @@
-"""KV transfer transport: a mailbox per node, point-to-point, ordered per sender.
+"""KV transfer transport: a mailbox per node, point-to-point, ordered per sender, authenticated.
 
-Every node (router, prefill worker, decode worker) owns one address. `send(peer, message)` delivers to the
-peer's mailbox; `recv()` returns (sender address, message). Messages from one sender to one receiver
-arrive in the order sent — the handoff protocol relies on it: an abort-ack sent after the last page
-proves that no page of that request is still on the way.
+Every node (router, prefill worker, decode worker) owns one address. `send(peer, message)` delivers to
+the peer's mailbox; `recv()` returns what arrived, or a `LinkEvent`. Messages from one sender to one
+receiver arrive in the order sent — the handoff protocol relies on it: an abort-ack sent after the last
+page proves that no page of that request is still on the way.
+
+Trust nothing that arrives:
+- With keys (`TransportKeys`), every socket runs CURVE (encrypted, and the peer's key checked against the
+  allow-list by a ZAP handler before any byte is delivered). A frame's sender is the allow-listed peer
+  whose key the handshake proved (ZAP User-Id) — its configured address and role — never anything the
+  frame says. A node dials only configured addresses.
+- Without keys (insecure, loopback or `--insecure-transport` only), the sender is the routing identity
+  the peer chose and its role is unknown: that is what "insecure" means, and it is reported as such.
+- `LinkEvent`s come only from this node's own socket monitors; no frame can produce one.
+- A frame is returned raw (`Received`): the receiver parses it with `messages.decode` inside its guarded
+  handler. Frames that are not even a header and a payload are dropped and counted here.
 
 Two backends: `ZmqConnector` (pyzmq over TCP, for real processes and hosts) and `MemoryConnector`
-(in-process, deterministic, for tests that need exact message interleavings). A message is a JSON header
-plus an optional binary payload (page bytes); nothing received is ever unpickled.
+(in-process, deterministic, for tests that need exact message interleavings).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 from abc import ABC, abstractmethod
-from collections import deque
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.utils.monitor
+from zmq.auth.thread import ThreadAuthenticator
 
-PEER_DOWN = "peer_down"  # synthetic message: the connection to `fields["peer"]` was lost
-PEER_UP = "peer_up"  # synthetic message: the connection to `fields["peer"]` is (re)established
+from kvfence.disagg.keys import TransportKeys
+from kvfence.disagg.messages import Msg, encode
+
+log = logging.getLogger("kvfence.disagg")
+MAX_FRAME_BYTES = 64 << 20  # larger than any page of any model served here; bigger frames are cut off
 
 
-@dataclass
-class Message:
-    kind: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    payload: bytes = b""
+@dataclass(frozen=True)
+class Received:
+    """A frame pair from a peer. `role` is the authenticated sender's role, None on an insecure transport."""
+
+    sender: str
+    role: str | None
+    header: bytes
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class LinkEvent:
+    """This node's own connection to `peer` came up or went down (from a local socket monitor)."""
+
+    peer: str
+    up: bool
+
+
+class UnknownPeer(ValueError):
+    """A send to an address that is not a configured peer: refused, never dialled."""
 
 
 class Connector(ABC):
     address: str
+    secure: bool = False
+
+    def __init__(self) -> None:
+        self.rejected: Counter[str] = Counter()  # frames dropped before parsing, by reason
 
     @abstractmethod
-    def send(self, peer: str, message: Message) -> None: ...
+    def send(self, peer: str, message: Msg) -> None: ...
 
     @abstractmethod
-    def recv(self, timeout_s: float) -> tuple[str, Message] | None:
-        """The next message, or None after `timeout_s` seconds without one."""
+    def recv(self, timeout_s: float) -> Received | LinkEvent | None:
+        """The next frame or link event, or None after `timeout_s` seconds without one."""
+
+    def connect(self, peer: str) -> None:  # noqa: B027 - a no-op where there is no connection to open
+        """Open (once) the outgoing connection to `peer`, so that its loss is noticed."""
+
+    @abstractmethod
+    def role_of(self, peer: str) -> str | None:
+        """The configured role of the peer at `peer`; None when unknown (or on an insecure transport)."""
 
     def close(self) -> None:
         return None
 
 
-class ZmqConnector(Connector):
-    """A bound ROUTER socket receives; one DEALER per peer sends, its identity being our own address so the
-    receiver knows the sender. A monitor on each DEALER reports the TCP connection as PEER_UP / PEER_DOWN
-    (a DEALER reconnects by itself, so a restarted peer comes back as PEER_UP)."""
+class _Curve:
+    """The CURVE side of a ZmqConnector: a private context whose ZAP handler admits allow-listed keys."""
 
-    def __init__(self, bind: str, context: zmq.Context[Any] | None = None) -> None:
-        self._context = context or zmq.Context.instance()
+    def __init__(self, keys: TransportKeys) -> None:
+        self.keys = keys
+        self.context: zmq.Context[Any] = zmq.Context()
+        self.auth = ThreadAuthenticator(self.context, log=logging.getLogger("kvfence.zap"))
+        self.auth.start()
+        self.auth.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: admit a connection only from a public key in the allow-list."""
+        return key.decode("ascii", "replace") in self.keys.book.by_key
+
+    def server(self, socket: zmq.Socket[Any]) -> None:
+        socket.curve_server = True
+        socket.curve_secretkey = self.keys.identity.secret_key.encode()
+        socket.curve_publickey = self.keys.identity.public_key.encode()
+
+    def client(self, socket: zmq.Socket[Any], peer: str) -> None:
+        known = self.keys.book.by_address.get(peer)
+        if known is None:
+            raise UnknownPeer(f"{peer} is not a configured peer")
+        socket.curve_secretkey = self.keys.identity.secret_key.encode()
+        socket.curve_publickey = self.keys.identity.public_key.encode()
+        socket.curve_serverkey = known.public_key.encode()
+
+    def sender(self, user_id: str | None) -> tuple[str, str] | None:
+        peer = self.keys.book.by_key.get(user_id or "")
+        return None if peer is None else (peer.address or peer.name, peer.role)
+
+    def close(self) -> None:
+        self.auth.stop()
+        self.context.term()
+
+
+class ZmqConnector(Connector):
+    """A bound ROUTER socket receives; one DEALER per peer sends. A monitor on each DEALER reports the TCP
+    connection as a LinkEvent (a DEALER reconnects by itself, so a restarted peer comes back up)."""
+
+    def __init__(self, bind: str, keys: TransportKeys | None = None) -> None:
+        super().__init__()
+        self._curve = _Curve(keys) if keys else None
+        self.secure = keys is not None
+        self._context = self._curve.context if self._curve else zmq.Context.instance()
         self._inbox = self._context.socket(zmq.ROUTER)
         self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if self._curve:
+            self._curve.server(self._inbox)
         self._inbox.bind(bind)
         self.address = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self._peers: dict[str, zmq.Socket[Any]] = {}
@@ -64,39 +145,59 @@ class ZmqConnector(Connector):
         self._poller.register(self._inbox, zmq.POLLIN)
 
     def connect(self, peer: str) -> None:
-        """Open (once) the outgoing connection to `peer`; its loss is reported as PEER_DOWN."""
         if peer in self._peers:
             return
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt_string(zmq.IDENTITY, self.address)
+        if self._curve:
+            self._curve.client(socket, peer)  # raises UnknownPeer before anything is dialled
         monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         socket.connect(peer)
         self._peers[peer] = socket
         self._monitors[monitor] = peer
         self._poller.register(monitor, zmq.POLLIN)
 
-    def send(self, peer: str, message: Message) -> None:
+    def send(self, peer: str, message: Msg) -> None:
         self.connect(peer)
-        header = json.dumps({"kind": message.kind, **message.fields}).encode()
-        self._peers[peer].send_multipart([header, message.payload], copy=False)
+        self._peers[peer].send_multipart(encode(message), copy=False)
 
-    def recv(self, timeout_s: float) -> tuple[str, Message] | None:
+    def role_of(self, peer: str) -> str | None:
+        known = self._curve.keys.book.by_address.get(peer) if self._curve else None
+        return None if known is None else known.role
+
+    def recv(self, timeout_s: float) -> Received | LinkEvent | None:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
             ready = dict(self._poller.poll(remaining_ms))
             if self._inbox in ready:
-                sender, header, payload = self._inbox.recv_multipart()
-                fields = json.loads(header)
-                return sender.decode(), Message(fields.pop("kind"), fields, payload)
+                received = self._receive()
+                if received is not None:
+                    return received
+                continue
             for monitor, peer in self._monitors.items():
                 if monitor in ready:
                     event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
-                    kind = PEER_DOWN if event == zmq.EVENT_DISCONNECTED else PEER_UP
-                    return peer, Message(kind, {"peer": peer})
-            if not ready and time.monotonic() >= deadline:
+                    return LinkEvent(peer, up=event != zmq.EVENT_DISCONNECTED)
+            if time.monotonic() >= deadline:
                 return None
+
+    def _receive(self) -> Received | None:
+        frames = self._inbox.recv_multipart(copy=False)
+        if len(frames) != 3:
+            self.rejected["frame_count"] += 1
+            return None
+        identity, header, payload = frames
+        if self._curve is None:
+            sender, role = identity.bytes.decode("utf-8", "replace"), None
+        else:
+            known = self._curve.sender(header.get("User-Id"))
+            if known is None:  # the ZAP handler admits only allow-listed keys: this cannot happen
+                self.rejected["unknown_key"] += 1
+                return None
+            sender, role = known
+        return Received(sender, role, header.bytes, payload.bytes)
 
     def close(self) -> None:
         for socket in self._peers.values():
@@ -105,27 +206,42 @@ class ZmqConnector(Connector):
         for monitor in self._monitors:
             monitor.close()
         self._inbox.close()
+        if self._curve:
+            self._curve.close()
 
 
 class MemoryHub:
-    """The in-process network: one FIFO mailbox per address."""
+    """The in-process network: one FIFO mailbox per address; each address has the role it was given, as
+    if a key had proven it."""
 
     def __init__(self) -> None:
-        self.mailboxes: dict[str, deque[tuple[str, Message]]] = {}
+        self.mailboxes: dict[str, deque[Received]] = {}
+        self.roles: dict[str, str | None] = {}
 
-    def connector(self, address: str) -> MemoryConnector:
+    def connector(self, address: str, role: str | None = None) -> MemoryConnector:
         self.mailboxes[address] = deque()
+        self.roles[address] = role
         return MemoryConnector(self, address)
 
 
 class MemoryConnector(Connector):
     def __init__(self, hub: MemoryHub, address: str) -> None:
+        super().__init__()
         self.hub = hub
         self.address = address
+        self.secure = hub.roles[address] is not None
 
-    def send(self, peer: str, message: Message) -> None:
-        self.hub.mailboxes[peer].append((self.address, message))
+    def role_of(self, peer: str) -> str | None:
+        return self.hub.roles.get(peer)
 
-    def recv(self, timeout_s: float) -> tuple[str, Message] | None:
+    def send(self, peer: str, message: Msg) -> None:
+        header, payload = encode(message)
+        self.hub.mailboxes[peer].append(Received(self.address, self.hub.roles[self.address], header, payload))
+
+    def inject(self, peer: str, header: bytes, payload: bytes = b"") -> None:
+        """Put raw frames in a peer's mailbox as this node (tests: malformed or forged messages)."""
+        self.hub.mailboxes[peer].append(Received(self.address, self.hub.roles[self.address], header, payload))
+
+    def recv(self, timeout_s: float) -> Received | LinkEvent | None:
         mailbox = self.hub.mailboxes[self.address]
         return mailbox.popleft() if mailbox else None

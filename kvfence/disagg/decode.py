@@ -6,7 +6,11 @@ With isolation on (the default):
   corrupt or misdirected page aborts its request;
 - `complete` is never trusted: decode starts only when `written` covers every prompt token on every page;
 - a request aborted while its transfer may be in flight keeps its pages QUARANTINED until the prefill
-  worker's abort-ack (or the loss of its connection) proves nothing more can land in them.
+  worker's abort-ack (or the loss of its connection) proves nothing more can land in them; a reservation
+  the assigned prefill never wrote into (no page, no `complete` from it) is released when it times out,
+  so a reservation alone can never pin the pool;
+- only the router that reserved a request may abort it, and only the prefill worker it assigned may
+  write, complete or acknowledge it; a tenant may hold at most `max_reserved_pages` pages waiting for KV.
 With isolation off every one of those checks is skipped — only the lab and the fault tests do that.
 """
 
@@ -18,16 +22,26 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvfence.disagg.connector import Connector, Message
+from kvfence.disagg.connector import Connector, LinkEvent
 from kvfence.disagg.handoff import HandoffEngine
+from kvfence.disagg.messages import (
+    Abort,
+    AbortAck,
+    Complete,
+    Output,
+    Page,
+    Rejected,
+    Reserve,
+    Reserved,
+)
 from kvfence.disagg.worker import Worker
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
-from kvfence.sampling import SamplingParams
 from kvfence.trail.reasons import CHECKSUM_MISMATCH, STALE_WRITE
 
-TRANSFER_TIMEOUT_S = 30.0  # a transfer with no progress this long is aborted (its pages stay quarantined)
+TRANSFER_TIMEOUT_S = 30.0  # a transfer with no progress this long is aborted
+SERVER_BUSY = "server_busy"
 
 
 @dataclass
@@ -35,13 +49,18 @@ class Inbound:
     router: str
     prefill: str
     last_progress: float
+    started: bool = False  # the assigned prefill sent a page or `complete`: the transfer has begun
 
 
 class DecodeWorker(Worker):
     role = "decode"
 
     def __init__(
-        self, engine: HandoffEngine, connector: Connector, transfer_timeout_s: float = TRANSFER_TIMEOUT_S
+        self,
+        engine: HandoffEngine,
+        connector: Connector,
+        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+        max_reserved_pages: int | None = None,
     ) -> None:
         super().__init__(engine, connector)
         self.inbound: dict[
@@ -49,6 +68,11 @@ class DecodeWorker(Worker):
         ] = {}  # requests whose KV is on the way, or whose abort awaits a drain
         self.routers: dict[str, str] = {}  # request id -> router to stream outputs to
         self.transfer_timeout_s = transfer_timeout_s
+        # Pages one tenant may hold while waiting for KV. By default half the pool (so one tenant's
+        # reservations cannot take all of it), but never less than one request at the window holds.
+        self.max_reserved_pages = max_reserved_pages or max(
+            self._pages_for(engine.max_model_len), engine.pool.num_pages // 2
+        )
         self.down_peers: set[str] = set()  # prefill workers whose connection is lost
         pool = engine.pool
         self._page_bytes = pool.kv[:, :, 0].numel() * pool.kv.element_size()
@@ -59,57 +83,72 @@ class DecodeWorker(Worker):
 
     # ---- from the router --------------------------------------------------------------------------------
 
-    def on_reserve(self, sender: str, message: Message) -> None:
-        f = message.fields
-        request_id, prompt = f["request_id"], f["prompt"]
-        if f["prefill"] in self.down_peers:
-            self.reply(
-                sender,
-                "rejected",
-                request_id=request_id,
-                code="prefill_unavailable",
-                status=503,
-                message="The prefill worker is unreachable; retry later.",
-            )
+    def on_reserve(self, sender: str, message: Reserve) -> None:
+        request_id, prompt = message.request_id, message.prompt
+        if not self.is_peer(message.prefill, "prefill"):
+            self.drop(sender, "bad_peer", f"reserve {request_id}: {message.prefill} is not a prefill worker")
+            return
+        if message.prefill in self.down_peers:
+            self._reject(sender, request_id, "prefill_unavailable", "The prefill worker is unreachable.")
+            return
+        if self._reserved_pages(message.tenant) + self._pages_for(len(prompt) - 1) > self.max_reserved_pages:
+            self._reject(sender, request_id, SERVER_BUSY, "This tenant holds too many decode pages waiting.")
             return
         try:
-            request = self.engine.reserve(prompt, SamplingParams(**f["params"]), f["tenant"], request_id)
+            request = self.engine.reserve(prompt, message.sampling(), message.tenant, request_id)
         except AdmissionError as refusal:
-            self.reply(sender, "rejected", request_id=request_id, code=refusal.code, message=str(refusal))
+            self.reply(sender, Rejected(request_id=request_id, code=refusal.code, message=str(refusal)))
             return
         if request is None:
-            self.reply(
-                sender,
-                "rejected",
-                request_id=request_id,
-                code="server_busy",
-                status=503,
-                message="The decode pool has no free pages for this prompt right now; retry later.",
+            self._reject(
+                sender, request_id, SERVER_BUSY, "The decode pool has no free pages for this prompt."
             )
             return
         self.routers[request_id] = sender
-        targets = list(zip(request.record.pages, request.record.generations, strict=True))
+        targets = [[p, g] for p, g in zip(request.record.pages, request.record.generations, strict=True)]
         if len(prompt) == 1:  # no KV to transfer: the decode side computes the only token itself
             self.engine.resume(request_id)
         else:
-            self.connector_connect(f["prefill"])
-            self.inbound[request_id] = Inbound(sender, f["prefill"], time.monotonic())
-        self.reply(sender, "reserved", request_id=request_id, targets=targets)
+            self.connector.connect(
+                message.prefill
+            )  # watched now, so its loss is noticed even before an abort
+            self.inbound[request_id] = Inbound(sender, message.prefill, time.monotonic())
+        self.reply(sender, Reserved(request_id=request_id, targets=targets))
 
-    def on_abort(self, sender: str, message: Message) -> None:
-        """The router gave up (client gone, timeout) or prefill refused the request."""
-        self._abort(message.fields["request_id"], message.fields.get("reason", "cancelled"))
+    def _reject(self, router: str, request_id: str, code: str, why: str) -> None:
+        self.reply(
+            router, Rejected(request_id=request_id, code=code, message=f"{why} Retry later.", status=503)
+        )
+
+    def _reserved_pages(self, tenant: str) -> int:
+        requests = (self.engine.requests.get(rid) for rid in self.inbound)
+        return sum(len(r.record.pages) for r in requests if r is not None and r.tenant == tenant)
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.engine.pool.page_size)
+
+    def on_abort(self, sender: str, message: Abort) -> None:
+        """The router gave up (client gone, timeout) or prefill refused the request. Only the router that
+        reserved the request may end it."""
+        if self.routers.get(message.request_id, sender) != sender:
+            self.drop(sender, "not_assigned", f"abort of {message.request_id} from another router")
+            return
+        self._abort(message.request_id, message.reason)
 
     # ---- from the prefill worker ------------------------------------------------------------------------
 
-    def on_page(self, sender: str, message: Message) -> None:
-        f = message.fields
-        request_id, page, generation = f["request_id"], f["page"], f["generation"]
+    def on_page(self, sender: str, message: Page) -> None:
+        request_id, page, generation = message.request_id, message.page, message.generation
         request = self.engine.requests.get(request_id)
         if not self.isolation:
-            self._write(page, f["slots"], message.payload)  # blindly, wherever the sender aimed
+            self._write(page, message.slots, message.payload)  # blindly, wherever the sender aimed
             self.engine.events.emit(
-                request_id, "page_received", page=page, generation=generation, slots=f["slots"], checked=False
+                request_id,
+                "page_received",
+                page=page,
+                generation=generation,
+                slots=message.slots,
+                checked=False,
             )
             return
         if (
@@ -121,12 +160,13 @@ class DecodeWorker(Worker):
                 request_id, page, "no transfer in progress from this sender (late write after cancel)"
             )
             return
-        if not 1 <= f["slots"] <= self.engine.pool.page_size:
+        self.inbound[request_id].started = True
+        if not 1 <= message.slots <= self.engine.pool.page_size:
             self._refuse(request_id, page, "slot count out of range")
             self._abort(request_id, STALE_WRITE)
             return
-        record, logical = request.record, f["logical"]
-        if not 0 <= logical < len(record.pages) or (record.pages[logical], record.generations[logical]) != (
+        record, logical = request.record, message.logical
+        if not logical < len(record.pages) or (record.pages[logical], record.generations[logical]) != (
             page,
             generation,
         ):
@@ -135,7 +175,7 @@ class DecodeWorker(Worker):
             return
         if (
             len(message.payload) != self._page_bytes
-            or xxhash.xxh3_64_intdigest(message.payload) != f["checksum"]
+            or xxhash.xxh3_64_intdigest(message.payload) != message.checksum
         ):
             self._refuse(request_id, page, "checksum mismatch")
             self._abort(request_id, CHECKSUM_MISMATCH)
@@ -145,15 +185,14 @@ class DecodeWorker(Worker):
             self.engine.events.emit(request_id, "write_refused", page=page, why="stale generation or owner")
             self._abort(request_id, STALE_WRITE)
             return
-        self._write(page, f["slots"], message.payload)
+        self._write(page, message.slots, message.payload)
         self.inbound[request_id].last_progress = time.monotonic()
         self.engine.events.emit(
-            request_id, "page_received", page=page, generation=generation, slots=f["slots"]
+            request_id, "page_received", page=page, generation=generation, slots=message.slots
         )
 
-    def on_complete(self, sender: str, message: Message) -> None:
-        f = message.fields
-        request_id = f["request_id"]
+    def on_complete(self, sender: str, message: Complete) -> None:
+        request_id = message.request_id
         request = self.engine.requests.get(request_id)
         if (
             request is None
@@ -161,8 +200,9 @@ class DecodeWorker(Worker):
             or not self._from_prefill(sender, request_id)
         ):
             return
-        if f.get("failed"):
-            self._abort(request_id, f["failed"])
+        self.inbound[request_id].started = True
+        if message.failed:
+            self._abort(request_id, message.failed)
             return
         tokens = request.num_tokens - 1
         if self.isolation:
@@ -174,26 +214,26 @@ class DecodeWorker(Worker):
         self.engine.events.emit(request_id, "transfer_complete", tokens=tokens)
         self.engine.resume(request_id)
 
-    def on_abort_ack(self, sender: str, message: Message) -> None:
-        request_id = message.fields["request_id"]
+    def on_abort_ack(self, sender: str, message: AbortAck) -> None:
+        request_id = message.request_id
         if not self._from_prefill(sender, request_id):
             return  # only the worker that was sending may say that nothing more is on the way
         self.inbound.pop(request_id, None)
         self.engine.drain(request_id, "abort_ack")
 
-    def on_peer_down(self, sender: str, message: Message) -> None:
-        """The prefill worker's connection is gone: nothing more can arrive from it, so its quarantined
-        pages can be released (a restarted worker's writes name old generations and are refused)."""
-        peer = message.fields["peer"]
-        self.down_peers.add(peer)
+    def on_link(self, event: LinkEvent) -> None:
+        """This worker's own connection to a prefill worker: when it is gone, nothing more can arrive from
+        it, so its quarantined pages can be released (a restarted worker's writes name old generations and
+        are refused); while it is gone, reservations naming it are refused."""
+        if event.up:
+            self.down_peers.discard(event.peer)
+            return
+        self.down_peers.add(event.peer)
         for request_id, inbound in list(self.inbound.items()):
-            if inbound.prefill == peer:
+            if inbound.prefill == event.peer:
                 self._abort(request_id, "prefill_lost")
                 self.inbound.pop(request_id, None)
                 self.engine.drain(request_id, "peer_down")
-
-    def on_peer_up(self, sender: str, message: Message) -> None:
-        self.down_peers.discard(message.fields["peer"])
 
     # ---- decode output and deadlines --------------------------------------------------------------------
 
@@ -205,14 +245,11 @@ class DecodeWorker(Worker):
         for request_id, inbound in list(self.inbound.items()):
             request = self.engine.requests.get(request_id)
             if request is not None and now - inbound.last_progress > self.transfer_timeout_s:
-                self._abort(request_id, "transfer_timeout")
+                # Nothing ever came from the assigned prefill: its pages were never written into, and a
+                # reservation alone must not pin the pool (a prefill that never connects never acks).
+                self._abort(request_id, "transfer_timeout", release=not inbound.started)
 
     # ---- helpers ----------------------------------------------------------------------------------------
-
-    def connector_connect(self, peer: str) -> None:
-        connect = getattr(self.connector, "connect", None)
-        if connect is not None:
-            connect(peer)  # watch the connection now, so its loss is noticed even before any abort
 
     def _write(self, page: int, slots: int, payload: bytes) -> None:
         self.engine.pool.load_page_bytes(page, payload)
@@ -229,19 +266,21 @@ class DecodeWorker(Worker):
         self.engine.pool.refused_writes += 1
         self.engine.events.emit(request_id, "write_refused", page=page, why=why)
 
-    def _abort(self, request_id: str, reason: str) -> None:
-        """Abort a request; mid-transfer (isolation on) its pages stay quarantined until prefill acks."""
+    def _abort(self, request_id: str, reason: str, release: bool = False) -> None:
+        """Abort a request. Mid-transfer (isolation on) its pages stay quarantined until prefill acks;
+        `release`: the transfer never started, so they are released at once (a late page would find no
+        transfer to write into and be refused)."""
         request = self.engine.requests.get(request_id)
         if request is None:
             return
-        in_flight = request.status is Status.TRANSFERRING and request_id in self.inbound
-        output = self.engine.abort(request_id, reason, quarantine=in_flight and self.isolation)
-        if in_flight:
-            prefill = self.inbound[request_id].prefill
-            self.reply(prefill, "abort", request_id=request_id, reason=reason)
-            if not self.isolation:
+        inbound = self.inbound.get(request_id) if request.status is Status.TRANSFERRING else None
+        hold = inbound is not None and self.isolation and not release
+        output = self.engine.abort(request_id, reason, quarantine=hold)
+        if inbound is not None:
+            self.reply(inbound.prefill, Abort(request_id=request_id, reason=reason))
+            if not hold:
                 self.inbound.pop(request_id, None)
-            elif prefill in self.down_peers:  # nobody is left to send anything: fenced by its death
+            elif inbound.prefill in self.down_peers:  # nobody is left to send anything: fenced by its death
                 self.inbound.pop(request_id, None)
                 self.engine.drain(request_id, "peer_down")
         if output is not None:
@@ -255,13 +294,14 @@ class DecodeWorker(Worker):
             del self.routers[output.request_id]
         self.reply(
             router,
-            "output",
-            request_id=output.request_id,
-            token_ids=output.new_token_ids,
-            text=output.new_text,
-            finished=output.finished,
-            status=output.status.value,
-            finish_reason=output.finish_reason,
-            prompt_tokens=output.prompt_tokens,
-            completion_tokens=output.completion_tokens,
+            Output(
+                request_id=output.request_id,
+                token_ids=output.new_token_ids,
+                text=output.new_text,
+                finished=output.finished,
+                status=output.status.value,
+                finish_reason=output.finish_reason,
+                prompt_tokens=output.prompt_tokens,
+                completion_tokens=output.completion_tokens,
+            ),
         )

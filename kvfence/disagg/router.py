@@ -5,7 +5,11 @@ Per request: fail-closed admission against the window and BOTH pools (before any
 decode `reserve` -> prefill `prefill` (with decode's targets) -> decode's outputs streamed back. Leaving
 early (client gone, router timeout) sends decode `abort`; decode then quarantines and drains.
 
-All sockets live on one I/O thread; asyncio callers talk to it through a queue and futures.
+All sockets live on one I/O thread; asyncio callers talk to it through a queue and futures. That thread
+trusts nothing it receives: a frame is parsed into its declared type, its authenticated sender must have
+the role that may send that kind, a reply must answer a question this router asked that very worker, and
+a request's messages must come from the worker it was sent to. Everything else is dropped and counted;
+no frame can end the thread (`alive` says whether it runs, and /health with it).
 """
 
 from __future__ import annotations
@@ -16,11 +20,31 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from kvfence.disagg.connector import PEER_DOWN, PEER_UP, Connector, Message, ZmqConnector
+from kvfence.disagg.connector import Connector, LinkEvent, Received, ZmqConnector
+from kvfence.disagg.keys import TransportKeys
+from kvfence.disagg.messages import (
+    ROLE_RULES,
+    Abort,
+    Audit,
+    AuditReply,
+    BadMessage,
+    Bounds,
+    Hello,
+    HelloReply,
+    Msg,
+    Output,
+    Prefill,
+    Rejected,
+    Reserve,
+    Stats,
+    StatsReply,
+    decode,
+)
 from kvfence.engine.async_engine import STATS_TIMEOUT_S
 from kvfence.engine.engine import AdmissionError, context_refusal
 from kvfence.engine.output import RequestOutput
@@ -32,8 +56,8 @@ from kvfence.sampling import SamplingParams
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
 
+Reply = TypeVar("Reply", bound=Msg)
 ROUTER_TIMEOUT_S = 120.0  # no message from the workers for this long: the router gives up on the request
-REHELLO = "rehello"  # token of the hello the router sends a worker whose connection came (back) up
 
 log = logging.getLogger("kvfence.disagg")
 
@@ -48,9 +72,15 @@ class WorkerInfo:
     info: dict[str, Any]  # the worker's engine_info, for /v1/audit/info
 
     @classmethod
-    def from_hello(cls, fields: dict[str, Any]) -> WorkerInfo:
-        keys = ("role", "capacity_tokens", "max_model_len", "page_size", "isolation", "info")
-        return cls(*(fields[key] for key in keys))
+    def from_hello(cls, reply: HelloReply) -> WorkerInfo:
+        return cls(
+            reply.role,
+            reply.capacity_tokens,
+            reply.max_model_len,
+            reply.page_size,
+            reply.isolation,
+            reply.info,
+        )
 
 
 class Router:
@@ -65,6 +95,7 @@ class Router:
         events: EventLog | None = None,
         faults: FaultInjector | None = None,
         timeout_s: float = ROUTER_TIMEOUT_S,
+        keys: TransportKeys | None = None,
     ) -> None:
         self.prefill, self.decode = prefill, decode
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -72,10 +103,13 @@ class Router:
         self.events = events or EventLog()
         self.faults = faults or FaultInjector()
         self.timeout_s = timeout_s
-        self._listen = listen
-        self._outbox: queue.Queue[tuple[str, Message]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Message]]] = {}
-        self._replies: dict[str, concurrent.futures.Future[Message]] = {}
+        self._listen, self._keys = listen, keys
+        self._outbox: queue.Queue[tuple[str, Msg]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Msg]]] = {}
+        # token -> (the worker asked, the reply kind, the future awaiting it); None for a re-hello
+        self._replies: dict[str, tuple[str, str, concurrent.futures.Future[Msg] | None]] = {}
+        self.rejected: Counter[str] = Counter()  # frames dropped by the I/O thread, by reason
+        self._bounds = Bounds(max_tokens=1 << 20, vocab_size=vocab_size)
         self._tokens = itertools.count()
         self._stopped = threading.Event()
         self._started = threading.Event()  # both pools learnt: reconnections are adopted from now on
@@ -93,11 +127,15 @@ class Router:
         self._thread.start()
         self._ready.result(timeout=STATS_TIMEOUT_S)
         for role, address in (("prefill", self.prefill), ("decode", self.decode)):
-            self.workers[role] = WorkerInfo.from_hello(self._ask(address, "hello").fields)
+            reply = self._ask(address, lambda token: Hello(token=token), HelloReply)
+            if reply.role != role:
+                raise RuntimeError(f"{address} answers as a {reply.role} worker, not {role}")
+            self.workers[role] = WorkerInfo.from_hello(reply)
         problem = self._mismatch()
         if problem is not None:
             raise RuntimeError(problem)
         self.max_model_len = self._window()
+        self._bounds = Bounds(max_tokens=self.max_model_len, vocab_size=self.vocab_size)
         self._started.set()
 
     def _mismatch(self) -> str | None:
@@ -114,6 +152,11 @@ class Router:
     def shutdown(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        """The I/O thread runs: without it no request can be served (/health answers 503)."""
+        return self._thread.is_alive()
 
     def describe(self) -> str:
         p, d = self.workers["prefill"], self.workers["decode"]
@@ -134,7 +177,7 @@ class Router:
         self.events.emit(
             request_id, "admitted", tenant=tenant, prompt_tokens=len(prompt_token_ids), where="router"
         )
-        stream: asyncio.Queue[Message] = asyncio.Queue()
+        stream: asyncio.Queue[Msg] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         finished = False
         try:
@@ -146,7 +189,7 @@ class Router:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._send(self.decode, "abort", request_id=request_id, reason="client_disconnected")
+                self._send(self.decode, Abort(request_id=request_id, reason="client_disconnected"))
 
     async def _handoff(
         self,
@@ -154,60 +197,43 @@ class Router:
         prompt: list[int],
         params: SamplingParams,
         tenant: str,
-        stream: asyncio.Queue[Message],
+        stream: asyncio.Queue[Msg],
     ) -> None:
         """Reserve on decode, then start prefill; AdmissionError when either refuses."""
-        self._send(
-            self.decode,
-            "reserve",
-            request_id=request_id,
-            tenant=tenant,
-            prompt=prompt,
-            params=params.__dict__,
-            prefill=self.prefill,
-        )
+        self._send(self.decode, Reserve(request_id, tenant, prompt, dict(params.__dict__), self.prefill))
         reply = await self._next(stream, request_id)
-        if reply.kind == "rejected":
-            raise AdmissionError(
-                reply.fields["code"], reply.fields["message"], reply.fields.get("status", 400)
-            )
-        if reply.kind == "output":  # the router already gave up waiting for the reservation
+        if isinstance(reply, Rejected):
+            raise AdmissionError(reply.code, reply.message, reply.status)
+        if isinstance(reply, Output):  # the router already gave up waiting for the reservation
             stream.put_nowait(reply)
             return
         if len(prompt) == 1:  # no KV to move: decode computes the only prompt token itself
             return
-        self._send(
-            self.prefill,
-            "prefill",
-            request_id=request_id,
-            tenant=tenant,
-            prompt=prompt,
-            decode=self.decode,
-            targets=reply.fields["targets"],
-        )
+        targets = getattr(reply, "targets")  # noqa: B009 - a Reserved: the only other reply to a reserve
+        self._send(self.prefill, Prefill(request_id, tenant, prompt, self.decode, targets))
         reply = await self._next(stream, request_id)
-        if reply.kind == "rejected":
-            self._send(self.decode, "abort", request_id=request_id, reason="prefill_rejected")
-            raise AdmissionError(reply.fields["code"], reply.fields["message"])
-        if reply.kind == "output":  # decode ended it first (prefill worker lost), or the router gave up
+        if isinstance(reply, Rejected):
+            self._send(self.decode, Abort(request_id=request_id, reason="prefill_rejected"))
+            raise AdmissionError(reply.code, reply.message)
+        if isinstance(reply, Output):  # decode ended it first (prefill worker lost), or the router gave up
             stream.put_nowait(reply)
             return
         if self.faults.fire("abort_mid_transfer"):
             self.events.emit(request_id, "fault_injected", fault="abort_mid_transfer", where="router")
             stream.put_nowait(self._give_up(request_id, "router_gave_up"))
 
-    async def _next(self, stream: asyncio.Queue[Message], request_id: str) -> Message:
+    async def _next(self, stream: asyncio.Queue[Msg], request_id: str) -> Msg:
         """The request's next message, or the router's own abort after `timeout_s` of silence."""
         try:
             return await asyncio.wait_for(stream.get(), self.timeout_s)
         except TimeoutError:
             return self._give_up(request_id, "router_timeout")
 
-    def _give_up(self, request_id: str, reason: str) -> Message:
+    def _give_up(self, request_id: str, reason: str) -> Output:
         """Stop waiting: decode is told to abort (it quarantines whatever may still arrive), and the client
         gets an error naming the request."""
         self.events.emit(request_id, "aborted", reason=reason, where="router")
-        self._send(self.decode, "abort", request_id=request_id, reason=reason)
+        self._send(self.decode, Abort(request_id=request_id, reason=reason))
         return _aborted(request_id, reason)
 
     def _unavailable(self) -> AdmissionError | None:
@@ -232,43 +258,50 @@ class Router:
     def info(self) -> dict[str, Any]:
         return {
             "mode": "disaggregated",
-            "transport": "zeromq",
+            "transport": {"kind": "zeromq", "authenticated": self._keys is not None},
             "max_model_len": self.max_model_len,
             "router": code_info(),
             "pools": {role: worker.info for role, worker in self.workers.items()},
         }
 
     def stats(self) -> EngineStats:
-        prefill, decode = (
-            EngineStats.from_dict(self._ask(a, "stats").fields["stats"]) for a in (self.prefill, self.decode)
-        )
-        return prefill + decode
+        """Both pools seen as one, plus the frames this router dropped."""
+        prefill, decode = self.worker_stats("prefill"), self.worker_stats("decode")
+        return prefill + decode + EngineStats.transport_only(self.rejected)
+
+    def worker_stats(self, role: str) -> EngineStats:
+        """One worker's pool and fence counters, and the frames it dropped (blocking)."""
+        address = self.prefill if role == "prefill" else self.decode
+        return EngineStats.from_dict(self._ask(address, lambda t: Stats(token=t), StatsReply).stats)
 
     def audit_events(self, request_id: str) -> list[dict[str, Any]]:
         """The request's trail across router, prefill and decode, in time order."""
         events = [{**e, "where": "router"} for e in self.events.for_request(request_id)]
         for address in (self.prefill, self.decode):
-            events += self._ask(address, "audit", request_id=request_id).fields["events"]
+            events += self._ask(address, lambda t: Audit(token=t, request_id=request_id), AuditReply).events
         return sorted(events, key=lambda e: e["ts"])
 
     # ---- the I/O thread ---------------------------------------------------------------------------------
 
-    def _send(self, peer: str, kind: str, **fields: Any) -> None:
-        self._outbox.put((peer, Message(kind, fields)))
+    def _send(self, peer: str, message: Msg) -> None:
+        self._outbox.put((peer, message))
 
-    def _ask(self, peer: str, kind: str, **fields: Any) -> Message:
-        """A blocking request/reply with a worker (never call it on the event loop)."""
+    def _ask(self, peer: str, question: Callable[[str], Msg], answer: type[Reply]) -> Reply:
+        """A blocking request/reply with a worker (never call it on the event loop): only an `answer`,
+        from that worker, carrying this question's token, answers it."""
         token = f"q{next(self._tokens)}"
-        future: concurrent.futures.Future[Message] = concurrent.futures.Future()
-        self._replies[token] = future
-        self._send(peer, kind, token=token, **fields)
+        future: concurrent.futures.Future[Msg] = concurrent.futures.Future()
+        self._replies[token] = (peer, answer.KIND, future)
+        self._send(peer, question(token))
         try:
-            return future.result(timeout=STATS_TIMEOUT_S)
+            reply = future.result(timeout=STATS_TIMEOUT_S)
         finally:
             self._replies.pop(token, None)
+        assert isinstance(reply, answer)  # _answer checked its kind
+        return reply
 
     def _loop(self) -> None:
-        connector = ZmqConnector(self._listen)
+        connector = ZmqConnector(self._listen, self._keys)
         for peer in (self.prefill, self.decode):
             connector.connect(peer)
         self._ready.set_result(connector)
@@ -278,48 +311,83 @@ class Router:
                     connector.send(*self._outbox.get_nowait())
                 received = connector.recv(0.005)
                 if received is not None:
-                    self._dispatch_safely(*received)
+                    self._dispatch_safely(received)
+                self.rejected.update(connector.rejected)
+                connector.rejected.clear()
         finally:
             connector.close()
 
-    def _dispatch_safely(self, sender: str, message: Message) -> None:
-        """A malformed message is logged and dropped: the one I/O thread must outlive it."""
+    def _dispatch_safely(self, item: Received | LinkEvent) -> None:
+        """No frame may end the one I/O thread: whatever a handler raises is logged and counted."""
         try:
-            self._dispatch(message)
+            if isinstance(item, LinkEvent):
+                self._on_link(item)
+            else:
+                self._dispatch(item)
         except Exception:
-            log.exception("router: bad %r message from %s", message.kind, sender)
+            self.rejected["handler_error"] += 1
+            log.exception("router: a frame from %s could not be handled", getattr(item, "sender", "?"))
 
-    def _dispatch(self, message: Message) -> None:
-        if message.kind in (PEER_DOWN, PEER_UP):
-            peer = message.fields["peer"]
-            if message.kind == PEER_UP:  # possibly a new process: it stays down until its hello is in
-                self._send(peer, "hello", token=REHELLO)
-                return
-            self._down.add(peer)
-            if peer == self.decode:
-                self._fail_all_streams("decode_lost")
+    def _drop(self, sender: str, reason: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        log.warning("router: dropped a frame from %s (%s): %s", sender, reason, detail)
+
+    def _dispatch(self, item: Received) -> None:
+        try:
+            message = decode(item.header, item.payload, self._bounds)
+        except BadMessage as exc:
+            self._drop(item.sender, exc.reason, str(exc))
             return
-        token = message.fields.get("token")
-        if token == REHELLO:
-            self._adopt(message.fields)
+        allowed = ROLE_RULES["router"].get(message.KIND)
+        if allowed is None or (item.role is not None and item.role not in allowed):
+            self._drop(item.sender, "wrong_role", f"{message.KIND} from a {item.role or 'unknown'} peer")
             return
+        token = getattr(message, "token", None)
         if token is not None:
-            future = self._replies.get(token)
-            if future is not None:
-                future.set_result(message)
+            self._answer(item.sender, token, message)
             return
-        target = self._streams.get(message.fields.get("request_id", ""))
+        assigned = {"prefill": self.prefill, "decode": self.decode}
+        if item.sender not in {assigned[role] for role in allowed}:  # the worker of that role we use
+            self._drop(item.sender, "not_assigned", f"{message.KIND} from a worker not assigned to it")
+            return
+        target = self._streams.get(getattr(message, "request_id", ""))
         if target is not None and not target[0].is_closed():
             target[0].call_soon_threadsafe(target[1].put_nowait, message)
 
-    def _adopt(self, hello: dict[str, Any]) -> None:
+    def _answer(self, sender: str, token: str, reply: Msg) -> None:
+        """A reply is taken only as the answer to a question this router asked that worker."""
+        asked = self._replies.get(token)
+        if asked is None or asked[:2] != (sender, reply.KIND):
+            self._drop(sender, "unsolicited", f"{reply.KIND} answering no question of ours")
+            return
+        future = asked[2]
+        if future is None:  # the hello sent when the worker's connection came (back) up
+            del self._replies[token]
+            assert isinstance(reply, HelloReply)
+            self._adopt(sender, reply)
+        else:
+            future.set_result(reply)
+
+    def _on_link(self, event: LinkEvent) -> None:
+        if event.up:  # possibly a new process: it stays down until its hello is in
+            token = f"re{next(self._tokens)}"
+            self._replies[token] = (event.peer, "hello_reply", None)
+            self._send(event.peer, Hello(token=token))
+            return
+        self._down.add(event.peer)
+        if event.peer == self.decode:
+            self._fail_all_streams("decode_lost")
+
+    def _adopt(self, address: str, hello: HelloReply) -> None:
         """A (re)connected worker's hello: admission uses its pool and window from now on, so a worker
         restarted with a smaller pool can never be sent what only the old one could hold."""
-        role = hello["role"]
         if not self._started.is_set():  # start() is still learning the pools; it asks for itself
             return
+        role = "prefill" if address == self.prefill else "decode"
+        if hello.role != role:
+            log.error("router: %s answers as a %s worker, not %s", address, hello.role, role)
+            return
         self.workers[role] = WorkerInfo.from_hello(hello)
-        address = self.prefill if role == "prefill" else self.decode
         problem = self._mismatch()
         if problem is not None:
             log.error("router: %s worker refused after reconnecting: %s", role, problem)
@@ -336,32 +404,20 @@ class Router:
                 loop.call_soon_threadsafe(stream.put_nowait, lost)
 
 
-def _aborted(request_id: str, reason: str) -> Message:
-    """An `output` message ending the request as ABORTED, made by the router itself."""
-    return Message(
-        "output",
-        {
-            "request_id": request_id,
-            "token_ids": [],
-            "text": "",
-            "finished": True,
-            "status": Status.ABORTED.value,
-            "finish_reason": reason,
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-        },
-    )
+def _aborted(request_id: str, reason: str) -> Output:
+    """An `output` ending the request as ABORTED, made by the router itself."""
+    return Output(request_id, [], "", True, Status.ABORTED.value, reason, 0, 0)
 
 
-def _output(message: Message) -> RequestOutput:
-    f = message.fields
+def _output(message: Msg) -> RequestOutput:
+    assert isinstance(message, Output), f"expected an output, got {message.KIND}"
     return RequestOutput(
-        f["request_id"],
-        f["token_ids"],
-        f["text"],
-        f["finished"],
-        Status(f["status"]),
-        f["finish_reason"],
-        f["prompt_tokens"],
-        f["completion_tokens"],
+        message.request_id,
+        message.token_ids,
+        message.text,
+        message.finished,
+        Status(message.status),
+        message.finish_reason,
+        message.prompt_tokens,
+        message.completion_tokens,
     )

@@ -2,6 +2,11 @@
 
 Keeping both on one thread means no lock is ever needed around the engine, the pool or the fence: a
 message is handled completely (pages written, records checked) between two model steps.
+
+Every frame is untrusted until `_handle` has parsed it (`messages.decode`: declared type, bounds) and
+checked that the authenticated sender's role may send that kind to this role (`messages.ROLE_RULES`).
+Anything else is dropped, counted by reason (`transport_rejected` in the stats, `/metrics`) and logged
+with the authenticated sender; no frame can end the loop.
 """
 
 from __future__ import annotations
@@ -9,10 +14,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Any
 
-from kvfence.disagg.connector import Connector, Message
+from kvfence.disagg.connector import Connector, LinkEvent, Received
 from kvfence.disagg.handoff import HandoffEngine
+from kvfence.disagg.messages import (
+    ROLE_RULES,
+    Audit,
+    AuditReply,
+    BadMessage,
+    Bounds,
+    Hello,
+    HelloReply,
+    Msg,
+    Stats,
+    StatsReply,
+    decode,
+)
 from kvfence.engine.info import engine_info
 from kvfence.engine.stats import EngineStats
 
@@ -26,30 +45,57 @@ class Worker:
         self.engine = engine
         self.connector = connector
         self.stopped = threading.Event()
+        # Frames are bounded by what the model could ever take; this pool's own limits are admission's, which
+        # answers with a proper refusal.
+        self.bounds = Bounds(engine.model.config.context_length, engine.model.config.vocab_size)
+        self.rejected: Counter[str] = Counter()  # frames dropped after receipt, by reason
 
     def serve_forever(self) -> None:
         while not self.stopped.is_set():
             self.run_once(timeout_s=0.0 if self.engine.has_unfinished() else 0.05)
 
     def run_once(self, timeout_s: float = 0.0) -> None:
-        """Handle every message waiting (the first may be waited for), then one engine step."""
+        """Handle every frame waiting (the first may be waited for), then one engine step."""
         received = self.connector.recv(timeout_s)
         while received is not None:
-            self._handle(*received)
+            self.handle(received)
             received = self.connector.recv(0.0)
         if self.engine.has_unfinished():
             self.after_step(self.engine.safe_step())
         self.tick(time.monotonic())
 
-    def _handle(self, sender: str, message: Message) -> None:
-        """One message; a handler that raises (a malformed message) fails only the request it names."""
+    def handle(self, item: Received | LinkEvent) -> None:
+        """One frame or link event. Parsing and the role check come first; a handler that still raises
+        fails only the request its (authenticated, well-formed) message names."""
+        if isinstance(item, LinkEvent):
+            self.on_link(item)
+            return
         try:
-            getattr(self, f"on_{message.kind}", self.on_unknown)(sender, message)
+            message = decode(item.header, item.payload, self.bounds)
+        except BadMessage as exc:
+            self.drop(item.sender, exc.reason, str(exc))
+            return
+        allowed = ROLE_RULES[self.role].get(message.KIND)
+        if allowed is None or (item.role is not None and item.role not in allowed):
+            self.drop(item.sender, "wrong_role", f"{message.KIND} from a {item.role or 'unknown'} peer")
+            return
+        try:
+            getattr(self, f"on_{message.KIND}")(item.sender, message)
         except Exception:
-            log.exception("%s: bad %r message from %s", self.role, message.kind, sender)
-            request_id = message.fields.get("request_id")
+            log.exception("%s: %r message from %s failed", self.role, message.KIND, item.sender)
+            request_id = getattr(message, "request_id", None)
             if isinstance(request_id, str):
                 self.fail_request(request_id, "bad_message")
+
+    def is_peer(self, address: str, role: str) -> bool:
+        """Whether a message may name `address` as the `role` worker: with keys, only a configured peer of
+        that role (a worker never dials an address it was merely told); without keys, any."""
+        return not self.connector.secure or self.connector.role_of(address) == role
+
+    def drop(self, sender: str, reason: str, detail: str) -> None:
+        """Refuse a frame: counted by reason and logged with who sent it; nothing else changes."""
+        self.rejected[reason] += 1
+        log.warning("%s: dropped a frame from %s (%s): %s", self.role, sender, reason, detail)
 
     def fail_request(self, request_id: str, reason: str) -> None:
         """Role hook: end one request after an error handling its messages."""
@@ -61,51 +107,37 @@ class Worker:
     def tick(self, now: float) -> None:
         """Role hook: time-driven work (transfer deadlines)."""
 
-    def reply(self, peer: str, kind: str, **fields: Any) -> None:
-        self.connector.send(peer, Message(kind, fields))
+    def reply(self, peer: str, message: Msg) -> None:
+        self.connector.send(peer, message)
 
-    # ---- control messages every worker answers ----------------------------------------------------------
+    def on_link(self, event: LinkEvent) -> None:
+        """Role hook: this worker's own connection to a peer came up or went down."""
 
-    def on_hello(self, sender: str, message: Message) -> None:
+    # ---- control messages every worker answers (from the router only) ----------------------------------
+
+    def on_hello(self, sender: str, message: Hello) -> None:
         engine = self.engine
         self.reply(
             sender,
-            "hello_reply",
-            token=message.fields.get("token"),
-            role=self.role,
-            capacity_tokens=engine.capacity.capacity_tokens,
-            max_model_len=engine.max_model_len,
-            page_size=engine.pool.page_size,
-            isolation=engine.fence.enabled,
-            info=engine_info(engine),
+            HelloReply(
+                token=message.token,
+                role=self.role,
+                capacity_tokens=engine.capacity.capacity_tokens,
+                max_model_len=engine.max_model_len,
+                page_size=engine.pool.page_size,
+                isolation=engine.fence.enabled,
+                info={**engine_info(engine), "transport": self.transport()},
+            ),
         )
 
-    def on_stats(self, sender: str, message: Message) -> None:
-        self.reply(
-            sender,
-            "stats_reply",
-            token=message.fields.get("token"),
-            stats=EngineStats.read(self.engine).to_dict(),
-        )
+    def transport(self) -> dict[str, Any]:
+        """How this worker's transport is protected, for /v1/audit/info."""
+        return {"kind": "zeromq", "authenticated": self.connector.secure}
 
-    def on_audit(self, sender: str, message: Message) -> None:
-        request_id = message.fields["request_id"]
-        self.reply(
-            sender,
-            "audit_reply",
-            token=message.fields.get("token"),
-            request_id=request_id,
-            events=[{**e, "where": self.role} for e in self.engine.events.for_request(request_id)],
-        )
+    def on_stats(self, sender: str, message: Stats) -> None:
+        stats = EngineStats.read(self.engine, self.rejected + self.connector.rejected)
+        self.reply(sender, StatsReply(token=message.token, stats=stats.to_dict()))
 
-    def on_peer_up(self, sender: str, message: Message) -> None:
-        """Connection events matter only to a decode worker (its prefill peers)."""
-
-    def on_peer_down(self, sender: str, message: Message) -> None:
-        """Connection events matter only to a decode worker (its prefill peers)."""
-
-    def on_error(self, sender: str, message: Message) -> None:
-        log.warning("%s: error from %s: %s", self.role, sender, message.fields.get("message"))
-
-    def on_unknown(self, sender: str, message: Message) -> None:
-        self.reply(sender, "error", message=f"unknown message kind {message.kind!r}")
+    def on_audit(self, sender: str, message: Audit) -> None:
+        events = [{**e, "where": self.role} for e in self.engine.events.for_request(message.request_id)]
+        self.reply(sender, AuditReply(token=message.token, request_id=message.request_id, events=events))

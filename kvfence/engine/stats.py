@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +24,11 @@ class EngineStats:
     refused_writes: int
     validation_checks: int
     validation_seconds: float
+    # Frames a disaggregated node dropped before acting on them, by reason (empty on a single node).
+    transport_rejected: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def read(cls, engine: LLMEngine) -> EngineStats:
+    def read(cls, engine: LLMEngine, transport_rejected: Mapping[str, int] | None = None) -> EngineStats:
         counts = np.bincount(engine.pool.state, minlength=len(PageState))
         fence = engine.fence.stats
         return cls(
@@ -37,7 +40,13 @@ class EngineStats:
             refused_writes=engine.pool.refused_writes,
             validation_checks=fence.checks,
             validation_seconds=fence.seconds,
+            transport_rejected=dict(transport_rejected or {}),
         )
+
+    @classmethod
+    def transport_only(cls, transport_rejected: Mapping[str, int]) -> EngineStats:
+        """No pool, only dropped frames: what a router adds to its workers' stats."""
+        return cls(0, 0, {}, 0, {}, 0, 0, 0.0, dict(transport_rejected))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

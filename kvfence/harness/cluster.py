@@ -18,6 +18,9 @@ reverse start order: the HTTP server, the router, the workers (OS processes with
 pid). A worker can be killed (SIGKILL, or its thread stopped) and restarted on the SAME address, which is
 how the crash tests exercise reconnection. `isolation` is the front's (the router's admission, or
 `--isolation off` of a server or router command); workers carry their own in their config or arguments.
+A disaggregated cluster speaks CURVE with keys made for it (in memory for this process and its spawned
+children, a temporary key directory for command workers and a router command), as `kvfence serve
+--disaggregated` does, unless `secure` is False.
 """
 
 from __future__ import annotations
@@ -25,24 +28,27 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import Process
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kvfence.config import EngineConfig
 from kvfence.disagg.connector import ZmqConnector
 from kvfence.disagg.handoff import HandoffEngine
-from kvfence.disagg.launch import WORKERS, spawn_workers
+from kvfence.disagg.keys import TransportKeys, generate, load
+from kvfence.disagg.launch import WORKERS, free_ports, spawn_workers
 from kvfence.disagg.router import ROUTER_TIMEOUT_S, Router
 from kvfence.disagg.worker import Worker
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.stats import EngineStats
 from kvfence.harness.procs import START_TIMEOUT_S, Proc, launch, stop
-from kvfence.harness.server import LOOPBACK, ServerThread, audit_trail, free_ports, serve
+from kvfence.harness.server import LOOPBACK, ServerThread, audit_trail, serve
 from kvfence.model.gguf import read_header
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path
@@ -113,6 +119,7 @@ class SpawnedWorker(WorkerHandle):
     config: EngineConfig  # what `restart` uses: a test may change it first
     address: str
     process: Process
+    keys: TransportKeys | None = None
 
     @property
     def pid(self) -> int | None:
@@ -125,7 +132,8 @@ class SpawnedWorker(WorkerHandle):
 
     def restart(self) -> None:
         self.kill()
-        ((self.process, address),) = spawn_workers([(self.role, self.config)], bind=self.address)
+        keys = {self.role: self.keys} if self.keys else None
+        ((self.process, address),) = spawn_workers([(self.role, self.config)], bind=self.address, keys=keys)
         assert address == self.address, f"restarted on {address}, not {self.address}"
 
 
@@ -137,10 +145,14 @@ class CommandWorker(WorkerHandle):
     proc: Proc
     start_timeout_s: float = START_TIMEOUT_S
 
+    key_flags: Sequence[str] = ()
+
     @classmethod
-    def launch(cls, role: str, spec: Command, address: str, start_timeout_s: float) -> CommandWorker:
-        args = ["serve", "--role", role, "--listen", address, *spec.args]
-        return cls(role, spec, address, launch(role, args, prefix=spec.prefix), start_timeout_s)
+    def launch(
+        cls, role: str, spec: Command, address: str, start_timeout_s: float, key_flags: Sequence[str] = ()
+    ) -> CommandWorker:
+        args = ["serve", "--role", role, "--listen", address, *key_flags, *spec.args]
+        return cls(role, spec, address, launch(role, args, prefix=spec.prefix), start_timeout_s, key_flags)
 
     @property
     def pid(self) -> int | None:
@@ -154,7 +166,8 @@ class CommandWorker(WorkerHandle):
 
     def restart(self) -> None:
         self.kill()
-        self.proc = CommandWorker.launch(self.role, self.spec, self.address, self.start_timeout_s).proc
+        fresh = CommandWorker.launch(self.role, self.spec, self.address, self.start_timeout_s, self.key_flags)
+        self.proc = fresh.proc
         self.wait_ready()
 
     def stop(self) -> None:
@@ -168,13 +181,16 @@ class ThreadWorker(WorkerHandle):
     address: str
     worker: Worker
     thread: threading.Thread
+    keys: TransportKeys | None = None
 
     @classmethod
-    def start(cls, role: str, engine: HandoffEngine, listen: str) -> ThreadWorker:
-        worker = WORKERS[role](engine, ZmqConnector(listen))
+    def start(
+        cls, role: str, engine: HandoffEngine, listen: str, keys: TransportKeys | None = None
+    ) -> ThreadWorker:
+        worker = WORKERS[role](engine, ZmqConnector(listen, keys))
         thread = threading.Thread(target=worker.serve_forever, name=f"kvfence-{role}", daemon=True)
         thread.start()
-        return cls(role, engine, worker.connector.address, worker, thread)
+        return cls(role, engine, worker.connector.address, worker, thread, keys)
 
     @property
     def pid(self) -> int | None:
@@ -189,8 +205,51 @@ class ThreadWorker(WorkerHandle):
 
     def restart(self) -> None:
         self.kill()
-        fresh = ThreadWorker.start(self.role, self.engine, self.address)
+        fresh = ThreadWorker.start(self.role, self.engine, self.address, self.keys)
         self.worker, self.thread = fresh.worker, fresh.thread
+
+
+# ---- the transport ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Transport:
+    """Where the router and each worker listen, and (secure) their keys: in memory for this process and
+    its spawned children, and as a key directory for processes started from a command."""
+
+    addresses: dict[str, str]  # by role: prefill, decode, router
+    keys: dict[str, TransportKeys] | None = None
+    key_dir: str | None = None
+
+    @classmethod
+    def plan(cls, specs: dict[str, WorkerSpec], front: Front, stack: contextlib.ExitStack) -> Transport:
+        chosen = {role: _listen_of(spec) for role, spec in specs.items()}
+        chosen["router"] = front.router_listen
+        addresses = {role: _concrete(address or ANY_PORT) for role, address in chosen.items()}
+        if not front.secure:
+            return cls(addresses)
+        key_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfence-keys-"))
+        generate(Path(key_dir), [(role, role, address) for role, address in addresses.items()])
+        return cls(addresses, {role: load(Path(key_dir), role) for role in addresses}, key_dir)
+
+    def key_flags(self, role: str) -> list[str]:
+        """What a `kvfence serve --role` or `kvfence router` command needs to load its keys."""
+        return ["--keys", self.key_dir, "--key-name", role] if self.key_dir else ["--insecure-transport"]
+
+    def keys_of(self, role: str) -> TransportKeys | None:
+        return self.keys[role] if self.keys else None
+
+
+def _concrete(address: str) -> str:
+    """`tcp://HOST:0` as a port free on HOST now: every address goes into the allow-list before binding."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return address if port != "0" else f"tcp://{host}:{free_ports(1, host)[0]}"
+
+
+def _listen_of(spec: WorkerSpec) -> str | None:
+    """The address a worker spec asks for; None: any free loopback port."""
+    listen = spec.listen if isinstance(spec, InThread | Command) else None
+    return None if listen in (None, ANY_PORT) else listen
 
 
 # ---- the cluster -----------------------------------------------------------------------------------------
@@ -210,6 +269,7 @@ class Front:
     router_listen: str = ANY_PORT
     router_faults: FaultInjector | None = None
     start_timeout_s: float = START_TIMEOUT_S
+    secure: bool = True  # CURVE between router and workers, with keys made for this cluster
     app_options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -235,6 +295,7 @@ class Cluster:
     workers: dict[str, WorkerHandle] = field(default_factory=dict)  # by role: prefill, decode
     process: Proc | None = None  # the front as an OS process: a `kvfence serve` or `kvfence router`
     server: ServerThread | None = None  # the HTTP server in this process
+    transport: Transport | None = None  # the workers' and router's addresses and keys (disaggregated)
     _url: str | None = None
     _router: Router | None = None
     _engine: AsyncEngine | None = None
@@ -260,8 +321,7 @@ class Cluster:
 
     def worker_stats(self, role: str) -> EngineStats:
         """One worker's pool counters, asked by the router (blocking, at most its stats timeout)."""
-        reply = self.router._ask(self.workers[role].address, "stats")  # no public per-worker call yet
-        return EngineStats.from_dict(reply.fields["stats"])
+        return self.router.worker_stats(role)
 
     def audit(self, request_id: str) -> list[dict[str, Any]]:
         """The request's trail from the admin endpoint ([] when there is none)."""
@@ -296,6 +356,7 @@ def cluster(
     router_listen: str = ANY_PORT,
     router_faults: FaultInjector | None = None,
     start_timeout_s: float = START_TIMEOUT_S,
+    secure: bool = True,
     **app_options: Any,
 ) -> Iterator[Cluster]:
     """Start exactly one of: a single node over `engine`, here; `kvfence serve --port P [front flags]
@@ -313,6 +374,7 @@ def cluster(
         router_listen=router_listen,
         router_faults=router_faults,
         start_timeout_s=start_timeout_s,
+        secure=secure,
         app_options=app_options,
     )
     running = _start(engine, serve_args, prefill, decode, front)
@@ -345,6 +407,7 @@ def _start(
         else:
             assert prefill is not None and decode is not None
             specs = {"prefill": prefill, "decode": decode}
+            running.transport = Transport.plan(specs, front, running._stack)
             _start_workers(running, specs)
             _start_router(running, specs)
     except BaseException:
@@ -382,23 +445,27 @@ def _start_front_process(running: Cluster, head: list[str], tail: Sequence[str] 
 
 def _start_workers(running: Cluster, specs: dict[str, WorkerSpec]) -> None:
     """Command workers first (they load while the rest starts), then spawned ones (loading in parallel),
-    then those on threads; returns once every worker listens."""
-    timeout_s, stack = running.front.start_timeout_s, running._stack
-    commands = {role: spec for role, spec in specs.items() if isinstance(spec, Command)}
-    ports = iter(free_ports(sum(spec.listen is None for spec in commands.values())))
+    then those on threads; returns once every worker listens at its planned address."""
+    timeout_s, stack, transport = running.front.start_timeout_s, running._stack, _transport(running)
     started: dict[str, WorkerHandle] = {}
-    for role, command in commands.items():
-        address = command.listen or f"tcp://{LOOPBACK}:{next(ports)}"
-        started[role] = CommandWorker.launch(role, command, address, timeout_s)
-        stack.callback(started[role].stop)
+    for role, spec in specs.items():
+        if isinstance(spec, Command):
+            address, flags = transport.addresses[role], transport.key_flags(role)
+            started[role] = CommandWorker.launch(role, spec, address, timeout_s, flags)
+            stack.callback(started[role].stop)
     spawned = [(role, spec.config) for role, spec in specs.items() if isinstance(spec, Spawned)]
-    processes = spawn_workers(spawned) if spawned else []
-    for (role, config), (process, address) in zip(spawned, processes, strict=True):
-        started[role] = SpawnedWorker(role, config, address, process)
-        stack.callback(started[role].stop)
+    if spawned:
+        roles = [role for role, _ in spawned]
+        binds, keys = {r: transport.addresses[r] for r in roles}, transport.keys
+        for (role, config), (process, address) in zip(
+            spawned, spawn_workers(spawned, binds, keys), strict=True
+        ):
+            started[role] = SpawnedWorker(role, config, address, process, transport.keys_of(role))
+            stack.callback(started[role].stop)
     for role, spec in specs.items():
         if isinstance(spec, InThread):
-            started[role] = ThreadWorker.start(role, spec.engine, spec.listen)
+            keys = transport.keys_of(role)
+            started[role] = ThreadWorker.start(role, spec.engine, transport.addresses[role], keys)
             stack.callback(started[role].stop)
     for worker in started.values():
         if isinstance(worker, CommandWorker):
@@ -406,12 +473,16 @@ def _start_workers(running: Cluster, specs: dict[str, WorkerSpec]) -> None:
     running.workers = {role: started[role] for role in specs}
 
 
+def _transport(running: Cluster) -> Transport:
+    return _present(running.transport, "transport")
+
+
 def _start_router(running: Cluster, specs: dict[str, WorkerSpec]) -> None:
     """The router in front of the workers: here (with or without HTTP), or as a `kvfence router`."""
-    front = running.front
+    front, transport = running.front, _transport(running)
     prefill, decode = running.workers["prefill"].address, running.workers["decode"].address
     if front.router_process:
-        listen = [] if front.router_listen == ANY_PORT else ["--listen", front.router_listen]
+        listen = ["--listen", transport.addresses["router"], *transport.key_flags("router")]
         _start_front_process(running, ["router", "--prefill", prefill, "--decode", decode], listen)
         return
     tokenizer, vocab_size = _vocabulary(specs)
@@ -421,9 +492,10 @@ def _start_router(running: Cluster, specs: dict[str, WorkerSpec]) -> None:
         tokenizer,
         vocab_size,
         isolation=front.isolation,
-        listen=front.router_listen,
+        listen=transport.addresses["router"],
         faults=front.router_faults,
         timeout_s=front.router_timeout_s,
+        keys=transport.keys_of("router"),
     )
     running._router = router
     running._stack.callback(_shut_down, router)  # after the HTTP server, whose lifespan shuts it too

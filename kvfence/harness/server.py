@@ -2,8 +2,7 @@
 
 Contracts: every address is on 127.0.0.1; every wait is bounded; `ServerThread.stop()` is idempotent.
 `serve(app)` binds its socket before uvicorn starts, so there is no race for the port, and returns only
-once the app's lifespan ran (its engine or router started). `free_ports` holds the sockets together
-while it chooses, so the ports it returns are distinct.
+once the app's lifespan ran (its engine or router started).
 """
 
 from __future__ import annotations
@@ -65,15 +64,6 @@ def serving(app: FastAPI) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on 127.0.0.1 right now (held together while chosen)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind((LOOPBACK, 0))
-        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def metric(url: str, name: str, labels: dict[str, str] | None = None, timeout_s: float = 30.0) -> float:

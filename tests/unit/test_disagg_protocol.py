@@ -15,9 +15,10 @@ import torch
 from conftest import make_engine
 
 from kvfence.cache.pool import KVPool, PageState
-from kvfence.disagg.connector import PEER_DOWN, MemoryHub, Message
+from kvfence.disagg.connector import LinkEvent, MemoryHub, Received
 from kvfence.disagg.decode import DecodeWorker
 from kvfence.disagg.handoff import HandoffEngine
+from kvfence.disagg.messages import Abort, AbortAck, Bounds, Msg, Output, Prefill, Reserve, decode, encode
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.engine.stats import EngineStats
 from kvfence.engine.trace import PageTrace
@@ -28,6 +29,7 @@ from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF
 _rng = random.Random(11)
 PROMPTS = {n: [_rng.randrange(256) for _ in range(n)] for n in (1, 6, 13, 22, 30, 40)}
 ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
+BOUNDS = Bounds(max_tokens=48, vocab_size=256)
 
 
 @dataclass
@@ -44,7 +46,8 @@ class Pipeline:
         self, model: LlamaModel, isolation: bool = True, prefill_pages: int = 64, decode_pages: int = 64
     ) -> None:
         self.hub = MemoryHub()
-        self.router = self.hub.connector(ROUTER)
+        # Each address has the role a key would prove (the ROLE_RULES are enforced on every delivery).
+        self.router = self.hub.connector(ROUTER, "router")
         settings = {"isolation": isolation, "enable_prefix_caching": False}
         # Each worker's window is what its own pool can hold (a prefill pool may be smaller than decode's).
         self.prefill = PrefillWorker(
@@ -55,7 +58,7 @@ class Pipeline:
                 max_model_len=min(48, prefill_pages * 4),
                 **settings,
             ),
-            self.hub.connector(PREFILL),
+            self.hub.connector(PREFILL, "prefill"),
         )
         self.decode = DecodeWorker(
             make_engine(
@@ -65,68 +68,39 @@ class Pipeline:
                 max_model_len=min(48, decode_pages * 4),
                 **settings,
             ),
-            self.hub.connector(DECODE),
+            self.hub.connector(DECODE, "decode"),
         )
         self.trace = PageTrace(self.decode.engine.pool)
         self.decode.engine.runner.observer = self.trace
         self.results: dict[str, Result] = {}
-        self.replies: list[Message] = []
+        self.replies: list[Msg] = []
 
-    def reserve(self, request_id: str, tenant: str, prompt: list[int], max_tokens: int = 6) -> Message:
+    def reserve(self, request_id: str, tenant: str, prompt: list[int], max_tokens: int = 6) -> Msg:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True).__dict__
-        self.router.send(
-            DECODE,
-            Message(
-                "reserve",
-                {
-                    "request_id": request_id,
-                    "tenant": tenant,
-                    "prompt": prompt,
-                    "params": params,
-                    "prefill": PREFILL,
-                },
-            ),
-        )
+        self.router.send(DECODE, Reserve(request_id, tenant, prompt, params, PREFILL))
         self.deliver(DECODE)
         return self.reply(request_id)
 
-    def start_prefill(
-        self, request_id: str, tenant: str, prompt: list[int], targets: list[list[int]]
-    ) -> Message:
-        self.router.send(
-            PREFILL,
-            Message(
-                "prefill",
-                {
-                    "request_id": request_id,
-                    "tenant": tenant,
-                    "prompt": prompt,
-                    "decode": DECODE,
-                    "targets": targets,
-                },
-            ),
-        )
+    def start_prefill(self, request_id: str, tenant: str, prompt: list[int], targets: list[list[int]]) -> Msg:
+        self.router.send(PREFILL, Prefill(request_id, tenant, prompt, DECODE, targets))
         self.deliver(PREFILL)
         return self.reply(request_id)
 
     def submit(self, request_id: str, tenant: str, prompt: list[int], max_tokens: int = 6) -> None:
         reserved = self.reserve(request_id, tenant, prompt, max_tokens)
-        assert reserved.kind == "reserved", reserved.fields
+        assert reserved.KIND == "reserved", reserved
         if len(prompt) > 1:
-            assert (
-                self.start_prefill(request_id, tenant, prompt, reserved.fields["targets"]).kind == "accepted"
-            )
+            assert self.start_prefill(request_id, tenant, prompt, targets(reserved)).KIND == "accepted"
 
     def abort(self, request_id: str) -> None:
-        self.router.send(DECODE, Message("abort", {"request_id": request_id, "reason": "router_gave_up"}))
+        self.router.send(DECODE, Abort(request_id=request_id, reason="router_gave_up"))
 
     def deliver(self, address: str, count: int | None = None) -> None:
         """Hand the next `count` (default: all) waiting messages of `address` to its worker."""
         worker = self.prefill if address == PREFILL else self.decode
         mailbox = self.hub.mailboxes[address]
         for _ in range(len(mailbox) if count is None else count):
-            sender, message = mailbox.popleft()
-            getattr(worker, f"on_{message.kind}")(sender, message)
+            worker.handle(mailbox.popleft())  # parsed and role-checked as off the wire
 
     def run(self) -> None:
         """Until quiet: messages delivered, engines stepped, outputs collected."""
@@ -141,22 +115,34 @@ class Pipeline:
             self.decode.run_once()
             self._collect()
 
-    def reply(self, request_id: str) -> Message:
+    def reply(self, request_id: str) -> Msg:
         self._collect()
         for i, message in enumerate(self.replies):
-            if message.fields.get("request_id") == request_id:
+            if getattr(message, "request_id", None) == request_id:
                 return self.replies.pop(i)
         raise AssertionError(f"no reply for {request_id}")
 
     def _collect(self) -> None:
         while (received := self.router.recv(0)) is not None:
-            message = received[1]
-            if message.kind != "output":
+            assert isinstance(received, Received)
+            message = decode(received.header, received.payload, BOUNDS)
+            if not isinstance(message, Output):
                 self.replies.append(message)
                 continue
-            result = self.results.setdefault(message.fields["request_id"], Result())
-            result.tokens += message.fields["token_ids"]
-            result.status, result.reason = message.fields["status"], message.fields["finish_reason"]
+            result = self.results.setdefault(message.request_id, Result())
+            result.tokens += message.token_ids
+            result.status, result.reason = message.status, message.finish_reason
+
+
+def targets(reserved: Msg) -> list[list[int]]:
+    return getattr(reserved, "targets")  # noqa: B009 - a Reserved
+
+
+def request_of(received: Received | LinkEvent) -> str | None:
+    """The request id a frame in a mailbox names."""
+    if isinstance(received, LinkEvent):
+        return None
+    return getattr(decode(received.header, received.payload, BOUNDS), "request_id", None)
 
 
 def lifecycle(pipe: Pipeline, request_id: str) -> list[str]:
@@ -267,7 +253,7 @@ def test_sender_fault_is_caught_with_isolation_on(tiny: LlamaModel, name: str) -
 def abort_then_late_page(pipe: Pipeline, fault: str) -> None:
     """R1 is aborted while its pages may still be on the way; they arrive after R2 got R1's pages."""
     reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
-    pipe.start_prefill("r1", "A", PROMPTS[22], reserved.fields["targets"])
+    pipe.start_prefill("r1", "A", PROMPTS[22], targets(reserved))
     if fault == "abort_mid_transfer":
         pipe.prefill.run_once()  # r1's pages are sent: in flight when the router gives up
         pipe.abort("r1")
@@ -279,17 +265,14 @@ def abort_then_late_page(pipe: Pipeline, fault: str) -> None:
         pipe.abort("r1")
         pipe.deliver(DECODE)
         pipe.deliver(PREFILL)
-    late = [
-        m
-        for m in pipe.hub.mailboxes[DECODE]
-        if m[1].fields.get("request_id") == "r1" and m[1].kind != "abort_ack"
-    ]
+    ack = encode(AbortAck(request_id="r1"))[0]
+    late = [m for m in pipe.hub.mailboxes[DECODE] if request_of(m) == "r1" and m.header != ack]
     for message in late:
         pipe.hub.mailboxes[DECODE].remove(message)  # held up in the network
     pipe.deliver(DECODE)  # the ack: with isolation on, the quarantine drains only now
     pipe.submit("r2", "B", PROMPTS[22], max_tokens=2)
     pipe.prefill.run_once()  # r2's pages go out (and, with the bug, r1's pages again)
-    late += [m for m in pipe.hub.mailboxes[DECODE] if m[1].fields.get("request_id") == "r1"]
+    late += [m for m in pipe.hub.mailboxes[DECODE] if request_of(m) == "r1"]
     for message in late:
         if message in pipe.hub.mailboxes[DECODE]:
             pipe.hub.mailboxes[DECODE].remove(message)
@@ -330,29 +313,27 @@ def test_late_write_is_refused_with_isolation_on(tiny: LlamaModel, fault: str) -
 def test_quarantined_pages_are_never_reused_before_the_drain(tiny: LlamaModel) -> None:
     pipe = Pipeline(tiny, isolation=True, decode_pages=6)
     reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
-    pages = [p for p, _ in reserved.fields["targets"]]
+    pages = [p for p, _ in targets(reserved)]
     pipe.abort("r1")
     pipe.deliver(DECODE)  # abort handled; the ack is not back yet
     pool = pipe.decode.engine.pool
     assert (pool.state[pages] == PageState.QUARANTINED).all()
-    assert (
-        pipe.reserve("r2", "B", PROMPTS[22], max_tokens=2).fields["code"] == "server_busy"
-    )  # no page may be taken
+    assert getattr(pipe.reserve("r2", "B", PROMPTS[22], max_tokens=2), "code") == "server_busy"  # noqa: B009
     pipe.deliver(PREFILL)
     pipe.deliver(DECODE)  # the ack: now the pages drain
     assert (pool.state[pages] == PageState.FREE).all()
-    assert pipe.reserve("r3", "B", PROMPTS[22], max_tokens=2).kind == "reserved"
+    assert pipe.reserve("r3", "B", PROMPTS[22], max_tokens=2).KIND == "reserved"
 
 
 def test_prefill_worker_loss_drains_its_quarantine(tiny: LlamaModel) -> None:
     """worker_crash_mid_transfer at the protocol level: the connection to prefill drops mid-transfer."""
     pipe = Pipeline(tiny, isolation=True, decode_pages=6)
     reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
-    pipe.start_prefill("r1", "A", PROMPTS[30], reserved.fields["targets"])
+    pipe.start_prefill("r1", "A", PROMPTS[30], targets(reserved))
     pipe.prefill.run_once()
     pipe.deliver(DECODE, 2)  # two pages arrived, then the worker died
     pipe.hub.mailboxes[DECODE].clear()
-    pipe.hub.mailboxes[DECODE].append((PREFILL, Message(PEER_DOWN, {"peer": PREFILL})))
+    pipe.hub.mailboxes[DECODE].append(LinkEvent(PREFILL, up=False))  # decode's own monitor saw it
     pipe.deliver(DECODE)
     pipe.run()
     assert pipe.results["r1"] == Result([], "aborted", "prefill_lost")
@@ -364,8 +345,8 @@ def test_prefill_worker_loss_drains_its_quarantine(tiny: LlamaModel) -> None:
 def test_prefill_rejection_reaches_the_router(tiny: LlamaModel) -> None:
     pipe = Pipeline(tiny, prefill_pages=4)
     reserved = pipe.reserve("big", "A", PROMPTS[30])
-    rejected = pipe.start_prefill("big", "A", PROMPTS[30], reserved.fields["targets"])
-    assert rejected.kind == "rejected" and rejected.fields["code"] == "context_length_exceeded"
+    rejected = pipe.start_prefill("big", "A", PROMPTS[30], targets(reserved))
+    assert rejected.KIND == "rejected" and getattr(rejected, "code") == "context_length_exceeded"  # noqa: B009
     assert pipe.prefill.engine.events.kinds("big") == ["rejected"]
     assert pipe.prefill.engine.pool.generation.sum() == 0, "prefill allocated a page for a rejected prompt"
 
@@ -373,10 +354,12 @@ def test_prefill_rejection_reaches_the_router(tiny: LlamaModel) -> None:
 def test_only_the_sending_prefill_can_drain_a_quarantine(tiny: LlamaModel) -> None:
     pipe = Pipeline(tiny, isolation=True, decode_pages=6)
     reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
-    pages = [p for p, _ in reserved.fields["targets"]]
+    pages = [p for p, _ in targets(reserved)]
     pipe.abort("r1")
     pipe.deliver(DECODE)
-    pipe.hub.mailboxes[DECODE].append(("intruder", Message("abort_ack", {"request_id": "r1"})))
+    # Another process holding a prefill key, but not the one this transfer was assigned to.
+    header, payload = encode(AbortAck(request_id="r1"))
+    pipe.hub.mailboxes[DECODE].append(Received("intruder", "prefill", header, payload))
     pipe.deliver(DECODE)
     assert (pipe.decode.engine.pool.state[pages] == PageState.QUARANTINED).all(), "a stranger drained it"
     pipe.deliver(PREFILL)

@@ -1,0 +1,156 @@
+"""Transport keys: who may talk to whom in a disaggregated deployment, decided by configuration.
+
+A deployment's key directory holds one `NAME.secret` per process (its CURVE keypair, mode 0600, copied
+only to the host that runs NAME) and one `peers` file, the allow-list every process loads:
+
+    # name     role     public key (Z85, 40 chars)                 address it listens on ("-": none)
+    router     router   rq:rM>}U?@Lx3Mwx+...                        tcp://10.0.0.9:5610
+    prefill    prefill  8gh0...                                     tcp://10.0.0.1:5600
+    decode     decode   ...                                         tcp://10.0.0.2:5600
+
+A message's sender is the peer whose public key completed the CURVE handshake (ZAP User-Id), never a
+field, a routing identity or an address inside the message; a process dials only addresses listed here.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+ROLES = ("router", "prefill", "decode")
+PEERS_FILE = "peers"
+SECRET_SUFFIX = ".secret"
+Z85_KEY_CHARS = 40
+
+
+class KeyConfigError(ValueError):
+    """A key directory that cannot be used as it is (missing file, bad line, readable secret...)."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    role: str
+    public_key: str  # Z85
+    address: str | None  # where it listens; None for a process nobody dials
+
+
+@dataclass(frozen=True)
+class Identity:
+    """This process's own keypair (Z85 text, as zmq's curve options take it)."""
+
+    name: str
+    public_key: str
+    secret_key: str
+
+
+@dataclass(frozen=True)
+class TransportKeys:
+    """What a process needs to speak CURVE: its own keypair and the allow-list."""
+
+    identity: Identity
+    book: PeerBook
+
+
+class PeerBook:
+    """The allow-list: peers by name, by public key and by address. Immutable after loading."""
+
+    def __init__(self, peers: list[Peer]) -> None:
+        self.by_name = {p.name: p for p in peers}
+        self.by_key = {p.public_key: p for p in peers}
+        self.by_address = {p.address: p for p in peers if p.address}
+        if len(self.by_name) != len(peers) or len(self.by_key) != len(peers):
+            raise KeyConfigError("a name or a public key appears twice in the peers file")
+
+    def __iter__(self) -> Iterator[Peer]:
+        return iter(self.by_name.values())
+
+    def render(self) -> str:
+        lines = ["# name role public-key address  (kvfence transport allow-list)"]
+        lines += [f"{p.name} {p.role} {p.public_key} {p.address or '-'}" for p in self]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def parse(cls, text: str) -> PeerBook:
+        peers = []
+        for number, line in enumerate(text.splitlines(), 1):
+            words = line.split()
+            if not words or words[0].startswith("#"):  # a comment line ('#' is also a Z85 digit)
+                continue
+            if len(words) != 4 or words[1] not in ROLES or len(words[2]) != Z85_KEY_CHARS:
+                raise KeyConfigError(f"peers line {number}: expected 'NAME ROLE PUBLIC_KEY ADDRESS|-'")
+            name, role, key, address = words
+            peers.append(Peer(name, role, key, None if address == "-" else address))
+        return cls(peers)
+
+
+def ephemeral(specs: list[tuple[str, str, str | None]]) -> dict[str, TransportKeys]:
+    """Fresh keypairs for (name, role, address), in memory: each name's keys and the shared allow-list.
+    What `serve --disaggregated` gives its own children; nothing is written anywhere."""
+    identities, peers = {}, []
+    for name, role, address in specs:
+        if role not in ROLES:
+            raise KeyConfigError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
+        public, secret = (k.decode() for k in zmq.curve_keypair())
+        identities[name] = Identity(name, public, secret)
+        peers.append(Peer(name, role, public, address))
+    book = PeerBook(peers)
+    return {name: TransportKeys(identity, book) for name, identity in identities.items()}
+
+
+def generate(directory: Path, specs: list[tuple[str, str, str | None]]) -> PeerBook:
+    """New keypairs for (name, role, address) into `directory`: NAME.secret (0600) each, and `peers`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = ephemeral(specs)
+    for name, own in keys.items():
+        fd = os.open(directory / f"{name}{SECRET_SUFFIX}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{own.identity.public_key}\n{own.identity.secret_key}\n")
+    book = next(iter(keys.values())).book
+    (directory / PEERS_FILE).write_text(book.render())
+    return book
+
+
+def load(directory: Path, name: str) -> TransportKeys:
+    """This process's identity NAME and the allow-list, both from `directory`; the identity must be in
+    the allow-list (so every peer can recognise it) and its secret readable by its owner only."""
+    peers_path, secret_path = directory / PEERS_FILE, directory / f"{name}{SECRET_SUFFIX}"
+    for path in (peers_path, secret_path):
+        if not path.is_file():
+            raise KeyConfigError(f"{path} is missing (kvfence keys generate DIR writes it)")
+    if secret_path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyConfigError(f"{secret_path} is readable by others: chmod 600 it")
+    lines = secret_path.read_text().split()
+    if len(lines) != 2 or any(len(k) != Z85_KEY_CHARS for k in lines):
+        raise KeyConfigError(f"{secret_path}: expected two Z85 keys (public, secret)")
+    book = PeerBook.parse(peers_path.read_text())
+    me = book.by_name.get(name)
+    if me is None or me.public_key != lines[0]:
+        raise KeyConfigError(f"{name} is not in {peers_path} with the public key of {secret_path}")
+    return TransportKeys(Identity(name, lines[0], lines[1]), book)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ZeroMQ tcp address stays on this host (127.0.0.0/8, ::1, localhost)."""
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def resolve(directory: Path | None, name: str, addresses: list[str], insecure: bool) -> TransportKeys | None:
+    """The keys a process starts with: loaded from `directory`, or None for an insecure transport, which
+    is refused (KeyConfigError) when any of `addresses` leaves this host, unless `insecure` says so."""
+    if directory is not None:
+        return load(directory, name)
+    remote = [a for a in addresses if not is_loopback(a)]
+    if remote and not insecure:
+        raise KeyConfigError(
+            f"{', '.join(remote)} is not a loopback address and no transport keys were given: anyone who can "
+            "reach it could act as any tenant. Give --keys DIR (kvfence keys generate DIR ...), or "
+            "--insecure-transport on a network you trust."
+        )
+    return None

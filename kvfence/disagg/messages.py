@@ -1,0 +1,343 @@
+"""One declared type per message between router, prefill and decode, and the one parser that checks them.
+
+A frame off the wire is untrusted until `parse` has turned it into one of these dataclasses: the kind is
+known, every field is present with its declared type (no extra field), strings and lists are bounded,
+token ids lie in the vocabulary, integers are non-negative, and only a `Page` carries a payload. Who may
+send each kind is not decided here but by the receiver's role rules (`ROLE_RULES` below), against the
+sender the transport authenticated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvfence.sampling import SamplingParams
+
+MAX_ID_CHARS = 256  # request ids, tenants, tokens, codes, reasons, peer addresses
+MAX_TEXT_CHARS = 1 << 16  # error messages and one step's output text
+MAX_INT = 1 << 64  # an xxh3_64 checksum is the widest integer a message carries
+MAX_ITEMS = 1 << 16  # any other list: a request's audit trail, stop strings
+
+
+class BadMessage(ValueError):
+    """A frame that is not a well-formed message; `reason` is the short label it is counted under."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The receiver's limits: the longest token list its model could ever take, and its vocabulary."""
+
+    max_tokens: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Msg:
+    KIND: ClassVar[str]
+
+    def fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "payload"}
+
+
+# ---- control: every worker answers the router ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello(Msg):
+    KIND: ClassVar[str] = "hello"
+    token: str
+
+
+@dataclass(frozen=True)
+class HelloReply(Msg):
+    KIND: ClassVar[str] = "hello_reply"
+    token: str
+    role: str
+    capacity_tokens: int
+    max_model_len: int
+    page_size: int
+    isolation: bool
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Stats(Msg):
+    KIND: ClassVar[str] = "stats"
+    token: str
+
+
+@dataclass(frozen=True)
+class StatsReply(Msg):
+    KIND: ClassVar[str] = "stats_reply"
+    token: str
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Audit(Msg):
+    KIND: ClassVar[str] = "audit"
+    token: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AuditReply(Msg):
+    KIND: ClassVar[str] = "audit_reply"
+    token: str
+    request_id: str
+    events: list[dict[str, Any]]
+
+
+# ---- one request's handoff ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reserve(Msg):
+    KIND: ClassVar[str] = "reserve"
+    request_id: str
+    tenant: str
+    prompt: list[int]
+    params: dict[str, Any]
+    prefill: str  # the prefill worker (a configured peer) the router assigned
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(**self.params)
+
+
+@dataclass(frozen=True)
+class Reserved(Msg):
+    KIND: ClassVar[str] = "reserved"
+    request_id: str
+    targets: list[list[int]]  # [page, generation] per logical page
+
+
+@dataclass(frozen=True)
+class Rejected(Msg):
+    KIND: ClassVar[str] = "rejected"
+    request_id: str
+    code: str
+    message: str
+    status: int = 400
+
+
+@dataclass(frozen=True)
+class Prefill(Msg):
+    KIND: ClassVar[str] = "prefill"
+    request_id: str
+    tenant: str
+    prompt: list[int]
+    decode: str  # the decode worker (a configured peer) holding the targets
+    targets: list[list[int]]
+
+
+@dataclass(frozen=True)
+class Accepted(Msg):
+    KIND: ClassVar[str] = "accepted"
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Page(Msg):
+    KIND: ClassVar[str] = "page"
+    request_id: str
+    logical: int
+    page: int
+    generation: int
+    slots: int
+    checksum: int
+    payload: bytes = field(default=b"", repr=False)
+
+
+@dataclass(frozen=True)
+class Complete(Msg):
+    KIND: ClassVar[str] = "complete"
+    request_id: str
+    pages: int
+    tokens: int
+    failed: str = ""  # prefill aborted the request: decode must not wait for pages
+
+
+@dataclass(frozen=True)
+class Abort(Msg):
+    KIND: ClassVar[str] = "abort"
+    request_id: str
+    reason: str = "cancelled"
+
+
+@dataclass(frozen=True)
+class AbortAck(Msg):
+    KIND: ClassVar[str] = "abort_ack"
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Output(Msg):
+    KIND: ClassVar[str] = "output"
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    status: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+KINDS: dict[str, type[Msg]] = {
+    cls.KIND: cls
+    for cls in (
+        Hello,
+        HelloReply,
+        Stats,
+        StatsReply,
+        Audit,
+        AuditReply,
+        Reserve,
+        Reserved,
+        Rejected,
+        Prefill,
+        Accepted,
+        Page,
+        Complete,
+        Abort,
+        AbortAck,
+        Output,
+    )
+}
+
+# Receiver role -> kind -> the sender roles it accepts that kind from. Anything else is dropped and
+# counted. Which *one* peer of a role may send a request's messages is the receiver's own bookkeeping.
+ROLE_RULES: dict[str, dict[str, frozenset[str]]] = {
+    "decode": {
+        "hello": frozenset({"router"}),
+        "stats": frozenset({"router"}),
+        "audit": frozenset({"router"}),
+        "reserve": frozenset({"router"}),
+        "abort": frozenset({"router"}),
+        "page": frozenset({"prefill"}),
+        "complete": frozenset({"prefill"}),
+        "abort_ack": frozenset({"prefill"}),
+    },
+    "prefill": {
+        "hello": frozenset({"router"}),
+        "stats": frozenset({"router"}),
+        "audit": frozenset({"router"}),
+        "prefill": frozenset({"router"}),
+        "abort": frozenset({"decode"}),
+    },
+    "router": {
+        "hello_reply": frozenset({"prefill", "decode"}),
+        "stats_reply": frozenset({"prefill", "decode"}),
+        "audit_reply": frozenset({"prefill", "decode"}),
+        "reserved": frozenset({"decode"}),
+        "rejected": frozenset({"prefill", "decode"}),
+        "accepted": frozenset({"prefill"}),
+        "output": frozenset({"decode"}),
+    },
+}
+
+
+# ---- wire form ------------------------------------------------------------------------------------------
+
+
+def encode(message: Msg) -> tuple[bytes, bytes]:
+    """The two frames: a JSON header (`kind` and the fields) and the payload (page bytes, else empty)."""
+    header = json.dumps({"kind": message.KIND, **message.fields()}).encode()
+    return header, getattr(message, "payload", b"")
+
+
+def decode(header: bytes, payload: bytes, bounds: Bounds) -> Msg:
+    """Parse and check an untrusted frame pair; raises BadMessage, never anything else."""
+    try:
+        data = json.loads(header.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadMessage("not_json", str(exc)[:80]) from None
+    if not isinstance(data, dict):
+        raise BadMessage("not_json", "the header is not an object")
+    kind = data.pop("kind", None)
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise BadMessage("unknown_kind", f"{str(kind)[:40]!r}")
+    return build(cls, data, payload, bounds)
+
+
+def build(cls: type[Msg], data: dict[str, Any], payload: bytes, bounds: Bounds) -> Msg:
+    """`cls` from untrusted fields: exactly its fields, each of its declared type and within bounds."""
+    hints = typing.get_type_hints(cls)
+    declared = {f.name: f for f in dataclasses.fields(cls) if f.name != "payload"}
+    extra = set(data) - set(declared)
+    if extra:
+        raise BadMessage("bad_field", f"{cls.KIND}: unknown fields {sorted(extra)[:5]}")
+    values: dict[str, Any] = {}
+    for name, spec in declared.items():
+        if name not in data:
+            if spec.default is dataclasses.MISSING:
+                raise BadMessage("bad_field", f"{cls.KIND}: missing {name}")
+            continue
+        values[name] = _checked(hints[name], data[name], f"{cls.KIND}.{name}", bounds)
+    if payload and cls is not Page:
+        raise BadMessage("bad_field", f"{cls.KIND} carries no payload")
+    message = cls(**values, **({"payload": payload} if cls is Page else {}))
+    _check_meaning(message, bounds)
+    return message
+
+
+def _checked(kind: Any, value: Any, where: str, bounds: Bounds) -> Any:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _checked(next(a for a in args if a is not type(None)), value, where, bounds)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        low = -MAX_INT if where.endswith(".seed") else 0  # a seed may be negative; counts and indices not
+        ok = isinstance(value, int) and not isinstance(value, bool) and low <= value < MAX_INT
+    elif kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    elif kind is str:
+        limit = MAX_TEXT_CHARS if where.endswith((".message", ".text")) else MAX_ID_CHARS
+        ok = isinstance(value, str) and len(value) <= limit
+    elif origin is list:
+        tokens = args[0] is int or where.endswith(".targets")  # one entry per token or per page
+        ok = isinstance(value, list) and len(value) <= (bounds.max_tokens + 1 if tokens else MAX_ITEMS)
+        if ok:
+            return [_checked(args[0], item, where, bounds) for item in value]
+    elif origin is dict or kind is Any:
+        ok = isinstance(value, dict if origin is dict else object)
+    else:
+        raise TypeError(f"no check for {kind}")
+    if not ok:
+        raise BadMessage("bad_field", f"{where}: {type(value).__name__} out of type or range")
+    return value
+
+
+def _check_meaning(message: Msg, bounds: Bounds) -> None:
+    """What the types alone cannot say: token ids in the vocabulary, pairs as targets, sane params."""
+    for name in ("prompt", "token_ids"):
+        tokens = getattr(message, name, None)
+        if tokens is not None and any(t >= bounds.vocab_size for t in tokens):
+            raise BadMessage("bad_field", f"{message.KIND}.{name}: token id outside the vocabulary")
+    targets = getattr(message, "targets", None)
+    if targets is not None and any(len(t) != 2 for t in targets):
+        raise BadMessage("bad_field", f"{message.KIND}.targets: not (page, generation) pairs")
+    if isinstance(message, Reserve):
+        hints = typing.get_type_hints(SamplingParams)
+        if not set(message.params) <= set(hints):
+            raise BadMessage("bad_field", "reserve.params: unknown sampling parameter")
+        for name, value in message.params.items():
+            _checked(hints[name], value, f"reserve.params.{name}", bounds)
+        try:
+            message.sampling()
+        except (TypeError, ValueError) as exc:
+            raise BadMessage("bad_field", f"reserve.params: {str(exc)[:80]}") from None
