@@ -176,8 +176,11 @@ def _add_routes(app: FastAPI, service: _Service) -> None:
     engine, metrics = service.engine, service.metrics
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """503 while the engine thread (or the router's I/O thread) is dead: nothing could be served."""
+        if not engine.alive:
+            return JSONResponse({"status": "dead"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models(_: Tenant) -> ModelList:

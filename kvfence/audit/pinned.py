@@ -94,6 +94,7 @@ def _pinned_by_server(
         values = {role: pool.get(key) for role, pool in pools.items()}
         if len(set(values.values())) > 1:
             problems.append({"problem": f"pools report different {key} values", "values": values})
+    problems += _transport_problems(server)
     expected = file_sha256(model_file) if model_file and model_file.is_file() else None
     first = next(iter(pools.values()))
     served = first.get("model_sha256")
@@ -113,3 +114,17 @@ def _pinned_by_server(
         f"({expectation}); {server['mode']}, {len(pools)} pool(s); flags: {flags or 'not given'}"
     )
     return _pinned_verdict(problems, ok, pins)
+
+
+def _transport_problems(server: dict[str, Any]) -> list[dict[str, Any]]:
+    """A disaggregated service whose router or workers accept unauthenticated frames: any process that
+    reaches a port could act as any tenant (`--insecure-transport`, or keys left off on loopback)."""
+    transports = {"router": server.get("transport")} if server.get("mode") == "disaggregated" else {}
+    transports |= {
+        role: pool.get("transport") for role, pool in server["pools"].items() if "transport" in pool
+    }
+    return [
+        {"problem": "transport not authenticated", "where": where, "transport": transport}
+        for where, transport in transports.items()
+        if not (isinstance(transport, dict) and transport.get("authenticated"))
+    ]

@@ -90,16 +90,20 @@ class Connector(ABC):
 class _Curve:
     """The CURVE side of a ZmqConnector: a private context whose ZAP handler admits allow-listed keys."""
 
-    def __init__(self, keys: TransportKeys) -> None:
+    def __init__(self, keys: TransportKeys, rejected: Counter[str]) -> None:
         self.keys = keys
+        self.rejected = rejected
         self.context: zmq.Context[Any] = zmq.Context()
         self.auth = ThreadAuthenticator(self.context, log=logging.getLogger("kvfence.zap"))
         self.auth.start()
         self.auth.configure_curve_callback(domain="*", credentials_provider=self)
 
     def callback(self, domain: str, key: bytes) -> bool:
-        """ZAP: admit a connection only from a public key in the allow-list."""
-        return key.decode("ascii", "replace") in self.keys.book.by_key
+        """ZAP: admit a connection only from a public key in the allow-list (refusals are counted)."""
+        known = key.decode("ascii", "replace") in self.keys.book.by_key
+        if not known:
+            self.rejected["unknown_key"] += 1
+        return known
 
     def server(self, socket: zmq.Socket[Any]) -> None:
         socket.curve_server = True
@@ -129,7 +133,7 @@ class ZmqConnector(Connector):
 
     def __init__(self, bind: str, keys: TransportKeys | None = None) -> None:
         super().__init__()
-        self._curve = _Curve(keys) if keys else None
+        self._curve = _Curve(keys, self.rejected) if keys else None
         self.secure = keys is not None
         self._context = self._curve.context if self._curve else zmq.Context.instance()
         self._inbox = self._context.socket(zmq.ROUTER)
@@ -194,7 +198,7 @@ class ZmqConnector(Connector):
         else:
             known = self._curve.sender(header.get("User-Id"))
             if known is None:  # the ZAP handler admits only allow-listed keys: this cannot happen
-                self.rejected["unknown_key"] += 1
+                self.rejected["unknown_sender"] += 1
                 return None
             sender, role = known
         return Received(sender, role, header.bytes, payload.bytes)

@@ -38,6 +38,11 @@ class EngineClient(Protocol):
 
     def shutdown(self) -> None: ...
 
+    @property
+    def alive(self) -> bool:
+        """Whether the thread that serves requests runs (/health answers 503 when it does not)."""
+        ...
+
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
     ) -> AsyncIterator[RequestOutput]: ...
@@ -69,6 +74,10 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
         self._stopped.set()

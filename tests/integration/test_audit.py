@@ -107,8 +107,11 @@ def test_audit_fails_complete_handoff_when_the_fence_is_off_and_a_fault_fires(
 
 def server_info(**decode: Any) -> dict[str, Any]:
     """A disaggregated server's /v1/audit/info: two pools alike unless `decode` overrides a field."""
+    transport = {"kind": "zeromq", "authenticated": True}
     pool = {"kvfence_version": "0.1.0", "git_commit": "abc", "model_sha256": "f" * 64, "page_size": 16}
-    return {"mode": "disaggregated", "pools": {"prefill": pool, "decode": {**pool, **decode}}}
+    pool["transport"] = transport
+    pools = {"prefill": pool, "decode": {**pool, **decode}}
+    return {"mode": "disaggregated", "transport": transport, "pools": pools}
 
 
 @pytest.mark.parametrize(
@@ -118,6 +121,7 @@ def server_info(**decode: Any) -> dict[str, Any]:
         ({"model_sha256": "e" * 64}, "pools report different model sha256s"),
         ({"model_sha256": None}, "model sha256 unknown"),
         ({"git_commit": "def"}, "pools report different git_commit values"),
+        ({"transport": {"kind": "zeromq", "authenticated": False}}, "transport not authenticated"),
     ],
 )
 def test_pinned_versions_from_the_server_need_one_known_model_and_code(
