@@ -4,14 +4,17 @@ Contracts:
 - Each app's metrics live in a registry of their own, so several apps can share one process.
 - Every request is counted once in `kvfence_requests` by its final status, however it ends (finished,
   aborted, refused at admission, client gone); an admission refusal is also counted by its reason.
-- The engine's counters and gauges are read from `engine.stats()` at scrape time, never cached.
+- The engine's counters and gauges are read from `engine.stats()` at scrape time, never cached, one series
+  per role (`single`, or `prefill` and `decode`, and `router` for its dropped frames): pools are never
+  summed, so a full decode pool cannot hide behind an idle prefill pool. `kvfence_pages_free` counts the
+  pages an allocation can take now, free or cached-and-idle; `kvfence_pages{state="free"}` only the free.
 - Closing the observed stream closes the engine's stream, which aborts the engine request.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -20,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
+from kvfence.engine.stats import EngineStats
 from kvfence.request import Status
 
 _Outputs = AsyncGenerator[RequestOutput, None]
@@ -29,12 +33,20 @@ def _family(
     kind: type[GaugeMetricFamily | CounterMetricFamily],
     name: str,
     doc: str,
-    values: dict[str, int | float],
-    label: str,
+    stats: dict[str, EngineStats],
+    value: Callable[[EngineStats], float | dict[str, float]],
+    label: str | None = None,
 ) -> Metric:
-    family = kind(name, doc, labels=[label])
-    for key, value in values.items():
-        family.add_metric([key], value)
+    """One series per role (and per `label` value, when `value` gives a dict); roles without a pool
+    (the router) only in the families that have a `label` (their dropped frames)."""
+    family = kind(name, doc, labels=["role"] + ([label] if label else []))
+    for role, s in stats.items():
+        values = value(s)
+        if isinstance(values, dict):
+            for key, v in values.items():
+                family.add_metric([role, key], v)
+        elif s.num_pages:
+            family.add_metric([role], values)
     return family
 
 
@@ -45,38 +57,69 @@ class _EngineCollector:
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        s = self._engine.stats()
+        stats = self._engine.stats()
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        yield gauge(
+        pools = {role: s for role, s in stats.items() if s.num_pages}
+        yield _family(
+            gauge,
             "kvfence_pages_free",
             "KV pages an allocation can take now (free, or cached and idle)",
-            value=s.pages_free,
+            stats,
+            lambda s: s.pages_free,
         )
-        yield gauge("kvfence_pages_used", "KV pages held by requests", value=s.num_pages - s.pages_free)
-        yield _family(gauge, "kvfence_pages", "KV pages by allocator state", s.pages_by_state, "state")
-        yield counter("kvfence_prefix_cache_hits", "Pages served from the prefix cache", value=s.prefix_hits)
+        yield _family(
+            gauge,
+            "kvfence_pages_used",
+            "KV pages held by requests",
+            stats,
+            lambda s: s.num_pages - s.pages_free,
+        )
+        yield _family(
+            gauge, "kvfence_pages", "KV pages by allocator state", pools, lambda s: s.pages_by_state, "state"
+        )
+        yield _family(
+            counter,
+            "kvfence_prefix_cache_hits",
+            "Pages served from the prefix cache",
+            stats,
+            lambda s: s.prefix_hits,
+        )
         yield _family(
             counter,
             "kvfence_integrity_aborts",
             "Requests aborted by the KV fence, by reason",
-            s.integrity_aborts,
+            pools,
+            lambda s: s.integrity_aborts,
             "reason",
         )
-        yield counter(
+        yield _family(
+            counter,
             "kvfence_refused_writes",
             "KV writes refused (stale generation or foreign owner)",
-            value=s.refused_writes,
+            stats,
+            lambda s: s.refused_writes,
         )
-        yield counter("kvfence_fence_checks", "Batched fence validations run", value=s.validation_checks)
+        yield _family(
+            counter,
+            "kvfence_fence_checks",
+            "Batched fence validations run",
+            stats,
+            lambda s: s.validation_checks,
+        )
         yield _family(
             counter,
             "kvfence_transport_rejected",
             "Frames between router and workers dropped before being acted on, by reason",
-            s.transport_rejected,
+            stats,
+            lambda s: s.transport_rejected,
             "reason",
         )
-        yield counter(
-            "kvfence_fence_validation_seconds", "Time spent in fence validation", value=s.validation_seconds
+        yield _family(
+            counter,
+            "kvfence_fence_validation_seconds",
+            "Time spent in fence validation",
+            stats,
+            lambda s: s.validation_seconds,
         )
 
 

@@ -389,12 +389,12 @@ class AuditReader:
             raise AuditError(f"GET /v1/audit/info: HTTP {response.status_code}")
         return dict(response.json())
 
-    def metrics(self) -> dict[str, dict[str, float]]:
-        """Sample name -> {label values joined by ',' (or '') -> value}."""
-        samples: dict[str, dict[str, float]] = defaultdict(dict)
+    def metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """Sample name -> [(labels, value)]: a kvfence server reports one series per pool (`role`)."""
+        samples: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
         for family in text_string_to_metric_families(self.http.get("/metrics").text):
             for sample in family.samples:
-                samples[sample.name][",".join(sample.labels.values())] = sample.value
+                samples[sample.name].append((dict(sample.labels), sample.value))
         return dict(samples)
 
 

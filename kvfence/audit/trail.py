@@ -78,11 +78,12 @@ class PoolState:
         return self.total_pages > 0 and self.free_pages == self.total_pages and self.quarantined_pages == 0
 
 
-def pool_state(metrics: dict[str, dict[str, float]], waited_s: float = 0.0) -> PoolState:
-    states = metrics.get("kvfence_pages", {})
+def pool_state(metrics: dict[str, list[tuple[dict[str, str], float]]], waited_s: float = 0.0) -> PoolState:
+    """Every pool of the server together (one series per role on /metrics)."""
+    pages = metrics.get("kvfence_pages", [])
     return PoolState(
-        int(sum(states.values())),
-        int(metrics.get("kvfence_pages_free", {}).get("", 0)),
-        int(states.get("quarantined", 0)),
+        int(sum(value for _, value in pages)),
+        int(sum(value for _, value in metrics.get("kvfence_pages_free", []))),
+        int(sum(value for labels, value in pages if labels.get("state") == "quarantined")),
         waited_s,
     )

@@ -264,10 +264,10 @@ class Router:
             "pools": {role: worker.info for role, worker in self.workers.items()},
         }
 
-    def stats(self) -> EngineStats:
-        """Both pools seen as one, plus the frames this router dropped."""
-        prefill, decode = self.worker_stats("prefill"), self.worker_stats("decode")
-        return prefill + decode + EngineStats.transport_only(self.rejected)
+    def stats(self) -> dict[str, EngineStats]:
+        """Each worker's pool, and the frames this router dropped."""
+        workers = {role: self.worker_stats(role) for role in ("prefill", "decode")}
+        return {**workers, "router": EngineStats.transport_only(self.rejected)}
 
     def worker_stats(self, role: str) -> EngineStats:
         """One worker's pool and fence counters, and the frames it dropped (blocking)."""

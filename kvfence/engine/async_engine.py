@@ -47,8 +47,9 @@ class EngineClient(Protocol):
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
     ) -> AsyncIterator[RequestOutput]: ...
 
-    def stats(self) -> EngineStats:
-        """Pool and fence counters (blocking; call it off the event loop)."""
+    def stats(self) -> dict[str, EngineStats]:
+        """Pool and fence counters by role: `single`, or `prefill` and `decode` (and the `router`'s dropped
+        frames, without a pool). Blocking; call it off the event loop."""
         ...
 
     def audit_events(self, request_id: str) -> list[dict[str, Any]]:
@@ -117,8 +118,8 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             self.abort(request_id, "client_disconnected")
 
-    def stats(self) -> EngineStats:
-        return self.call(lambda: EngineStats.read(self.engine)).result(timeout=STATS_TIMEOUT_S)
+    def stats(self) -> dict[str, EngineStats]:
+        return {"single": self.call(lambda: EngineStats.read(self.engine)).result(timeout=STATS_TIMEOUT_S)}
 
     def audit_events(self, request_id: str) -> list[dict[str, Any]]:
         return self.engine.events.for_request(request_id)

@@ -45,7 +45,7 @@ class EngineStats:
 
     @classmethod
     def transport_only(cls, transport_rejected: Mapping[str, int]) -> EngineStats:
-        """No pool, only dropped frames: what a router adds to its workers' stats."""
+        """No pool, only dropped frames: what a router reports of itself."""
         return cls(0, 0, {}, 0, {}, 0, 0, 0.0, dict(transport_rejected))
 
     def to_dict(self) -> dict[str, Any]:
@@ -54,15 +54,3 @@ class EngineStats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineStats:
         return cls(**data)
-
-    def __add__(self, other: EngineStats) -> EngineStats:
-        """Two pools seen as one (a router in front of a prefill and a decode worker)."""
-
-        def add(a: Any, b: Any) -> Any:
-            return (
-                {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()} if isinstance(a, dict) else a + b
-            )
-
-        return EngineStats(
-            **{f.name: add(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)}
-        )

@@ -215,11 +215,10 @@ async def _cluster_drain(running: Cluster, timeout_s: float = 60.0) -> dict[str,
 
     await wait_until(idle, timeout_s, every_s=0.5)
     stats = [await asyncio.to_thread(running.worker_stats, role) for role in ("prefill", "decode")]
-    total = stats[0] + stats[1]
     return {
-        "num_pages": total.num_pages,
-        "pages_free": total.pages_free,
-        "quarantined_pages": total.pages_by_state["quarantined"],
+        "num_pages": sum(s.num_pages for s in stats),
+        "pages_free": sum(s.pages_free for s in stats),
+        "quarantined_pages": sum(s.pages_by_state["quarantined"] for s in stats),
         "metrics_pages_free": await asyncio.to_thread(metric, running.url, "kvfence_pages_free"),
         "note": "allocator.check_integrity() cannot be run remotely: workers answer stats only",
     }

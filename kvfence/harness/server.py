@@ -67,13 +67,19 @@ def serving(app: FastAPI) -> Iterator[str]:
 
 
 def metric(url: str, name: str, labels: dict[str, str] | None = None, timeout_s: float = 30.0) -> float:
-    """One sample of the server's /metrics (KeyError when absent)."""
+    """The server's /metrics samples `name` whose labels include `labels`, summed (a kvfence server has
+    one series per pool role: no role label sums the pools). KeyError when there is none."""
     text = httpx.get(f"{url}/metrics", timeout=timeout_s).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == (labels or {}):
-                return float(sample.value)
-    raise KeyError(name)
+    wanted = (labels or {}).items()
+    values = [
+        float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and wanted <= sample.labels.items()
+    ]
+    if not values:
+        raise KeyError(name)
+    return sum(values)
 
 
 def audit_trail(url: str, admin_key: str, request_id: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from conftest import real_engine
 
 from kvfence.config import EngineConfig
 from kvfence.harness.cluster import Cluster, Spawned, cluster
+from kvfence.harness.server import metric
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path, file_sha256
@@ -134,6 +135,20 @@ def test_audit_info_names_both_pools(fenced: Cluster, smollm2: GGUFModel) -> Non
         DECODE.num_pages,
     )
     assert pools["decode"]["prefix_caching"] is False and all(p["isolation"] for p in pools.values())
+    transports = [info["transport"], *(pool["transport"] for pool in pools.values())]
+    assert all(t == {"kind": "zeromq", "authenticated": True} for t in transports)
+
+
+def test_metrics_keep_the_pools_apart(fenced: Cluster) -> None:
+    """/metrics has one series per pool, labelled by role: a full decode pool cannot hide behind an idle
+    prefill pool in a sum."""
+    for role, config in (("prefill", PREFILL), ("decode", DECODE)):
+        assert metric(fenced.url, "kvfence_pages_free", {"role": role}) == config.num_pages
+        assert metric(fenced.url, "kvfence_pages", {"role": role}) == config.num_pages  # summed over states
+        assert fenced.worker_stats(role).transport_rejected == {}  # honest traffic drops nothing
+    with pytest.raises(KeyError):
+        metric(fenced.url, "kvfence_pages_free", {"role": "router"})  # the router has no pool
+    assert not fenced.router.rejected
 
 
 def test_prefill_crash_mid_load_fails_only_its_requests(smollm2: GGUFModel) -> None:

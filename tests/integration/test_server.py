@@ -17,11 +17,11 @@ import openai
 import pytest
 from conftest import real_engine, serving
 from openai.types.chat import ChatCompletion
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.api.responses import EngineStreamResponse
 from kvfence.api.server import build_app
 from kvfence.engine.async_engine import AsyncEngine
+from kvfence.harness.server import metric
 from kvfence.model.gguf import GGUFModel
 from kvfence.sampling import SamplingParams
 
@@ -64,12 +64,7 @@ class Server:
         return self.engine.call(fn).result(timeout=120)
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        text = self.http("GET", "/metrics", key=None).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and sample.labels == (labels or {}):
-                    return sample.value
-        raise KeyError(name)
+        return metric(self.url, name, labels)
 
 
 @pytest.fixture(scope="module")
@@ -340,8 +335,8 @@ def test_metrics_exposition(server: Server) -> None:
         "kvfence_prefix_cache_hits_total",
         "kvfence_refused_writes_total",
         "kvfence_fence_validation_seconds_total",
-        'kvfence_pages{state="quarantined"}',
-        'kvfence_integrity_aborts_total{reason="stale_generation"}',
+        'kvfence_pages{role="single",state="quarantined"}',
+        'kvfence_integrity_aborts_total{reason="stale_generation",role="single"}',
     ]:
         assert name in text, name
     assert server.metric("kvfence_requests_total", {"status": "finished"}) >= 1
