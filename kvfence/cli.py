@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 ROLES = ("prefill", "decode", "router")
 DEFAULT_LISTEN = "tcp://127.0.0.1:5600"  # a worker's address when neither --listen nor its key names one
-CHILD_STOP_S = 10.0  # how long `serve --disaggregated` waits for a worker to stop before killing it
 
 
 def default_device() -> str:
@@ -210,28 +209,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_disaggregated(args: argparse.Namespace) -> int:
     """One prefill and one decode worker process plus the router, all on this host, speaking CURVE with
-    keys made for this run only (unless --insecure-transport). SIGTERM and SIGINT stop every child."""
+    keys made for this run only (unless --insecure-transport). A worker that dies is restarted; SIGTERM and
+    SIGINT stop every child."""
     from kvfence.disagg.keys import ephemeral
-    from kvfence.disagg.launch import free_ports, spawn_workers
+    from kvfence.disagg.launch import LocalWorkers, free_ports
 
     config = engine_config(args)
     addresses = {role: f"tcp://127.0.0.1:{port}" for role, port in zip(ROLES, free_ports(3), strict=True)}
     keys = None if args.insecure_transport else ephemeral([(r, r, a) for r, a in addresses.items()])
     _log(f"transport: {'INSECURE (--insecure-transport)' if keys is None else 'CURVE with ephemeral keys'}")
-    children = spawn_workers([("prefill", config), ("decode", config)], bind=addresses, keys=keys)
-    try:
-        with _terminate_on_sigterm():
-            router_keys = keys["router"] if keys else None
-            return _run_router(
-                args, addresses["prefill"], addresses["decode"], addresses["router"], router_keys
-            )
-    finally:
-        for process, _ in children:
-            process.terminate()
-        for process, _ in children:
-            process.join(timeout=CHILD_STOP_S)
-            if process.is_alive():
-                process.kill()
+    with _terminate_on_sigterm(), LocalWorkers([("prefill", config), ("decode", config)], addresses, keys):
+        router_keys = keys["router"] if keys else None
+        return _run_router(args, addresses["prefill"], addresses["decode"], addresses["router"], router_keys)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from kvfence.disagg.worker import Worker
 
 WORKERS: dict[str, type[Worker]] = {"prefill": PrefillWorker, "decode": DecodeWorker}
 START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0  # how long a worker may take to stop after SIGTERM before it is killed
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:0"
 
 
@@ -92,6 +93,57 @@ def spawn_workers(
         except EOFError:
             raise RuntimeError(f"the {role} worker exited while starting (see its output)") from None
     return workers
+
+
+class LocalWorkers:
+    """The prefill and decode worker processes of `serve --disaggregated`: spawned together, a dead one
+    respawned on the same address with the same keys (the router re-learns it when its link comes back
+    up), and every one stopped when the block ends, however it ends."""
+
+    def __init__(
+        self,
+        specs: list[tuple[str, EngineConfig]],
+        binds: dict[str, str],
+        keys: dict[str, TransportKeys] | None,
+        poll_s: float = 1.0,
+    ) -> None:
+        self.specs, self.binds, self.keys, self.poll_s = dict(specs), binds, keys, poll_s
+        self.processes: dict[str, mp.Process] = {}
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="kvfence-supervisor", daemon=True)
+
+    def __enter__(self) -> LocalWorkers:
+        for (role, _), (process, _) in zip(self.specs.items(), self._spawn(list(self.specs)), strict=True):
+            self.processes[role] = process
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
+        self._watcher.join(timeout=START_TIMEOUT_S)
+        for process in self.processes.values():
+            process.terminate()
+        for process in self.processes.values():
+            process.join(timeout=STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+
+    def _spawn(self, roles: list[str]) -> list[tuple[mp.Process, str]]:
+        keys = {role: self.keys[role] for role in roles} if self.keys else None
+        return spawn_workers([(role, self.specs[role]) for role in roles], self.binds, keys)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            for role, process in list(self.processes.items()):
+                if process.is_alive() or self._stopping.is_set():
+                    continue
+                print(f"[{role}] worker exited (code {process.exitcode}); restarting it", flush=True)
+                try:
+                    ((self.processes[role], _),) = self._spawn([role])
+                    self.restarts += 1
+                except RuntimeError as exc:  # it failed to start: try again on the next round
+                    print(f"[{role}] restart failed: {exc}", flush=True)
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
