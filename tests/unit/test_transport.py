@@ -76,6 +76,17 @@ def keyed() -> Any:
     server.close()
 
 
+def router_socket(context: zmq.Context[Any], keys: Any, identity: bytes | None = None) -> zmq.Socket[Any]:
+    """A raw DEALER holding the router's keys, for the decode server: frames built by hand."""
+    socket = context.socket(zmq.DEALER)
+    own = keys[ROUTER].identity
+    socket.curve_publickey, socket.curve_secretkey = own.public_key.encode(), own.secret_key.encode()
+    socket.curve_serverkey = keys[DECODE].identity.public_key.encode()
+    if identity is not None:
+        socket.setsockopt(zmq.IDENTITY, identity)
+    return socket
+
+
 def test_only_allow_listed_keys_are_heard(keyed: Any) -> None:
     server, client, keys, context = keyed
     plain = context.socket(zmq.DEALER)  # no key at all
@@ -96,11 +107,7 @@ def test_only_allow_listed_keys_are_heard(keyed: Any) -> None:
 def test_the_sender_is_the_key_never_the_frame(keyed: Any) -> None:
     """A listed peer that names itself as another (its routing identity) is still itself."""
     server, client, keys, context = keyed
-    liar = context.socket(zmq.DEALER)
-    own = keys[ROUTER].identity
-    liar.curve_publickey, liar.curve_secretkey = own.public_key.encode(), own.secret_key.encode()
-    liar.curve_serverkey = keys[DECODE].identity.public_key.encode()
-    liar.setsockopt(zmq.IDENTITY, b"tcp://10.9.9.9:1")  # claims to be someone else
+    liar = router_socket(context, keys, identity=b"tcp://10.9.9.9:1")  # claims to be someone else
     liar.connect(server.address)
     liar.send_multipart(encode(Hello(token="z")))
     heard = _recv(server, 5.0)
@@ -115,10 +122,7 @@ def test_a_node_dials_only_configured_peers(keyed: Any) -> None:
 
 def test_bad_frame_counts_are_dropped_not_raised(keyed: Any) -> None:
     server, _, keys, context = keyed
-    raw = context.socket(zmq.DEALER)
-    own = keys[ROUTER].identity
-    raw.curve_publickey, raw.curve_secretkey = own.public_key.encode(), own.secret_key.encode()
-    raw.curve_serverkey = keys[DECODE].identity.public_key.encode()
+    raw = router_socket(context, keys)
     raw.connect(server.address)
     raw.send_multipart([b"only one frame"])
     raw.send_multipart([b"{}", b"", b"three"])
