@@ -260,8 +260,8 @@ def decode(header: bytes, payload: bytes, bounds: Bounds) -> Msg:
     """Parse and check an untrusted frame pair; raises BadMessage, never anything else."""
     try:
         data = json.loads(header.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BadMessage("not_json", str(exc)[:80]) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting past the stack
+        raise BadMessage("not_json", str(exc)[:80] or type(exc).__name__) from None
     if not isinstance(data, dict):
         raise BadMessage("not_json", "the header is not an object")
     kind = data.pop("kind", None)
@@ -269,6 +269,17 @@ def decode(header: bytes, payload: bytes, bounds: Bounds) -> Msg:
     if cls is None:
         raise BadMessage("unknown_kind", f"{str(kind)[:40]!r}")
     return build(cls, data, payload, bounds)
+
+
+def accept(header: bytes, payload: bytes, sender_role: str | None, receiver_role: str, bounds: Bounds) -> Msg:
+    """`decode`, then the role rule: may a `sender_role` peer send this kind to a `receiver_role` one?
+    (`sender_role` None: an insecure transport, where no role is proven and only the kind is checked.)
+    Raises BadMessage, with reason `wrong_role` for a message its sender may not send."""
+    message = decode(header, payload, bounds)
+    allowed = ROLE_RULES[receiver_role].get(message.KIND)
+    if allowed is None or (sender_role is not None and sender_role not in allowed):
+        raise BadMessage("wrong_role", f"{message.KIND} from a {sender_role or 'unknown'} peer")
+    return message
 
 
 def build(cls: type[Msg], data: dict[str, Any], payload: bytes, bounds: Bounds) -> Msg:

@@ -43,7 +43,7 @@ from kvfence.disagg.messages import (
     Reserve,
     Stats,
     StatsReply,
-    decode,
+    accept,
 )
 from kvfence.engine.async_engine import STATS_TIMEOUT_S
 from kvfence.engine.engine import AdmissionError, context_refusal
@@ -334,20 +334,17 @@ class Router:
 
     def _dispatch(self, item: Received) -> None:
         try:
-            message = decode(item.header, item.payload, self._bounds)
+            message = accept(item.header, item.payload, item.role, "router", self._bounds)
         except BadMessage as exc:
             self._drop(item.sender, exc.reason, str(exc))
-            return
-        allowed = ROLE_RULES["router"].get(message.KIND)
-        if allowed is None or (item.role is not None and item.role not in allowed):
-            self._drop(item.sender, "wrong_role", f"{message.KIND} from a {item.role or 'unknown'} peer")
             return
         token = getattr(message, "token", None)
         if token is not None:
             self._answer(item.sender, token, message)
             return
         assigned = {"prefill": self.prefill, "decode": self.decode}
-        if item.sender not in {assigned[role] for role in allowed}:  # the worker of that role we use
+        senders = {assigned[role] for role in ROLE_RULES["router"][message.KIND]}
+        if item.sender not in senders:  # the worker of that role this router uses
             self._drop(item.sender, "not_assigned", f"{message.KIND} from a worker not assigned to it")
             return
         target = self._streams.get(getattr(message, "request_id", ""))

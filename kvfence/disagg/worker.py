@@ -20,7 +20,6 @@ from typing import Any
 from kvfence.disagg.connector import Connector, LinkEvent, Received
 from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.messages import (
-    ROLE_RULES,
     Audit,
     AuditReply,
     BadMessage,
@@ -30,7 +29,7 @@ from kvfence.disagg.messages import (
     Msg,
     Stats,
     StatsReply,
-    decode,
+    accept,
 )
 from kvfence.engine.info import engine_info
 from kvfence.engine.stats import EngineStats
@@ -71,13 +70,13 @@ class Worker:
             self.on_link(item)
             return
         try:
-            message = decode(item.header, item.payload, self.bounds)
+            message = accept(item.header, item.payload, item.role, self.role, self.bounds)
         except BadMessage as exc:
             self.drop(item.sender, exc.reason, str(exc))
             return
-        allowed = ROLE_RULES[self.role].get(message.KIND)
-        if allowed is None or (item.role is not None and item.role not in allowed):
-            self.drop(item.sender, "wrong_role", f"{message.KIND} from a {item.role or 'unknown'} peer")
+        except Exception:  # a parser bug must not end the worker: the frame is dropped all the same
+            log.exception("%s: parsing a frame from %s failed", self.role, item.sender)
+            self.drop(item.sender, "parse_error", "the parser failed")
             return
         try:
             getattr(self, f"on_{message.KIND}")(item.sender, message)

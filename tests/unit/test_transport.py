@@ -173,6 +173,17 @@ def test_out_of_bounds_fields_are_refused(fields: dict[str, Any], reason: str) -
     assert err.value.reason == reason
 
 
+def test_nesting_past_the_stack_is_a_bad_message(tiny: LlamaModel) -> None:
+    """10 KB of brackets made json.loads raise RecursionError, which ended a worker's loop."""
+    header = b'{"kind": "audit", "token": "t", "request_id": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(BadMessage) as err:
+        decode(header, b"", BOUNDS)
+    assert err.value.reason == "not_json"
+    node = Node(tiny)
+    node.decode.handle(Received(PREFILL, "prefill", header, b""))
+    assert node.decode.rejected == {"not_json": 1}
+
+
 def test_only_a_page_carries_a_payload() -> None:
     header, _ = encode(Hello(token="t"))
     with pytest.raises(BadMessage):
