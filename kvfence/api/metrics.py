@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,25 +30,74 @@ from kvfence.request import Status
 _Outputs = AsyncGenerator[RequestOutput, None]
 
 
-def _family(
-    kind: type[GaugeMetricFamily | CounterMetricFamily],
-    name: str,
-    doc: str,
-    stats: dict[str, EngineStats],
-    value: Callable[[EngineStats], float | dict[str, float]],
-    label: str | None = None,
-) -> Metric:
-    """One series per role (and per `label` value, when `value` gives a dict); roles without a pool
-    (the router) only in the families that have a `label` (their dropped frames)."""
-    family = kind(name, doc, labels=["role"] + ([label] if label else []))
-    for role, s in stats.items():
-        values = value(s)
-        if isinstance(values, dict):
-            for key, v in values.items():
-                family.add_metric([role, key], v)
-        elif s.num_pages:
-            family.add_metric([role], values)
-    return family
+@dataclass(frozen=True)
+class _Family:
+    """One engine metric: its kind, name and help, and how to read it from a role's EngineStats. A value
+    that is a dict gives one series per key under `label`."""
+
+    kind: type[GaugeMetricFamily | CounterMetricFamily]
+    name: str
+    doc: str
+    value: Callable[[EngineStats], float | dict[str, float]]
+    label: str | None = None
+    pools_only: bool = True  # roles without a pool (the router) have no series
+
+    def collect(self, stats: dict[str, EngineStats]) -> Metric:
+        family = self.kind(self.name, self.doc, labels=["role"] + ([self.label] if self.label else []))
+        for role, s in stats.items():
+            if self.pools_only and not s.num_pages:
+                continue
+            values = self.value(s)
+            if isinstance(values, dict):
+                for key, v in values.items():
+                    family.add_metric([role, key], v)
+            else:
+                family.add_metric([role], values)
+        return family
+
+
+_GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
+_ENGINE_FAMILIES = (
+    _Family(
+        _GAUGE,
+        "kvfence_pages_free",
+        "KV pages an allocation can take now (free, or cached and idle)",
+        lambda s: s.pages_free,
+    ),
+    _Family(_GAUGE, "kvfence_pages_used", "KV pages held by requests", lambda s: s.num_pages - s.pages_free),
+    _Family(_GAUGE, "kvfence_pages", "KV pages by allocator state", lambda s: s.pages_by_state, "state"),
+    _Family(
+        _COUNTER, "kvfence_prefix_cache_hits", "Pages served from the prefix cache", lambda s: s.prefix_hits
+    ),
+    _Family(
+        _COUNTER,
+        "kvfence_integrity_aborts",
+        "Requests aborted by the KV fence, by reason",
+        lambda s: s.integrity_aborts,
+        "reason",
+    ),
+    _Family(
+        _COUNTER,
+        "kvfence_refused_writes",
+        "KV writes refused (stale generation or foreign owner)",
+        lambda s: s.refused_writes,
+    ),
+    _Family(_COUNTER, "kvfence_fence_checks", "Batched fence validations run", lambda s: s.validation_checks),
+    _Family(
+        _COUNTER,
+        "kvfence_fence_validation_seconds",
+        "Time spent in fence validation",
+        lambda s: s.validation_seconds,
+    ),
+    _Family(
+        _COUNTER,
+        "kvfence_transport_rejected",
+        "Frames between router and workers dropped before being acted on, by reason",
+        lambda s: s.transport_rejected,
+        "reason",
+        pools_only=False,
+    ),
+)
 
 
 class _EngineCollector:
@@ -58,69 +108,7 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.stats()
-        gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        pools = {role: s for role, s in stats.items() if s.num_pages}
-        yield _family(
-            gauge,
-            "kvfence_pages_free",
-            "KV pages an allocation can take now (free, or cached and idle)",
-            stats,
-            lambda s: s.pages_free,
-        )
-        yield _family(
-            gauge,
-            "kvfence_pages_used",
-            "KV pages held by requests",
-            stats,
-            lambda s: s.num_pages - s.pages_free,
-        )
-        yield _family(
-            gauge, "kvfence_pages", "KV pages by allocator state", pools, lambda s: s.pages_by_state, "state"
-        )
-        yield _family(
-            counter,
-            "kvfence_prefix_cache_hits",
-            "Pages served from the prefix cache",
-            stats,
-            lambda s: s.prefix_hits,
-        )
-        yield _family(
-            counter,
-            "kvfence_integrity_aborts",
-            "Requests aborted by the KV fence, by reason",
-            pools,
-            lambda s: s.integrity_aborts,
-            "reason",
-        )
-        yield _family(
-            counter,
-            "kvfence_refused_writes",
-            "KV writes refused (stale generation or foreign owner)",
-            stats,
-            lambda s: s.refused_writes,
-        )
-        yield _family(
-            counter,
-            "kvfence_fence_checks",
-            "Batched fence validations run",
-            stats,
-            lambda s: s.validation_checks,
-        )
-        yield _family(
-            counter,
-            "kvfence_transport_rejected",
-            "Frames between router and workers dropped before being acted on, by reason",
-            stats,
-            lambda s: s.transport_rejected,
-            "reason",
-        )
-        yield _family(
-            counter,
-            "kvfence_fence_validation_seconds",
-            "Time spent in fence validation",
-            stats,
-            lambda s: s.validation_seconds,
-        )
+        return (family.collect(stats) for family in _ENGINE_FAMILIES)
 
 
 class Metrics:
