@@ -32,8 +32,9 @@ from typing import Any
 import httpx
 from common import build_engine, load_weights, verdict, write_json
 
-from kvfence.harness.cluster import Cluster, Command, cluster
+from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.tables import print_table
+from kvfence.harness.workers import Command
 from kvfence.pins import default_model_path
 from kvfence.sampling import SamplingParams
 

@@ -30,7 +30,8 @@ from kvfence.config import EngineConfig
 from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.router import Router
 from kvfence.engine.engine import AdmissionError, LLMEngine
-from kvfence.harness.cluster import InThread, cluster
+from kvfence.harness.cluster import cluster
+from kvfence.harness.workers import InThread
 from kvfence.model.gguf import GGUFModel, load_gguf
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer

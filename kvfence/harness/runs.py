@@ -23,7 +23,7 @@ from kvfence.cache.pool import PageState
 from kvfence.config import EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.engine.engine import LLMEngine
-from kvfence.harness.cluster import Cluster, Spawned, cluster
+from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.judge import (
     RunReport,
     canary_leaks,
@@ -38,6 +38,7 @@ from kvfence.harness.ledger import FaultLedger
 from kvfence.harness.load import MODEL, Job, Outcome, Shape, Tenant, drive, make_jobs, make_tenants
 from kvfence.harness.references import Reference, compute_references, reference_engine
 from kvfence.harness.server import metric
+from kvfence.harness.workers import Spawned
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer

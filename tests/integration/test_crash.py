@@ -27,9 +27,10 @@ import pytest
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
-from kvfence.harness.cluster import Cluster, Spawned, SpawnedWorker, cluster
+from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.load import KEEPALIVE_S, MODEL, Job, Outcome, Tenant, run_job, tenant_prompt
 from kvfence.harness.references import compare, compute_references, reference_engine
+from kvfence.harness.workers import Spawned, SpawnedWorker
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.units import cdiv

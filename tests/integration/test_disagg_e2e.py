@@ -17,8 +17,9 @@ import pytest
 from conftest import real_engine
 
 from kvfence.config import EngineConfig
-from kvfence.harness.cluster import Cluster, Spawned, cluster
+from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.server import metric
+from kvfence.harness.workers import Spawned
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path, file_sha256

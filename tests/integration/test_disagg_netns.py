@@ -22,7 +22,8 @@ import pytest
 from conftest import real_engine
 from test_disagg_e2e import KEYS, MODEL, chat_ids
 
-from kvfence.harness.cluster import Cluster, Command, cluster
+from kvfence.harness.cluster import Cluster, cluster
+from kvfence.harness.workers import Command
 from kvfence.model.gguf import GGUFModel
 from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv

@@ -49,9 +49,10 @@ from kvfence.disagg.messages import (
     Reserve,
     encode,
 )
-from kvfence.harness.cluster import Cluster, Spawned, cluster
+from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.procs import KVFENCE, descendants, launch
 from kvfence.harness.server import healthy
+from kvfence.harness.workers import Spawned
 from kvfence.model.gguf import read_header
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path
