@@ -6,13 +6,15 @@ offline).
 Engine options are defined once (`add_engine_options`) and turned into an EngineConfig once
 (`engine_config`), so every subcommand that runs the engine takes the same flags with the same meaning.
 Progress and the capacity line go to stderr, so `generate` prints only the answer on stdout.
+
+Start-up options are checked before any model loads (kvfence.cli_checks): a bad one is one line on stderr
+naming the option and the fix, exit code 2. Then the console says what protects the server.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -21,14 +23,28 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
+from kvfence.cli_checks import (
+    Front,
+    OneLineParser,
+    StartupError,
+    check_engine,
+    check_http,
+    check_model,
+    fault_spec,
+    port_number,
+    positive_float,
+    positive_int,
+    protection_lines,
+    size_bytes,
+)
 from kvfence.config import CapacityError, EngineConfig
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError, LLMEngine, load_engine
 from kvfence.model.llama import DECODE_ATTENTION, DECODE_MATMUL
 from kvfence.sampling import SamplingParams
 from kvfence.trail.events import EventLog
-from kvfence.trail.faults import FAULTS, FaultInjector, parse_fault_spec
-from kvfence.units import parse_size
+from kvfence.trail.faults import FAULTS, FaultInjector
 
 if TYPE_CHECKING:
     from kvfence.disagg.keys import TransportKeys
@@ -45,25 +61,6 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _fault(spec: str) -> tuple[str, float]:
-    try:
-        name, rate = parse_fault_spec(spec)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"bad fault rate in {spec!r}") from exc
-    if name not in FAULTS:
-        raise argparse.ArgumentTypeError(f"unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}")
-    if not 0 < rate <= 1:
-        raise argparse.ArgumentTypeError(f"fault rate must be in (0, 1], got {rate}")
-    return name, rate
-
-
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The flags every engine-running subcommand shares."""
     g = parser.add_argument_group("engine")
@@ -71,18 +68,25 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", type=Path, help="GGUF file (default: the packaged SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     g.add_argument("--device", default=default_device(), help="torch device (default: %(default)s)")
-    g.add_argument("--page-size", type=int, default=defaults.page_size, help="tokens per KV page")
-    g.add_argument("--num-pages", type=int, help="KV pool size in pages (wins over --kv-cache-memory)")
+    g.add_argument("--page-size", type=positive_int, default=defaults.page_size, help="tokens per KV page")
+    g.add_argument(
+        "--num-pages", type=positive_int, help="KV pool size in pages (wins over --kv-cache-memory)"
+    )
     g.add_argument(
         "--kv-cache-memory",
-        type=_size,
+        type=size_bytes,
         default=defaults.kv_cache_memory,
         help="KV pool size, e.g. 512MiB, 1GiB (default: %(default)s bytes)",
     )
-    g.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests per batch")
+    g.add_argument("--max-model-len", type=positive_int, help="context window (default: the model's)")
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="tokens per step"
+        "--max-num-seqs", type=positive_int, default=defaults.max_num_seqs, help="requests per batch"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=defaults.max_num_batched_tokens,
+        help="tokens per step",
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument(
@@ -93,13 +97,13 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--inject-fault",
-        type=_fault,
+        type=fault_spec,
         action="append",
         default=[],
         metavar="NAME[:RATE]",
         help="arm a named fault (repeatable): " + ", ".join(sorted(FAULTS)),
     )
-    g.add_argument("--num-threads", type=int, help="torch CPU threads")
+    g.add_argument("--num-threads", type=positive_int, help="torch CPU threads")
     g.add_argument(
         "--decode-attention",
         choices=DECODE_ATTENTION,
@@ -120,6 +124,19 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="audit which pages each request reads and whose data they hold (lab, audits)",
     )
+    t = parser.add_argument_group("tenants")
+    t.add_argument(
+        "--max-waiting-per-tenant",
+        type=positive_int,
+        default=1024,
+        help="a tenant's waiting requests beyond this get 429 (default: %(default)s)",
+    )
+    for flag, what in (("running", "running requests"), ("pages", "KV pages")):
+        t.add_argument(
+            f"--max-{flag}-per-tenant",
+            type=positive_int,
+            help=f"{what} a tenant may hold at once; at the limit its requests wait (default: no limit)",
+        )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -141,14 +158,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         decode_attention=args.decode_attention,
         decode_matmul=args.decode_matmul,
         trace_pages=args.trace_pages,
+        max_waiting_per_tenant=args.max_waiting_per_tenant,
+        max_running_per_tenant=args.max_running_per_tenant,
+        max_pages_per_tenant=args.max_pages_per_tenant,
     )
 
 
 def add_http_options(parser: argparse.ArgumentParser) -> None:
     """The flags of every command that serves the OpenAI API."""
     g = parser.add_argument_group("http")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    g.add_argument("--port", type=port_number, default=8000, help="HTTP port (default: %(default)s)")
     g.add_argument(
         "--api-keys",
         type=Path,
@@ -158,69 +178,77 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--admin-key", help="key for the audit endpoint (else $KVFENCE_ADMIN_KEY)")
     g.add_argument("--audit-log", type=Path, metavar="FILE", help="append audit events here as JSONL")
     g.add_argument("--served-model-name", help="model id in the API (default: the GGUF file stem)")
+    g.add_argument(
+        "--http-read-timeout",
+        type=positive_float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a connection must send its whole request head within this, and a body that sends nothing for "
+        "this long is cut (default: %(default)ss)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="connections served at once; a request beyond them gets 503 (default: %(default)s)",
+    )
 
 
-def parse_api_keys(text: str) -> dict[str, str]:
-    """`KEY TENANT` entries, one per line or `;`-separated; `#` starts a comment. ValueError if malformed."""
-    keys: dict[str, str] = {}
-    for entry in text.replace(";", "\n").splitlines():
-        fields = entry.split("#", 1)[0].split()
-        if not fields:
-            continue
-        if len(fields) != 2:
-            raise ValueError(f"API key entry {entry.strip()!r} is not 'KEY TENANT'")
-        key, tenant = fields
-        if key in keys:
-            raise ValueError(f"API key {key[:4]}… is listed twice")
-        keys[key] = tenant
-    if not keys:
-        raise ValueError("the API key list is empty")
-    return keys
-
-
-def _load_engine(args: argparse.Namespace, events: EventLog | None = None) -> LLMEngine | None:
+def _load_engine(config: EngineConfig, events: EventLog | None = None) -> LLMEngine | None:
     """The engine, or None after printing why it refused to start (the window does not fit the pool)."""
     try:
-        return load_engine(engine_config(args), events, log=_log)
+        return load_engine(config, events, log=_log)
     except CapacityError as exc:
-        _log(str(exc))
+        _log(f"error: {exc}")
         return None
 
 
+def _report(args: argparse.Namespace, front: Front | None) -> None:
+    """What protects the server, before the model loads (the pool and window follow from the engine)."""
+    for line in protection_lines(args.isolation == "on", args.inject_fault, front):
+        _log(line)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    config = engine_config(args)
     if args.role != "single":
         from kvfence.disagg.launch import run_worker
 
         keys = _transport_keys(args, args.role, [args.listen] if args.listen else [])
-        run_worker(
-            args.role, engine_config(args), args.listen or _own_address(keys) or DEFAULT_LISTEN, keys=keys
-        )
+        check_engine(config)
+        _report(args, None)
+        run_worker(args.role, config, args.listen or _own_address(keys) or DEFAULT_LISTEN, keys=keys)
         return 0
+    check_engine(config)
+    front = check_http(args)
+    _report(args, front)
     if args.disaggregated:
-        return _serve_disaggregated(args)
+        return _serve_disaggregated(args, config, front)
     events = EventLog(path=args.audit_log) if args.audit_log else None
-    engine = _load_engine(args, events)
+    engine = _load_engine(config, events)
     if engine is None:
-        return 1
+        return 2
     from kvfence.engine.async_engine import AsyncEngine
 
-    return _run_http(args, AsyncEngine(engine))
+    return _run_http(args, AsyncEngine(engine), front)
 
 
-def _serve_disaggregated(args: argparse.Namespace) -> int:
+def _serve_disaggregated(args: argparse.Namespace, config: EngineConfig, front: Front) -> int:
     """One prefill and one decode worker process plus the router, all on this host, speaking CURVE with
     keys made for this run only (unless --insecure-transport). A worker that dies is restarted; SIGTERM and
     SIGINT stop every child."""
     from kvfence.disagg.keys import ephemeral
     from kvfence.disagg.launch import LocalWorkers, free_ports
 
-    config = engine_config(args)
     addresses = {role: f"tcp://127.0.0.1:{port}" for role, port in zip(ROLES, free_ports(3), strict=True)}
     keys = None if args.insecure_transport else ephemeral([(r, r, a) for r, a in addresses.items()])
     _log(f"transport: {'INSECURE (--insecure-transport)' if keys is None else 'CURVE with ephemeral keys'}")
     with _terminate_on_sigterm(), LocalWorkers([("prefill", config), ("decode", config)], addresses, keys):
         router_keys = keys["router"] if keys else None
-        return _run_router(args, addresses["prefill"], addresses["decode"], addresses["router"], router_keys)
+        return _run_router(
+            args, addresses["prefill"], addresses["decode"], addresses["router"], router_keys, front
+        )
 
 
 @contextlib.contextmanager
@@ -245,8 +273,11 @@ def _router(args: argparse.Namespace) -> int:
             if peer is None or peer.role != role:
                 _log(f"error: --{role} {getattr(args, role)} is not a {role} worker in {args.keys}/peers")
                 return 2
+    check_model(args.model)
+    front = check_http(args)
+    _report(args, front)
     listen = args.listen or _own_address(keys) or "tcp://127.0.0.1:0"
-    return _run_router(args, args.prefill, args.decode, listen, keys)
+    return _run_router(args, args.prefill, args.decode, listen, keys, front)
 
 
 def _own_address(keys: TransportKeys | None) -> str | None:
@@ -270,7 +301,12 @@ def _transport_keys(args: argparse.Namespace, role: str, addresses: list[str]) -
 
 
 def _run_router(
-    args: argparse.Namespace, prefill: str, decode: str, listen: str, keys: TransportKeys | None
+    args: argparse.Namespace,
+    prefill: str,
+    decode: str,
+    listen: str,
+    keys: TransportKeys | None,
+    front: Front,
 ) -> int:
     from kvfence.disagg.router import Router
     from kvfence.model.gguf import read_header
@@ -289,7 +325,7 @@ def _run_router(
         faults=_faults(args.inject_fault),
         keys=keys,
     )
-    return _run_http(args, router)
+    return _run_http(args, router, front)
 
 
 def _keys_generate(args: argparse.Namespace) -> int:
@@ -309,46 +345,29 @@ def _faults(specs: list[tuple[str, float]]) -> FaultInjector:
     return faults
 
 
-def _run_http(args: argparse.Namespace, client: EngineClient) -> int:
-    """Serve `client` (engine thread or router) over HTTP until interrupted."""
+def _run_http(args: argparse.Namespace, client: EngineClient, front: Front) -> int:
+    """Serve `client` (engine thread or router) over HTTP on the socket bound at start, behind the front
+    door (kvfence.api.slow_clients), until interrupted."""
     import uvicorn
 
     from kvfence.api.server import build_app
+    from kvfence.api.slow_clients import uvicorn_config
     from kvfence.pins import default_model_path
 
-    try:
-        api_keys = _api_keys(args.api_keys)
-    except (OSError, ValueError) as exc:
-        _log(f"error: {exc}")
-        return 2
-    admin_key = args.admin_key or os.environ.get("KVFENCE_ADMIN_KEY") or None
-    if admin_key and api_keys and admin_key in api_keys:
-        _log("error: the admin key is also a tenant key")
-        return 2
-    if api_keys is None:
-        _log(
-            "WARNING: no API keys (--api-keys / KVFENCE_API_KEYS): auth is off, every request is tenant "
-            "'default'"
-        )
     name = args.served_model_name or (args.model or default_model_path()).stem
-    app = build_app(client, name, api_keys, admin_key)
+    app = build_app(client, name, front.api_keys, front.admin_key)
     _log(f"serving '{name}' on http://{args.host}:{args.port}/v1")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    config = uvicorn_config(app, front.read_timeout_s, front.max_connections, log_level="info")
+    uvicorn.Server(config).run(sockets=[front.sock])
     return 0
 
 
-def _api_keys(path: Path | None) -> dict[str, str] | None:
-    """From --api-keys FILE, else from $KVFENCE_API_KEYS, else None (auth off)."""
-    if path is not None:
-        return parse_api_keys(path.read_text(encoding="utf-8"))
-    env = os.environ.get("KVFENCE_API_KEYS")
-    return parse_api_keys(env) if env else None
-
-
 def _generate(args: argparse.Namespace) -> int:
-    engine = _load_engine(args)
+    config = engine_config(args)
+    check_engine(config)
+    engine = _load_engine(config)
     if engine is None:
-        return 1
+        return 2
     tokenizer = engine.tokenizer
     assert tokenizer is not None, "load_engine always loads the tokenizer"
     if args.raw:
@@ -385,7 +404,7 @@ def add_transport_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfence", description="A paged-KV LLM server with fenced KV.")
+    parser = OneLineParser(prog="kvfence", description="A paged-KV LLM server with fenced KV.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server (or one PD worker)")
@@ -426,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="on",
         help="fail-closed admission against both pools ('off': window only, as in the incident)",
     )
-    router.add_argument("--inject-fault", type=_fault, action="append", default=[], metavar="NAME[:RATE]")
+    router.add_argument("--inject-fault", type=fault_spec, action="append", default=[], metavar="NAME[:RATE]")
     router.set_defaults(run=_router)
 
     keys = commands.add_parser("keys", help="transport keys for a disaggregated deployment")
@@ -466,7 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
-    return run(args)
+    try:
+        return run(args)
+    except StartupError as exc:
+        _log(f"error: {exc}")
+        return 2
 
 
 if __name__ == "__main__":

@@ -30,6 +30,12 @@ class EngineConfig:
     decode_attention: str = "auto"  # auto | kernel | sdpa (see kvfence.model.llama.DECODE_ATTENTION)
     decode_matmul: str = "auto"  # auto | kernel | dense (see kvfence.model.llama.DECODE_MATMUL)
     trace_pages: bool = False  # audit `pages_read` events: which pages each request reads, whose data
+    # Per-tenant limits (None: only the engine's own). Waiting requests beyond the queue limit are refused
+    # with 429; the running and page limits keep a tenant's further requests waiting.
+    max_waiting_per_tenant: int | None = 1024
+    max_running_per_tenant: int | None = None
+    max_pages_per_tenant: int | None = None
+    fair_scheduling: bool = True  # weighted-fair across tenants; False: arrival order (benchmarks only)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -61,12 +67,30 @@ class CapacityReport:
 
 
 class CapacityError(RuntimeError):
-    """The context window does not fit in the pool: the engine refuses to start."""
+    """The context window cannot be served: it does not fit in the pool, or it is longer than the model's
+    own window. The engine refuses to start, naming the --max-model-len that would work: the smaller of what
+    the pool holds and the model's window (when known), so following the advice starts the server."""
 
-    def __init__(self, report: CapacityReport) -> None:
-        super().__init__(
-            f"{report.describe()}. The window does not fit in the pool: a request near the window could "
-            f"never be served. Start with --max-model-len {report.capacity_tokens} (or smaller), or give the "
-            f"pool more memory (--kv-cache-memory / --num-pages)."
-        )
+    def __init__(self, report: CapacityReport, model_window: int | None = None) -> None:
+        limit = report.capacity_tokens if model_window is None else min(report.capacity_tokens, model_window)
+        if model_window is not None and report.context_window > model_window:
+            problem = f"The window is longer than the model's own context window ({model_window} tokens)."
+        else:
+            problem = "The window does not fit in the pool: a request near the window could never be served."
+        more_memory = "give the pool more memory (--kv-cache-memory / --num-pages)"
+        if limit < 1:
+            fix = f"The pool holds no page: {more_memory}."
+        elif report.capacity_tokens < min(report.context_window, model_window or report.context_window):
+            fix = f"Start with --max-model-len {limit} (or smaller), or {more_memory}."
+        else:
+            fix = f"Start with --max-model-len {limit} (or smaller)."
+        super().__init__(f"{report.describe()}. {problem} {fix}")
         self.report = report
+        self.suggested_max_model_len = limit
+
+
+def check_window(report: CapacityReport, model_window: int) -> None:
+    """Invariant 3 at start-up: the window must fit in the pool and must not exceed the model's own window
+    (CapacityError otherwise)."""
+    if report.context_window > model_window or not report.fits:
+        raise CapacityError(report, model_window)

@@ -6,6 +6,7 @@ request's seed gives the same tokens whatever else shares the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +25,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
@@ -52,7 +53,8 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int | None]:
     """One token per row of `logits` [batch, vocab] (float32); None for a row with a NaN or +inf logit,
-    or only -inf ones: there is nothing sound to sample, and the caller aborts that request alone."""
+    or only -inf ones, or whose own sampling values make sampling fail: there is nothing sound to sample,
+    and the caller aborts that request alone. One row's failure never reaches another row."""
     best, argmax = logits.max(dim=-1)  # a NaN anywhere in a row makes its max NaN: one pass checks both
     finite = torch.isfinite(best).tolist()
     tokens: list[int | None] = argmax.tolist()
@@ -60,7 +62,10 @@ def sample(
         if not finite[row]:
             tokens[row] = None
         elif not p.greedy:
-            tokens[row] = _sample_row(logits[row], p, generator)
+            try:
+                tokens[row] = _sample_row(logits[row], p, generator)
+            except (RuntimeError, ValueError):  # e.g. multinomial over NaN probabilities
+                tokens[row] = None
     return tokens
 
 

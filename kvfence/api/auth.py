@@ -47,6 +47,12 @@ class Auth:
             raise APIError(403, "This endpoint needs the admin key.", code="admin_only")
         raise APIError(401, "Invalid or missing admin key.", code="invalid_api_key")
 
+    def metrics(self, request: Request) -> None:
+        """/metrics: open when auth is off (one tenant, nothing to hide from it); with API keys the admin
+        key only, since token counts and prefix hits would tell one tenant about another's traffic."""
+        if self.api_keys is not None:
+            self.admin(request)
+
 
 def _bearer_key(request: Request) -> str | None:
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -62,6 +68,10 @@ def _tenant(request: Request) -> str:
 
 def admin(request: Request) -> None:
     request.app.state.auth.admin(request)
+
+
+def metrics_reader(request: Request) -> None:
+    request.app.state.auth.metrics(request)
 
 
 Tenant = Annotated[str, Depends(_tenant)]

@@ -8,7 +8,7 @@ Contracts:
   surrogate in the input can never turn a 4xx into a 500.
 - An engine abort is HTTP 500 and names its reason as the code; a KV integrity abort is typed
   `kv_integrity_error` (invariant 8).
-- An error raised for a known request carries its `x-request-id`; every 503 carries `retry-after: 1`.
+- An error raised for a known request carries its `x-request-id`; every 429 and 503 carries `retry-after: 1`.
 - A crash is answered with the exception's type name only, never its message.
 """
 
@@ -52,7 +52,10 @@ class APIError(Exception):
         self.status = status
         self.detail = ErrorDetail(message=message, type=type_ or error_type(status), param=param, code=code)
         self.headers = {"x-request-id": request_id} if request_id else {}
-        if status == 503:  # every 503 here is transient (no free pages now, a worker restarting)
+        if status in (
+            429,
+            503,
+        ):  # transient: a tenant's queue is full, no free pages now, a worker restarting
             self.headers["retry-after"] = "1"
 
 

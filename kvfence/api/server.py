@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from kvfence.api.auth import Auth, Tenant, admin
+from kvfence.api.auth import Auth, Tenant, admin, metrics_reader
 from kvfence.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from kvfence.api.errors import APIError, abort_error, install_error_handlers
 from kvfence.api.metrics import Metrics
@@ -203,7 +203,7 @@ def _add_routes(app: FastAPI, service: _Service) -> None:
         """What pins this service (code, model sha256, pools, window), reported by the engines."""
         return await run_in_threadpool(engine.info)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(metrics_reader)])
     async def scrape() -> Response:
         # Collecting waits on the engine thread: keep it off the event loop.
         text = await run_in_threadpool(generate_latest, metrics.registry)

@@ -172,7 +172,7 @@ class Router:
     ) -> AsyncIterator[RequestOutput]:
         refusal = self._unavailable() or self._admission_refusal(len(prompt_token_ids), params.max_tokens)
         if refusal is not None:
-            self.events.emit(request_id, "rejected", reason=refusal.code, where="router")
+            self.events.emit(request_id, "rejected", reason=refusal.code, tenant=tenant, where="router")
             raise refusal
         self.events.emit(
             request_id, "admitted", tenant=tenant, prompt_tokens=len(prompt_token_ids), where="router"

@@ -15,9 +15,9 @@ from kvfence.cache.fence import Fence
 from kvfence.cache.manager import KVCacheManager
 from kvfence.cache.pool import KVPool
 from kvfence.cache.prefix import PrefixCache
-from kvfence.config import CapacityError, CapacityReport, EngineConfig
+from kvfence.config import CapacityReport, EngineConfig, check_window
 from kvfence.engine.runner import ModelRunner
-from kvfence.engine.scheduler import Scheduler
+from kvfence.engine.scheduler import Scheduler, TenantLimits
 from kvfence.engine.trace import PageTrace
 from kvfence.model.llama import LlamaModel
 from kvfence.trail.events import EventLog
@@ -54,7 +54,8 @@ def capacity_report(config: EngineConfig, model: LlamaModel) -> CapacityReport:
 
 
 def check_start(config: EngineConfig, model: LlamaModel, log: Callable[[str], None]) -> CapacityReport:
-    """Say what will serve (pool vs window, decode paths, isolation) and refuse a window that cannot be."""
+    """Say what will serve (pool vs window, decode paths, isolation) and refuse a window that cannot be
+    served: longer than the pool holds or than the model's own window (CapacityError)."""
     capacity = capacity_report(config, model)
     log(capacity.describe())
     for part, path, note in (
@@ -62,12 +63,7 @@ def check_start(config: EngineConfig, model: LlamaModel, log: Callable[[str], No
         ("matmul", model.decode_matmul, model.decode_matmul_note),
     ):
         log(f"decode {part}: {path}" + ("" if path == "kernel" else f" ({note})"))
-    if not capacity.fits:
-        raise CapacityError(capacity)
-    if capacity.context_window > model.config.context_length:
-        raise ValueError(
-            f"max_model_len {capacity.context_window} exceeds the model's {model.config.context_length}"
-        )
+    check_window(capacity, model.config.context_length)  # CapacityError, naming a --max-model-len that works
     if not config.isolation:
         log(
             "WARNING: isolation is OFF. KV pages are read and written without the fence. "
@@ -97,7 +93,15 @@ def build_parts(
     allocator = PageAllocator(pool, prefix, faults)
     fence = Fence(pool, enabled=config.isolation)
     kv_cache = KVCacheManager(pool, allocator, prefix, events)
-    scheduler = Scheduler(kv_cache, events, faults, config.max_num_seqs, config.max_num_batched_tokens)
+    limits = TenantLimits(
+        config.max_running_per_tenant,
+        config.max_waiting_per_tenant,
+        config.max_pages_per_tenant,
+        config.fair_scheduling,
+    )
+    scheduler = Scheduler(
+        kv_cache, events, faults, config.max_num_seqs, config.max_num_batched_tokens, limits
+    )
     runner = ModelRunner(model, pool, fence, faults)
     if config.trace_pages:
         runner.observer = PageTrace(pool, events, allocator.tenant_name)

@@ -31,6 +31,7 @@ from kvfence.trail.reasons import INTEGRITY_REASONS
 from kvfence.units import cdiv
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 log = logging.getLogger("kvfence.engine")
 
 
@@ -95,7 +96,15 @@ class LLMEngine:
         tenant: str = "default",
         request_id: str | None = None,
     ) -> Request:
-        """Admit a request or refuse it before any page is reserved (invariant 3)."""
+        """Admit a request or refuse it before any page is reserved (invariant 3); beyond its tenant's
+        queue limit, refuse it with 429 (the tenant floods: its own requests wait, nobody else's)."""
+        limit = self.config.max_waiting_per_tenant
+        if limit is not None and self.scheduler.waiting.queued(tenant) >= limit:
+            raise AdmissionError(
+                RATE_LIMIT_EXCEEDED,
+                f"Tenant {tenant!r} has {limit} requests waiting already; retry later.",
+                429,
+            )
         request = self._admit(prompt_token_ids, params, tenant, request_id)
         self.scheduler.add(request)
         return request

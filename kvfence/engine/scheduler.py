@@ -1,19 +1,23 @@
-"""Continuous batching with chunked prefill and recompute preemption.
+"""Continuous batching with chunked prefill, recompute preemption and fairness between tenants.
 
-Each step: running requests go first (a decode token each, or their next prefill chunk), then waiting
-requests join while the token budget, the sequence limit and the free pages allow. When a running request
-needs a page and none is free, the most recently admitted running request is preempted: its pages are
-released and it restarts from its tokens later (recompute), so the pool running dry is never a crash.
+Each step: running requests go first (a decode token each, then prefill chunks, least-served tenant
+first), then waiting requests join in weighted-fair order across tenants (fairness.py) while the token
+budget, the sequence limit, the free pages and the tenant's own limits (running requests, pages held)
+allow. When a running request needs a page and none is free, a running request of the tenant holding the
+most pages is preempted (its most recently admitted one): its pages are released and it restarts from
+its tokens later (recompute), so the pool running dry is never a crash, and the tenant over its share
+pays for it.
 
 `finish` is the one way a request leaves: it makes the terminal transition and releases the pages.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass
 
 from kvfence.cache.manager import KVCacheManager
+from kvfence.engine.fairness import TenantQueues
 from kvfence.request import Request, Status
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
@@ -25,6 +29,16 @@ class Batch:
     num_new_tokens: list[int]
 
 
+@dataclass(frozen=True)
+class TenantLimits:
+    """What one tenant may hold at once; None: no limit of its own (the engine's limits apply)."""
+
+    max_running: int | None = None
+    max_waiting: int | None = None
+    max_pages: int | None = None
+    fair: bool = True  # weighted-fair order across tenants; False: arrival order (comparisons only)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -33,6 +47,7 @@ class Scheduler:
         faults: FaultInjector,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        limits: TenantLimits = TenantLimits(),
     ) -> None:
         self.kv_cache = kv_cache
         self.events = events
@@ -40,13 +55,14 @@ class Scheduler:
         self.page_size = kv_cache.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.limits = limits
+        self.waiting = TenantQueues(limits.fair)
         self.running: list[Request] = []
         self.transferring: dict[str, Request] = {}  # pages held, not scheduled: KV is moving in or out
         self.quarantined: dict[str, Request] = {}  # aborted mid-transfer: pages held until the drain
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def has_work(self) -> bool:
         """Whether a step would compute anything (transferring requests wait for messages, not steps)."""
@@ -56,37 +72,70 @@ class Scheduler:
         batch = Batch([], [])
         budget = self.max_num_batched_tokens
         preempted = False
-        for request in list(self.running):
+        for request in self.waiting.order(self.running):
             if budget == 0:
                 break
             if request.is_finished or request.status is Status.WAITING:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve(request, n):
+            if not self._reserve(request, n, batch.requests):
                 preempted = True
                 continue
-            batch.requests.append(request)
-            batch.num_new_tokens.append(n)
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.waiting[0]
+            budget -= self._add(batch, request, n)
+        while budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting.next(self._may_start())
+            if request is None:
+                break
             n = self._admit(request, budget)
             if n == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.move_to(Status.RUNNING)
             self.running.append(request)
-            batch.requests.append(request)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            budget -= self._add(batch, request, n)
         return batch
 
-    def _reserve(self, request: Request, n: int) -> bool:
-        """Pages for `request`'s next n tokens, preempting from the back of the running list as needed.
+    def _add(self, batch: Batch, request: Request, n: int) -> int:
+        batch.requests.append(request)
+        batch.num_new_tokens.append(n)
+        self.waiting.charge(request.tenant, n)
+        return n
+
+    def _may_start(self) -> set[str] | None:
+        """Tenants below their own limits on running requests and pages held (None: no limits set)."""
+        limits = self.limits
+        if limits.max_running is None and limits.max_pages is None:
+            return None
+        running = Counter(r.tenant for r in self.running)
+        pages = self._held()
+        return {
+            r.tenant
+            for r in self.waiting
+            if running[r.tenant] < (limits.max_running or self.max_num_seqs)
+            and pages[r.tenant] < (limits.max_pages or self.kv_cache.pool.num_pages)
+        }
+
+    def _held(self) -> Counter[str]:
+        """Pages held by running requests, by tenant."""
+        held: Counter[str] = Counter()
+        for request in self.running:
+            held[request.tenant] += len(request.record.pages)
+        return held
+
+    def _victim(self, scheduled: list[Request]) -> Request:
+        """Whom to preempt when pages run out: among running requests not already in this step's batch,
+        the most recently admitted one of the tenant holding the most pages."""
+        held = self._held()
+        candidates = [r for r in self.running if r not in scheduled]
+        heaviest = max({r.tenant for r in candidates}, key=lambda t: held[t])
+        return next(r for r in reversed(candidates) if r.tenant == heaviest)
+
+    def _reserve(self, request: Request, n: int, scheduled: list[Request]) -> bool:
+        """Pages for `request`'s next n tokens, preempting others not yet `scheduled` this step as needed.
         False when `request` itself had to be preempted."""
         total = request.num_computed_tokens + n
         while self.kv_cache.pages_needed(request, total) > self.kv_cache.num_free_pages:
-            victim = self.running[-1]
+            victim = self._victim(scheduled)
             self.preempt(victim)
             if victim is request:
                 return False
@@ -124,7 +173,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.move_to(Status.WAITING)
-        self.waiting.appendleft(request)
+        self.waiting.push(request, front=True)
         self.events.emit(request.request_id, "preempted")
 
     def reserve(self, request: Request, tokens: int) -> bool:
@@ -142,7 +191,7 @@ class Scheduler:
         """The KV has arrived: schedule the request next, with the pages it already holds."""
         del self.transferring[request.request_id]
         request.move_to(Status.WAITING)
-        self.waiting.appendleft(request)
+        self.waiting.push(request, front=True)
 
     def finish(self, request: Request, status: Status, reason: str, quarantine: bool = False) -> None:
         """The single exit: terminal transition, request out of every queue, pages released — or, with
@@ -160,9 +209,10 @@ class Scheduler:
             )
             return
         # The verdict goes on the record before anything else happens to the pages.
-        self.events.emit(
-            request.request_id, "aborted" if status is Status.ABORTED else "rejected", reason=reason
-        )
+        if status is Status.REJECTED:  # never admitted: the tenant goes on the record here
+            self.events.emit(request.request_id, "rejected", reason=reason, tenant=request.tenant)
+        else:
+            self.events.emit(request.request_id, "aborted", reason=reason)
         if quarantine and request.record.pages:
             self.kv_cache.quarantine(request)
             self.quarantined[request.request_id] = request

@@ -161,12 +161,12 @@ async def _single_node_drain(base: str, engine: AsyncEngine, timeout_s: float = 
     num_pages = engine.engine.pool.num_pages
 
     async def idle() -> bool:
-        free = await asyncio.to_thread(metric, base, "kvfence_pages_free")
+        free = await asyncio.to_thread(metric, base, "kvfence_pages_free", None, ADMIN_KEY)
         return free == num_pages
 
     await wait_until(idle, timeout_s)
     drain = await asyncio.wrap_future(engine.call(lambda: engine_drain_state(engine.engine)))
-    drain["metrics_pages_free"] = await asyncio.to_thread(metric, base, "kvfence_pages_free")
+    drain["metrics_pages_free"] = await asyncio.to_thread(metric, base, "kvfence_pages_free", None, ADMIN_KEY)
     return drain
 
 
@@ -220,7 +220,9 @@ async def _cluster_drain(running: Cluster, timeout_s: float = 60.0) -> dict[str,
         "num_pages": sum(s.num_pages for s in stats),
         "pages_free": sum(s.pages_free for s in stats),
         "quarantined_pages": sum(s.pages_by_state["quarantined"] for s in stats),
-        "metrics_pages_free": await asyncio.to_thread(metric, running.url, "kvfence_pages_free"),
+        "metrics_pages_free": await asyncio.to_thread(
+            metric, running.url, "kvfence_pages_free", None, ADMIN_KEY
+        ),
         "note": "allocator.check_integrity() cannot be run remotely: workers answer stats only",
     }
 

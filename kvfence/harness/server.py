@@ -2,7 +2,8 @@
 
 Contracts: every address is on 127.0.0.1; every wait is bounded; `ServerThread.stop()` is idempotent.
 `serve(app)` binds its socket before uvicorn starts, so there is no race for the port, and returns only
-once the app's lifespan ran (its engine or router started).
+once the app's lifespan ran (its engine or router started). It serves behind the same front door as
+`kvfence serve` (kvfence.api.slow_clients: read timeouts, connection cap), so tests exercise it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, uvicorn_config
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 60.0
@@ -40,11 +43,20 @@ class ServerThread:
         self.sock.close()
 
 
-def serve(app: FastAPI, start_timeout_s: float = START_TIMEOUT_S) -> ServerThread:
-    """Start `app` on a free loopback port; returns once it accepts connections (lifespan ran)."""
+def serve(
+    app: FastAPI,
+    start_timeout_s: float = START_TIMEOUT_S,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+) -> ServerThread:
+    """Start `app` on a free loopback port behind the front door (`read_timeout_s` for a request head or a
+    stalled body, at most `max_connections`); returns once it accepts connections (lifespan ran)."""
     sock = socket.socket()
     sock.bind((LOOPBACK, 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    config = uvicorn_config(
+        app, read_timeout_s, max_connections, log_level="warning", timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s
@@ -66,10 +78,20 @@ def serving(app: FastAPI) -> Iterator[str]:
         server.stop()
 
 
-def metric(url: str, name: str, labels: dict[str, str] | None = None, timeout_s: float = 30.0) -> float:
+def metric(
+    url: str,
+    name: str,
+    labels: dict[str, str] | None = None,
+    admin_key: str | None = None,
+    timeout_s: float = 30.0,
+) -> float:
     """The server's /metrics samples `name` whose labels include `labels`, summed (a kvfence server has
-    one series per pool role: no role label sums the pools). KeyError when there is none."""
-    text = httpx.get(f"{url}/metrics", timeout=timeout_s).text
+    one series per pool role: no role label sums the pools). KeyError when there is none. A server with
+    API keys serves /metrics to its admin key only."""
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
+    response = httpx.get(f"{url}/metrics", headers=headers, timeout=timeout_s)
+    response.raise_for_status()
+    text = response.text
     wanted = (labels or {}).items()
     values = [
         float(sample.value)

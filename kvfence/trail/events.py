@@ -1,7 +1,9 @@
 """The audit trail: ordered lifecycle events per request (README: "How the fence works").
 
-Events live in a bounded in-memory ring (the oldest requests fall out first) and, when a path is given,
-are appended to a JSONL file. The engine thread writes; the server reads: one lock guards both.
+Events live in a bounded in-memory ring per tenant (a tenant's oldest requests fall out first, so one
+tenant's traffic, refused requests included, can never evict another tenant's trails) and, when a path is
+given, are appended to a JSONL file. A request's tenant is the `tenant` field of its first event that has
+one (`admitted`, `rejected`). The engine thread writes; the server reads: one lock guards both.
 """
 
 from __future__ import annotations
@@ -37,11 +39,16 @@ EVENT_KINDS = frozenset(
 )
 
 
+NO_TENANT = "-"  # requests whose events never named a tenant
+
+
 class EventLog:
-    """Per-request event lists, bounded by `max_requests`; optionally mirrored to a JSONL file."""
+    """Per-request event lists, at most `max_requests` per tenant; optionally mirrored to a JSONL file."""
 
     def __init__(self, max_requests: int = 10_000, path: Path | None = None) -> None:
-        self._by_request: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._by_request: dict[str, list[dict[str, Any]]] = {}
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}  # each tenant's request ids, oldest first
+        self._tenant_of: dict[str, str] = {}
         self._max_requests = max_requests
         self._lock = threading.Lock()
         self._seq = 0
@@ -55,12 +62,26 @@ class EventLog:
             events = self._by_request.get(request_id)
             if events is None:
                 events = self._by_request[request_id] = []
-                if len(self._by_request) > self._max_requests:
-                    self._by_request.popitem(last=False)
+                self._file_under(request_id, NO_TENANT)
+            tenant = fields.get("tenant")
+            if isinstance(tenant, str) and self._tenant_of[request_id] == NO_TENANT:
+                self._file_under(request_id, tenant)
             events.append(event)
             if self._file is not None:
                 self._file.write(json.dumps(event) + "\n")
                 self._file.flush()
+
+    def _file_under(self, request_id: str, tenant: str) -> None:
+        """Put the request in its tenant's ring, evicting that tenant's oldest request when full."""
+        previous = self._tenant_of.get(request_id)
+        if previous is not None:
+            del self._by_tenant[previous][request_id]
+        self._tenant_of[request_id] = tenant
+        ring = self._by_tenant.setdefault(tenant, OrderedDict())
+        ring[request_id] = None
+        if len(ring) > self._max_requests:
+            oldest, _ = ring.popitem(last=False)
+            del self._by_request[oldest], self._tenant_of[oldest]
 
     def for_request(self, request_id: str) -> list[dict[str, Any]]:
         with self._lock:

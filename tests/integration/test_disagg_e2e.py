@@ -144,11 +144,12 @@ def test_metrics_keep_the_pools_apart(fenced: Cluster) -> None:
     """/metrics has one series per pool, labelled by role: a full decode pool cannot hide behind an idle
     prefill pool in a sum."""
     for role, config in (("prefill", PREFILL), ("decode", DECODE)):
-        assert metric(fenced.url, "kvfence_pages_free", {"role": role}) == config.num_pages
-        assert metric(fenced.url, "kvfence_pages", {"role": role}) == config.num_pages  # summed over states
+        assert metric(fenced.url, "kvfence_pages_free", {"role": role}, ADMIN) == config.num_pages
+        # kvfence_pages without a state: summed over states, every page of the pool
+        assert metric(fenced.url, "kvfence_pages", {"role": role}, ADMIN) == config.num_pages
         assert fenced.worker_stats(role).transport_rejected == {}  # honest traffic drops nothing
     with pytest.raises(KeyError):
-        metric(fenced.url, "kvfence_pages_free", {"role": "router"})  # the router has no pool
+        metric(fenced.url, "kvfence_pages_free", {"role": "router"}, ADMIN)  # the router has no pool
     assert not fenced.router.rejected
 
 

@@ -64,7 +64,7 @@ class Server:
         return self.engine.call(fn).result(timeout=120)
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return metric(self.url, name, labels)
+        return metric(self.url, name, labels, ADMIN_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -324,8 +324,16 @@ def test_stream_is_closed_when_the_client_leaves_during_a_send() -> None:
     assert asyncio.run(scenario()) == ["engine stream"]
 
 
+def test_metrics_need_the_admin_key_when_tenants_have_keys(server: Server) -> None:
+    """Token counts and prefix hits per scrape would tell one tenant about another's traffic."""
+    assert server.http("GET", "/metrics", key=None).status_code == 401
+    refused = server.http("GET", "/metrics", key="key-a")
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_only"
+    assert "kvfence_pages_free" in server.http("GET", "/metrics", key=ADMIN_KEY).text
+
+
 def test_metrics_exposition(server: Server) -> None:
-    text = server.http("GET", "/metrics", key=None).text
+    text = server.http("GET", "/metrics", key=ADMIN_KEY).text
     for name in [
         "kvfence_prompt_tokens_total",
         "kvfence_generation_tokens_total",

@@ -166,6 +166,26 @@ def test_non_finite_logits_abort_only_their_request(
     engine.check_integrity()
 
 
+def test_a_sampling_failure_in_one_row_leaves_the_others_alone(tiny: LlamaModel) -> None:
+    """Degenerate sampling values that slipped past validation (a NaN top_p set after construction) make
+    multinomial raise for that row: it is aborted, and the rows beside it keep their solo tokens."""
+    prompts = [prompt(9), prompt(14)]
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
+    solo = [
+        make_engine(tiny).generate([p], sp)[0].output_token_ids
+        for p, sp in zip(prompts, [GREEDY, sampled], strict=True)
+    ]
+    broken = SamplingParams(max_tokens=10, temperature=0.8, seed=4, ignore_eos=True)
+    broken.temperature = float("nan")
+    engine = make_engine(tiny)
+    done = engine.generate([*prompts, prompt(7)], [GREEDY, sampled, broken])
+    assert [r.status for r in done] == [Status.FINISHED, Status.FINISHED, Status.ABORTED]
+    assert [r.output_token_ids for r in done[:2]] == solo
+    assert engine.allocator.num_free_pages == engine.pool.num_pages
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(temperature=float("nan"))
+
+
 def test_top_k_one_is_greedy(tiny: LlamaModel) -> None:
     p = prompt(9)
     greedy = make_engine(tiny).generate([p], GREEDY)[0].output_token_ids

@@ -25,6 +25,7 @@ FLOORS: list[set[str]] = [
     {"disagg", "api"},
     {"harness"},
     {"audit"},
+    {"cli_checks"},
     {"cli"},
 ]
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}

@@ -1,0 +1,398 @@
+"""Start-up checks and the start-up report of the `kvfence` commands that serve.
+
+Every bad start-up option ends the command with one line on stderr, naming the option and the fix, exit
+code 2, no traceback, and before any model is loaded: option values that cannot be right (argparse types
+and a parser whose errors are one line), the model file (its GGUF header only), the device, the pool
+against the window (from the header: the same report and check the engine runs after loading), the API
+key file, the admin key, the audit log, the open-file limit and the HTTP port (bound here, then served).
+A check that fails raises `StartupError`; `kvfence.cli.main` prints it.
+
+Once the checks pass, `protection_lines` says what protects the server: isolation, auth, who may read the
+metrics, the front door's limits, and every armed fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import mmap
+import os
+import resource
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, cast
+
+import torch
+
+from kvfence.config import CapacityError, EngineConfig, check_window
+from kvfence.trail.faults import FAULTS, parse_fault_spec
+from kvfence.units import parse_size
+
+if TYPE_CHECKING:
+    from kvfence.model.llama import LlamaModel
+
+SPARE_FILES = 64  # file descriptors beyond the connection cap: the model, logs, ZeroMQ sockets
+
+
+class StartupError(Exception):
+    """A bad start-up option; the message is one line naming the option and how to fix it."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit 2), like every other start-up error; `--help` is unchanged."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {text!r}")
+    return value
+
+
+def size_bytes(text: str) -> int:
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return size
+
+
+def fault_spec(spec: str) -> tuple[str, float]:
+    try:
+        name, rate = parse_fault_spec(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad fault rate in {spec!r}") from exc
+    if name not in FAULTS:
+        raise argparse.ArgumentTypeError(f"unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}")
+    if not 0 < rate <= 1:
+        raise argparse.ArgumentTypeError(f"fault rate must be in (0, 1], got {rate}")
+    return name, rate
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as a short phrase on one line."""
+    text = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+# ---- the model file: its GGUF header, read fast --------------------------------------------------------
+
+_GGUF_SCALAR = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the pool's size and the window depend on (the LlamaConfig fields `capacity_report` reads)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+
+
+def read_gguf_scalars(path: Path) -> dict[str, object]:
+    """The scalar metadata of a GGUF file (arrays skipped), in one pass over its header. gguf-py's reader
+    (`kvfence.model.gguf.read_header`) builds a numpy view per string of the tokenizer's arrays: seconds
+    for a 49k-token vocabulary, and the model load reads the header again."""
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError("no GGUF magic")
+        version, _, count = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported")
+        found, offset = {}, 24
+        for _ in range(count):
+            key, offset = _gguf_value(buf, offset, _GGUF_STRING)
+            (kind,) = struct.unpack_from("<I", buf, offset)
+            found[key], offset = _gguf_value(buf, offset + 4, kind)
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def _gguf_value(buf: mmap.mmap, offset: int, kind: int) -> tuple[Any, int]:
+    """The value of GGUF type `kind` at `offset` (None for an array: skipped) and the offset after it."""
+    if kind in _GGUF_SCALAR:
+        return struct.unpack_from(_GGUF_SCALAR[kind], buf, offset)[0], offset + struct.calcsize(
+            _GGUF_SCALAR[kind]
+        )
+    if kind == _GGUF_STRING:
+        (length,) = struct.unpack_from("<Q", buf, offset)
+        if offset + 8 + length > len(buf):
+            raise ValueError("the header is cut short")
+        return buf[offset + 8 : offset + 8 + length].decode("utf-8", "replace"), offset + 8 + length
+    if kind == _GGUF_ARRAY:
+        item, count = struct.unpack_from("<IQ", buf, offset)
+        offset += 12
+        if item in _GGUF_SCALAR:
+            return None, offset + count * struct.calcsize(_GGUF_SCALAR[item])
+        for _ in range(count):  # strings (or arrays): each has its own length
+            _, offset = _gguf_value(buf, offset, item)
+        return None, offset
+    raise ValueError(f"unknown GGUF value type {kind}")
+
+
+def model_shape(metadata: dict[str, object]) -> ModelShape:
+    """The shape from `llama.*` keys, with the defaults `kvfence.model.gguf` applies."""
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' models can be served")
+
+    def key(name: str, default: object = None) -> int:
+        value = metadata.get(f"llama.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks llama.{name}")
+        return int(value)  # type: ignore[call-overload]
+
+    heads = key("attention.head_count")
+    head_dim = key("attention.key_length", key("embedding_length") // heads)
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError("partial rotary embeddings (rope dim < head dim) are unsupported")
+    return ModelShape(
+        key("block_count"), key("attention.head_count_kv", heads), head_dim, key("context_length")
+    )
+
+
+def check_model(path: Path | None) -> ModelShape:
+    """The model's shape, from its GGUF header only (no tensor data)."""
+    from kvfence.pins import default_model_path
+
+    if path is None:
+        try:
+            path = default_model_path()
+        except FileNotFoundError as exc:
+            raise StartupError(f"--model: {_reason(exc)} (or give --model PATH)") from exc
+    option = f"--model {path}"
+    if not path.exists():
+        raise StartupError(f"{option}: no such file; give the path of a llama-architecture GGUF file")
+    if not path.is_file():
+        raise StartupError(f"{option}: not a file; give the path of a llama-architecture GGUF file")
+    try:
+        return model_shape(read_gguf_scalars(path))
+    except (OSError, ValueError, struct.error, ZeroDivisionError, OverflowError) as exc:
+        raise StartupError(
+            f"{option}: not a usable GGUF file ({_reason(exc)}); give a llama-architecture GGUF file"
+        ) from exc
+
+
+# ---- the engine ------------------------------------------------------------------------------------------
+
+
+def check_device(device: str) -> None:
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as exc:
+        raise StartupError(
+            f"--device {device}: not a torch device ({_reason(exc)}); use cpu or cuda"
+        ) from exc
+    if parsed.type == "cuda" and (parsed.index or 0) >= (
+        torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ):
+        raise StartupError(f"--device {device}: no such CUDA device on this machine; use --device cpu")
+
+
+@dataclass(frozen=True)
+class _HeaderModel:
+    """What `capacity_report` reads of a model (its config and dtype), known before the weights load."""
+
+    config: ModelShape
+    dtype: torch.dtype
+
+
+def check_engine(config: EngineConfig) -> None:
+    """The device, the model file and the pool against the window, before any weight is loaded: the same
+    capacity report and window check the engine runs once it has loaded."""
+    from kvfence.engine.builder import capacity_report
+
+    check_device(config.device)
+    shape = check_model(config.model)
+    header = cast("LlamaModel", _HeaderModel(shape, getattr(torch, config.dtype)))
+    try:
+        check_window(capacity_report(config, header), shape.context_length)
+    except CapacityError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+# ---- the HTTP front --------------------------------------------------------------------------------------
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """`KEY TENANT` entries, one per line or `;`-separated; `#` starts a comment. ValueError if malformed;
+    the message names the entry by number, never by its key."""
+    keys: dict[str, str] = {}
+    for number, entry in enumerate(text.replace(";", "\n").splitlines(), 1):
+        fields = entry.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 2:
+            raise ValueError(f"entry {number} is not 'KEY TENANT' (it has {len(fields)} fields)")
+        key, tenant = fields
+        if key in keys:
+            raise ValueError(f"entry {number} lists a key a second time")
+        keys[key] = tenant
+    if not keys:
+        raise ValueError("it lists no 'KEY TENANT' entry")
+    return keys
+
+
+def load_api_keys(path: Path | None) -> dict[str, str] | None:
+    """From --api-keys FILE, else from $KVFENCE_API_KEYS, else None (auth off)."""
+    if path is not None:
+        source = f"--api-keys {path}"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StartupError(
+                f"{source}: cannot read it ({_reason(exc)}); give a file of 'KEY TENANT' lines"
+            ) from exc
+    else:
+        source, text = "$KVFENCE_API_KEYS", os.environ.get("KVFENCE_API_KEYS", "")
+        if not text:
+            return None
+    try:
+        return parse_api_keys(text)
+    except ValueError as exc:
+        raise StartupError(
+            f"{source}: {exc}; write one 'KEY TENANT' per line ('#' starts a comment)"
+        ) from exc
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound now (not listening yet), so that a port in use fails before the model loads
+    and nothing can take the port while it does."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise StartupError(
+            f"--host {host}: cannot resolve it ({_reason(exc)}); give an address, e.g. 127.0.0.1"
+        ) from exc
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            fix = f"{host}:{port} is already in use; stop what listens there or choose another --port"
+            raise StartupError(f"--port {port}: {fix}") from exc
+        if exc.errno == errno.EACCES:
+            fix = "permission denied (a port below 1024 needs privileges); choose another --port"
+            raise StartupError(f"--port {port}: {fix}") from exc
+        raise StartupError(
+            f"--host {host}: cannot bind port {port} there ({_reason(exc)}); give an address of this machine"
+        ) from exc
+    return sock
+
+
+def check_open_files(max_connections: int) -> None:
+    """Every connection holds a file descriptor: raise the soft open-file limit to fit the cap, or refuse
+    the cap."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + SPARE_FILES
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise StartupError(
+            f"--max-connections {max_connections}: the open-file limit is {hard} (ulimit -Hn); choose "
+            f"--max-connections {max(1, hard - SPARE_FILES)} or less, or raise the limit"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+@dataclass
+class Front:
+    """The HTTP front as checked at start: the keys, the bound socket and the front door's limits."""
+
+    api_keys: dict[str, str] | None
+    admin_key: str | None
+    sock: socket.socket
+    read_timeout_s: float
+    max_connections: int
+
+    def describe(self) -> list[str]:
+        if self.api_keys:
+            tenants = len(set(self.api_keys.values()))
+            auth = f"auth: on ({tenants} tenant{'' if tenants == 1 else 's'})"
+        else:
+            auth = "WARNING: auth: off (no --api-keys / $KVFENCE_API_KEYS): every request is tenant 'default'"
+        if self.api_keys and self.admin_key:
+            metrics = "metrics: admin key required"
+        elif self.api_keys:
+            metrics = "metrics: admin key required, and no --admin-key is set: /metrics refuses everyone"
+        else:
+            metrics = "metrics: open (no API keys)"
+        door = (
+            f"front door: a request head within {self.read_timeout_s:g}s, a body stalled for "
+            f"{self.read_timeout_s:g}s is cut, at most {self.max_connections} connections"
+        )
+        return [auth, metrics, door]
+
+
+def check_http(args: argparse.Namespace) -> Front:
+    """The options of the HTTP front (`add_http_options`), checked, and its socket bound."""
+    api_keys = load_api_keys(args.api_keys)
+    admin_key = args.admin_key or os.environ.get("KVFENCE_ADMIN_KEY") or None
+    if admin_key and api_keys and admin_key in api_keys:
+        raise StartupError(
+            "--admin-key: it is also a tenant key in the API key list; give the admin its own key"
+        )
+    if args.audit_log is not None:
+        try:
+            args.audit_log.open("a", encoding="utf-8").close()
+        except OSError as exc:
+            raise StartupError(f"--audit-log {args.audit_log}: cannot append to it ({_reason(exc)})") from exc
+    check_open_files(args.max_connections)
+    sock = bind_http(args.host, args.port)
+    return Front(api_keys, admin_key, sock, args.http_read_timeout, args.max_connections)
+
+
+def protection_lines(isolation: bool, faults: Sequence[tuple[str, float]], front: Front | None) -> list[str]:
+    """What protects the server, one line each: isolation, the HTTP front (if any), every armed fault."""
+    lines = ["isolation: ON" if isolation else "WARNING: isolation: OFF (for the lab and benchmarks only)"]
+    if front is not None:
+        lines += front.describe()
+    lines += [f"WARNING: fault armed: {name} at rate {rate}" for name, rate in faults]
+    return lines

@@ -1,0 +1,73 @@
+"""Fairness between tenants: who waits, who is admitted next, and whose work a step does first.
+
+Waiting requests sit in one FIFO per tenant. Tenants are served in weighted-fair order on tokens (the
+tenant with the fewest tokens computed goes next), so a tenant's share of the engine does not grow with
+the number of requests it queues: a tenant flooding the server delays its own requests, not another's.
+A tenant that comes back after being idle starts level with the least-served tenant waiting, so it can
+neither hoard credit while idle nor be starved for having been busy long ago. With `fair` False the
+order is the arrival order across tenants (FIFO): only for comparisons.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from kvfence.request import Request
+
+
+class TenantQueues:
+    def __init__(self, fair: bool = True) -> None:
+        self.fair = fair
+        self._queues: dict[str, deque[Request]] = {}
+        self.served: dict[str, int] = {}  # tokens computed per tenant (the fair clock)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def __iter__(self) -> Iterator[Request]:
+        """Every waiting request, oldest first."""
+        return iter(sorted((r for q in self._queues.values() for r in q), key=lambda r: r.arrival_time))
+
+    def __contains__(self, request: object) -> bool:
+        return isinstance(request, Request) and request in self._queues.get(request.tenant, ())
+
+    def queued(self, tenant: str) -> int:
+        return len(self._queues.get(tenant, ()))
+
+    def push(self, request: Request, front: bool = False) -> None:
+        """Queue a request (`front`: a preempted or resumed one, which keeps its place)."""
+        queue = self._queues.setdefault(request.tenant, deque())
+        if not queue:
+            waiting = [self.served.get(t, 0) for t, q in self._queues.items() if q and t != request.tenant]
+            self.served[request.tenant] = max(self.served.get(request.tenant, 0), min(waiting, default=0))
+        if front:
+            queue.appendleft(request)
+        else:
+            queue.append(request)
+
+    def remove(self, request: Request) -> None:
+        queue = self._queues.get(request.tenant)
+        if queue is not None and request in queue:
+            queue.remove(request)
+
+    def next(self, eligible: set[str] | None = None) -> Request | None:
+        """The request to admit next: the head of the least-served tenant's queue (FIFO: the oldest head),
+        among tenants in `eligible` (None: all)."""
+        heads = [q[0] for t, q in self._queues.items() if q and (eligible is None or t in eligible)]
+        if not heads:
+            return None
+        return min(heads, key=self._rank)
+
+    def order(self, requests: list[Request]) -> list[Request]:
+        """Running requests in the order a step serves them: decode rows first, as admitted (one token
+        each, they keep streams moving), then prefill chunks, least-served tenant first."""
+        decode = [r for r in requests if r.num_tokens - r.num_computed_tokens <= 1]
+        prefill = [r for r in requests if r.num_tokens - r.num_computed_tokens > 1]
+        return decode + sorted(prefill, key=self._rank)
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        self.served[tenant] = self.served.get(tenant, 0) + tokens
+
+    def _rank(self, request: Request) -> tuple[int, float]:
+        return (self.served.get(request.tenant, 0) if self.fair else 0, request.arrival_time)
