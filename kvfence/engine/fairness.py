@@ -3,9 +3,9 @@
 Waiting requests sit in one FIFO per tenant. Tenants are served in weighted-fair order on tokens (the
 tenant with the fewest tokens computed goes next), so a tenant's share of the engine does not grow with
 the number of requests it queues: a tenant flooding the server delays its own requests, not another's.
-A tenant that comes back after being idle starts level with the least-served tenant waiting, so it can
-neither hoard credit while idle nor be starved for having been busy long ago. With `fair` False the
-order is the arrival order across tenants (FIFO): only for comparisons.
+A tenant that comes back after being idle starts just below the least-served tenant waiting, so it can
+neither hoard credit while idle nor be starved for having been busy long ago, and goes next. With `fair`
+False the order is the arrival order across tenants (FIFO): only for comparisons.
 """
 
 from __future__ import annotations
@@ -35,12 +35,14 @@ class TenantQueues:
     def queued(self, tenant: str) -> int:
         return len(self._queues.get(tenant, ()))
 
-    def push(self, request: Request, front: bool = False) -> None:
-        """Queue a request (`front`: a preempted or resumed one, which keeps its place)."""
+    def push(self, request: Request, front: bool = False, active: bool = False) -> None:
+        """Queue a request (`front`: a preempted or resumed one, which keeps its place). `active`: the
+        tenant has requests running, so it is not back from idle and keeps its count."""
         queue = self._queues.setdefault(request.tenant, deque())
-        if not queue:
+        if not queue and not active and not front:  # back from idle: just below the least-served waiting
             waiting = [self.served.get(t, 0) for t, q in self._queues.items() if q and t != request.tenant]
-            self.served[request.tenant] = max(self.served.get(request.tenant, 0), min(waiting, default=0))
+            floor = min(waiting, default=1) - 1
+            self.served[request.tenant] = max(self.served.get(request.tenant, 0), floor)
         if front:
             queue.appendleft(request)
         else:
@@ -57,17 +59,11 @@ class TenantQueues:
         heads = [q[0] for t, q in self._queues.items() if q and (eligible is None or t in eligible)]
         if not heads:
             return None
-        return min(heads, key=self._rank)
-
-    def order(self, requests: list[Request]) -> list[Request]:
-        """Running requests in the order a step serves them: decode rows first, as admitted (one token
-        each, they keep streams moving), then prefill chunks, least-served tenant first."""
-        decode = [r for r in requests if r.num_tokens - r.num_computed_tokens <= 1]
-        prefill = [r for r in requests if r.num_tokens - r.num_computed_tokens > 1]
-        return decode + sorted(prefill, key=self._rank)
+        return min(heads, key=self.rank)
 
     def charge(self, tenant: str, tokens: int) -> None:
         self.served[tenant] = self.served.get(tenant, 0) + tokens
 
-    def _rank(self, request: Request) -> tuple[int, float]:
+    def rank(self, request: Request) -> tuple[int, float]:
+        """Who goes first: the least-served tenant (FIFO: nobody), then the oldest request."""
         return (self.served.get(request.tenant, 0) if self.fair else 0, request.arrival_time)

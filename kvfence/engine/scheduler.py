@@ -62,7 +62,7 @@ class Scheduler:
         self.quarantined: dict[str, Request] = {}  # aborted mid-transfer: pages held until the drain
 
     def add(self, request: Request) -> None:
-        self.waiting.push(request)
+        self.waiting.push(request, active=any(r.tenant == request.tenant for r in self.running))
 
     def has_work(self) -> bool:
         """Whether a step would compute anything (transferring requests wait for messages, not steps)."""
@@ -71,29 +71,51 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch = Batch([], [])
         budget = self.max_num_batched_tokens
+        decode = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         preempted = False
-        for request in self.waiting.order(self.running):
+        for request in decode:  # one token each, as admitted: they keep streams moving
             if budget == 0:
                 break
-            if request.is_finished or request.status is Status.WAITING:
+            if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve(request, n, batch.requests):
+            if not self._reserve(request, 1, batch.requests):
                 preempted = True
                 continue
-            budget -= self._add(batch, request, n)
-        while budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.waiting.next(self._may_start())
-            if request is None:
+            budget -= self._add(batch, request, 1)
+        admitting = not preempted
+        while budget > 0:  # prefill work, running chunks and admissions alike: least-served tenant first
+            running = min(
+                (r for r in prefilling if r.status is Status.RUNNING), key=self.waiting.rank, default=None
+            )
+            waiting = self._next_admission() if admitting else None
+            if running is None and waiting is None:
                 break
-            n = self._admit(request, budget)
-            if n == 0:
-                break
-            self.waiting.remove(request)
-            request.move_to(Status.RUNNING)
-            self.running.append(request)
-            budget -= self._add(batch, request, n)
+            if waiting is not None and (
+                running is None or self.waiting.rank(waiting) < self.waiting.rank(running)
+            ):
+                n = self._admit(waiting, budget)
+                if n == 0:  # not enough free pages for it now: the running chunks still go
+                    admitting = False
+                    continue
+                self.waiting.remove(waiting)
+                waiting.move_to(Status.RUNNING)
+                self.running.append(waiting)
+                budget -= self._add(batch, waiting, n)
+                continue
+            assert running is not None
+            prefilling.remove(running)
+            n = min(running.num_tokens - running.num_computed_tokens, budget)
+            if not self._reserve(running, n, batch.requests):
+                admitting = False  # pages ran out: nothing new starts this step
+                continue
+            budget -= self._add(batch, running, n)
         return batch
+
+    def _next_admission(self) -> Request | None:
+        if len(self.running) >= self.max_num_seqs:
+            return None
+        return self.waiting.next(self._may_start())
 
     def _add(self, batch: Batch, request: Request, n: int) -> int:
         batch.requests.append(request)

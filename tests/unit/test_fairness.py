@@ -119,3 +119,18 @@ def test_rejected_requests_count_against_their_own_tenant(tiny: LlamaModel) -> N
             engine.add_request(prompt(60), LONG, "B", request_id=f"big{i}")
     assert engine.events.kinds(kept.request_id) == ["admitted"]
     assert engine.events.for_request("big4")[0]["tenant"] == "B"
+
+
+def test_a_light_tenant_keeps_its_place_while_its_last_request_decodes(tiny: LlamaModel) -> None:
+    """B sends its next request while its previous one still decodes: B is not idle, so it keeps its
+    small share of tokens served and goes ahead of A's flood (it must not be levelled up to A's share
+    as a tenant back from idle would be)."""
+    settings = {"num_pages": 256, "max_model_len": 48, "max_num_batched_tokens": 48, "max_num_seqs": 8}
+    engine = make_engine(tiny, **settings)
+    for p in FLOOD:
+        engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True), "A")
+    first = engine.add_request(LATECOMER, SamplingParams(max_tokens=8, ignore_eos=True), "B")
+    steps_until_first_token(engine, first)
+    again = engine.add_request(prompt(12), LONG, "B")
+    assert not first.is_finished, "the scenario needs B's first request still decoding"
+    assert steps_until_first_token(engine, again) == 1  # its whole prompt in the very next step
