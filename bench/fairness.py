@@ -117,18 +117,9 @@ def main() -> None:
     bound = 2 * percentile(idle.b_ttft_s, 95) + fair.prefill_step_s
     fair_p95 = percentile(fair.b_ttft_s, 95)
     ratio = (fair.output_tokens / fair.wall_s) / (fifo.output_tokens / fifo.wall_s)
-    print(
-        verdict(
-            "B TTFT p95 under flood",
-            fair_p95 <= bound,
-            f"{fair_p95:.2f}s <= 2 x idle + one prefill step = {bound:.2f}s",
-        )
-    )
-    print(
-        verdict(
-            "throughput vs FIFO", ratio >= 0.95, f"fair / fifo output tok/s = {ratio:.3f} (target >= 0.95)"
-        )
-    )
+    bound_text = f"{fair_p95:.2f}s <= 2 x idle + one prefill step = {bound:.2f}s"
+    verdict("B TTFT p95 under flood", fair_p95 <= bound, bound_text)
+    verdict("throughput vs FIFO", ratio >= 0.95, f"fair / fifo output tok/s = {ratio:.3f} (target >= 0.95)")
     payload: dict[str, Any] = {
         "args": vars(args),
         "runs": [r.__dict__ for r in runs],
