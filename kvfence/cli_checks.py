@@ -21,10 +21,10 @@ import os
 import resource
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import torch
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from kvfence.model.llama import LlamaModel
 
 SPARE_FILES = 64  # file descriptors beyond the connection cap: the model, logs, ZeroMQ sockets
+T = TypeVar("T")
 
 
 class StartupError(Exception):
@@ -49,34 +50,27 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, convert: Callable[[str], T], ok: Callable[[T], bool], what: str) -> T:
+    """An argparse type: `text` converted, or one clear error naming what was expected."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
+    return _number(text, float, lambda v: 0 < v < math.inf, "a positive number")
 
 
 def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {text!r}")
-    return value
+    return _number(text, int, lambda v: 1 <= v <= 65535, "a port number from 1 to 65535")
 
 
 def size_bytes(text: str) -> int:
