@@ -58,6 +58,7 @@ class Scheduler:
         self.limits = limits
         self.waiting = TenantQueues(limits.fair)
         self.running: list[Request] = []
+        self.admitting: Request | None = None  # the request `_admit` works on (fault ledgers read it)
         self.transferring: dict[str, Request] = {}  # pages held, not scheduled: KV is moving in or out
         self.quarantined: dict[str, Request] = {}  # aborted mid-transfer: pages held until the drain
 
@@ -165,6 +166,13 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> int:
         """Prefix lookup and pages for the first chunk; returns the chunk size, 0 when it cannot start yet."""
+        self.admitting = request
+        try:
+            return self._first_chunk(request, budget)
+        finally:
+            self.admitting = None
+
+    def _first_chunk(self, request: Request, budget: int) -> int:
         if not request.record.pages:
             # At least one token must be computed to produce logits, so never take the last from cache.
             request.num_computed_tokens = self.kv_cache.share_cached_prefix(request, request.num_tokens - 1)

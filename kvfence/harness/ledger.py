@@ -90,9 +90,9 @@ class FaultLedger:
             live = [*self.engine.requests.values(), *self.engine.scheduler.quarantined.values()]
             return [r.request_id for r in live if target in _mappings(r.record)]
         if effect.fault == "cross_tenant_prefix_hit":
-            # PrefixCache.lookup is called only while admitting the scheduler's first waiting request.
-            waiting = self.engine.scheduler.waiting
-            return [waiting[0].request_id] if waiting else []
+            # PrefixCache.lookup is called only while the scheduler admits a request.
+            admitting = self.engine.scheduler.admitting
+            return [admitting.request_id] if admitting else []
         return []
 
     def verdicts(self, completed_ok: Callable[[str], bool | None]) -> list[Verdict]:
