@@ -276,6 +276,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvfence"
     max_model_len: int
+    # kvfence's pin: a greedy answer does not depend on what shares the batch (engine/info.py), so an
+    # auditor may fail any answer that changes under load (audit/replay.py). None: not known yet.
+    batch_invariant: bool | None = None
 
 
 class ModelList(BaseModel):

@@ -55,15 +55,28 @@ class _Service:
         self.model_name = model_name
         self.metrics = metrics
         self.created = int(time.time())
+        self._declared: bool | None = None
 
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def models(self) -> ModelList:
-        return ModelList(
-            data=[ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)]
+    async def models(self) -> ModelList:
+        card = ModelCard(
+            id=self.model_name,
+            created=self.created,
+            max_model_len=self.max_model_len,
+            batch_invariant=await self._batch_invariant(),
         )
+        return ModelList(data=[card])
+
+    async def _batch_invariant(self) -> bool:
+        """Every pool pins `batch_invariant` (read once: the pins are static after start-up; the first read
+        may hash the model file, so it runs off the event loop)."""
+        if self._declared is None:
+            pools = (await run_in_threadpool(self.engine.info))["pools"].values()
+            self._declared = bool(pools) and all(pool.get("batch_invariant") is True for pool in pools)
+        return self._declared
 
     async def complete(self, body: CompletionRequest, tenant: str) -> Response:
         if isinstance(body.prompt, str):
@@ -184,7 +197,7 @@ def _add_routes(app: FastAPI, service: _Service) -> None:
 
     @app.get("/v1/models")
     async def models(_: Tenant) -> ModelList:
-        return service.models()
+        return await service.models()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, tenant: Tenant) -> Response:

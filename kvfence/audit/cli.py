@@ -13,9 +13,15 @@ request's audit trail (`GET /v1/audit/requests/{id}`) and `/metrics` (client.py)
                           while held, the pool drains, and a normal request succeeds afterwards;
 plus tenant_pages         no request reads or shares a page of another tenant.
 
-`--black-box` runs only the probes (for engines without an audit trail). Output (report.py): a table on
-stdout, a progress bar on stderr, `--json FILE`, and `--html FILE` (self-contained: inline CSS and SVG
-timelines of every probe request's pages). The exit status is 1 when any check fails, 2 on a usage error.
+`--black-box` runs only the probes (for engines without an audit trail), as a tenant: the batch-invariance
+declaration the replay probe holds the server to comes from its model card (`batch_invariant` in GET
+/v1/models). Given an admin key as well, it reads the pin from `/v1/audit/info` instead, and the trails of
+the requests whose answers changed, to name the pages they read. Output (report.py): a table on stdout, a
+progress bar on stderr, `--json FILE`, and `--html FILE` (self-contained: inline CSS and SVG timelines of
+every probe request's pages, the replay table beside them).
+
+Exit status: 0 when every check passes, 1 when one fails, 2 on a usage or connection error, 3 when none
+fails but one is INCONCLUSIVE: an audit that could not prove isolation must not read as a pass to a script.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -38,6 +45,7 @@ from kvfence.audit.checks import (
 from kvfence.audit.client import (
     AuditError,
     AuditReader,
+    Served,
     Target,
     check_test_address,
     collect_trails,
@@ -46,8 +54,18 @@ from kvfence.audit.client import (
 )
 from kvfence.audit.pinned import check_pinned
 from kvfence.audit.probes import PROBE_STEPS, run_probes
-from kvfence.audit.report import DEFAULT_PAGE_SIZE, ProgressBar, Report, render_html, render_table
+from kvfence.audit.replay import declares_batch_invariance, mismatched_ids, name_pages
+from kvfence.audit.report import (
+    DEFAULT_PAGE_SIZE,
+    ProgressBar,
+    Report,
+    render_html,
+    render_table,
+    verdict_line,
+)
 from kvfence.audit.result import CheckResult
+
+NAMING_TIMEOUT_S = 2.0  # the changed replay answers finished long ago: their trails are settled or absent
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,10 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY",
-        help="a tenant's key (repeat: at least two tenants)",
+        help="a tenant's key (repeat: at least two tenants; no default)",
     )
     parser.add_argument(
-        "--admin-key", help="the server's admin key (reads audit trails; not needed with --black-box)"
+        "--admin-key",
+        help="the server's admin key (reads audit trails; with --black-box: only its pins and the trails of "
+        "changed answers)",
     )
     parser.add_argument("--model", help="model id (default: the first one /v1/models lists)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the full report as JSON")
@@ -86,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="a fault armed on the server: it must be caught",
+        help="a fault armed on the server: it must be caught (repeatable; default: none)",
     )
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="seconds per request (default: %(default)s)"
@@ -94,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the audit: 0 when every check passes, 1 when one fails, 2 on a usage or connection error."""
+    """Run the audit; its exit status (the module docstring)."""
     url = str(args.url).rstrip("/").removesuffix("/v1")
     keys = tuple(args.api_key)
     problem = _usage_problem(url, keys, args)
@@ -102,20 +122,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        served, advertised = discover(url, keys[0])
+        served = discover(url, keys[0])
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         print(f"error: cannot list the models of {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     try:
-        report = _audit(url, keys, args.model or served, advertised, args)
+        report = _audit(url, keys, served, args)
     except (httpx.HTTPError, AuditError) as exc:
         print(f"error: cannot audit {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     _write_outputs(report, args)
     print(render_table(report.results))
-    failing = [r.name for r in report.results if r.passed is False]
-    print(f"audit {'FAILED: ' + ', '.join(failing) if failing else 'PASSED'}")
-    return 0 if report.passed else 1
+    print(verdict_line(report.results))
+    return report.exit_status
 
 
 def _usage_problem(url: str, keys: tuple[str, ...], args: argparse.Namespace) -> str | None:
@@ -130,29 +149,63 @@ def _usage_problem(url: str, keys: tuple[str, ...], args: argparse.Namespace) ->
     return None
 
 
-def _audit(
-    url: str, keys: tuple[str, ...], model: str, advertised: int | None, args: argparse.Namespace
-) -> Report:
+def _audit(url: str, keys: tuple[str, ...], served: Served, args: argparse.Namespace) -> Report:
     steps = len(PROBE_STEPS) + (1 if args.black_box else 3)
     bar = ProgressBar(steps)
-    probes = run_probes(Target(url, keys, model, args.timeout), advertised, bar)
+    model, advertised = args.model or served.model, served.window
+    server = _server_info(url, args) if args.admin_key else None
+    # The admin's pin where it can be read; else what the server tells every tenant.
+    declared = declares_batch_invariance(server) if server is not None else served.batch_invariant
+    probes = run_probes(Target(url, keys, model, args.timeout), advertised, bar, declared)
     target = {
         "url": url,
         "model": model,
         "advertised_window": advertised,
         "tenants": len(keys),
         "black_box": args.black_box,
+        "batch_invariant_declared": declared,
     }
     report = Report(
         target, list(probes.results), probes.exchanges, boundary=probes.boundary, page_size=args.page_size
     )
     if not args.black_box:
-        report.results += _white_box(url, args, report, bar)
+        report.results += _white_box(url, args, report, bar, server)
+    if args.admin_key:
+        _name_replay_pages(url, args, report)
     bar("report")
     return report
 
 
-def _white_box(url: str, args: argparse.Namespace, report: Report, bar: ProgressBar) -> list[CheckResult]:
+def _server_info(url: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """GET /v1/audit/info (None: the server has no such endpoint)."""
+    reader = AuditReader(url, args.admin_key, args.timeout)
+    try:
+        return reader.info()
+    finally:
+        reader.close()
+
+
+def _name_replay_pages(url: str, args: argparse.Namespace, report: Report) -> None:
+    """Name the pages behind every changed replay answer: from the trails the white-box checks read, or
+    (black-box) the trails of just those requests."""
+    replay = next((r for r in report.results if r.name == "replay"), None)
+    ids = mismatched_ids(replay) if replay else []
+    if not replay or not ids:
+        return
+    if not report.trails:
+        reader = AuditReader(url, args.admin_key, args.timeout)
+        try:
+            report.trails = collect_trails(reader, ids, timeout_s=NAMING_TIMEOUT_S)
+        except AuditError:
+            return  # no audit trail to read (not a kvfence server): the requests stay named by id
+        finally:
+            reader.close()
+    name_pages(replay, report.trails)
+
+
+def _white_box(
+    url: str, args: argparse.Namespace, report: Report, bar: ProgressBar, server: dict[str, Any] | None
+) -> list[CheckResult]:
     """The five acceptance checks and tenant_pages, from the probe requests' trails and /metrics."""
     reader = AuditReader(url, args.admin_key, args.timeout)
     try:
@@ -160,7 +213,6 @@ def _white_box(url: str, args: argparse.Namespace, report: Report, bar: Progress
         ids = [str(e.request_id) for e in report.exchanges if e.request_id]
         report.trails = trails = collect_trails(reader, ids)
         pool = wait_for_drained_pool(reader)
-        server = reader.info()
     finally:
         reader.close()
     if server is not None:  # the server's own page size, not the auditor's guess

@@ -30,6 +30,7 @@ from kvfence.audit.trail import PoolState, Trail, pool_state, settled
 from kvfence.harness.sse import MalformedEvent, decode_event
 
 EARLY_DROP_S = 0.05  # read timeout of a request dropped before any answer
+MAX_WORKERS = 16  # requests any probe has in flight at once
 _GARBLED = re.compile(r"[\ufffd\x00-\x08\x0b\x0c\x0e-\x1f]")
 SETTLE_TIMEOUT_S = 20.0  # how long trails and the pool may take to reach their final state
 
@@ -66,6 +67,11 @@ class Exchange:
     @property
     def has_error(self) -> bool:
         return self.error_type is not None or self.error_message is not None
+
+    @property
+    def fenced(self) -> bool:
+        """Aborted by the server's KV fence (500 or SSE error `kv_integrity_error`): no content, by design."""
+        return self.error_type == "kv_integrity_error"
 
     def problems(self) -> list[str]:
         """Why this exchange is not a clean answer, a clean refusal, a clean abort or a deliberate drop."""
@@ -342,15 +348,25 @@ def _choice_text(choice: dict[str, Any]) -> str:
     return str(message.get("content") or "")
 
 
-def discover(url: str, api_key: str, timeout_s: float = 30.0) -> tuple[str, int | None]:
-    """The first model the server lists and its advertised context window (None when not advertised)."""
+@dataclass(frozen=True)
+class Served:
+    """What GET /v1/models says of the first model it lists: its id, its advertised context window (None:
+    not advertised) and whether it declares batch-invariant answers (kvfence's `batch_invariant`)."""
+
+    model: str
+    window: int | None
+    batch_invariant: bool
+
+
+def discover(url: str, api_key: str, timeout_s: float = 30.0) -> Served:
+    """The first model the server lists, as a tenant sees it."""
     response = httpx.get(
         f"{url}/v1/models", headers={"authorization": f"Bearer {api_key}"}, timeout=timeout_s
     )
     response.raise_for_status()
     card = response.json()["data"][0]
     window = card.get("max_model_len") or card.get("context_length") or card.get("context_window")
-    return str(card["id"]), int(window) if window else None
+    return Served(str(card["id"]), int(window) if window else None, card.get("batch_invariant") is True)
 
 
 # ---- reading the server -----------------------------------------------------------------------------

@@ -11,7 +11,9 @@ finished, so its pages are free but not zeroed), then runs tenant B:
 Single node, the defect is `read_beyond_written` (B believes its prompt is already cached). Disaggregated
 (prefill + decode workers over real ZeroMQ, in this process), it is the incident itself:
 `placeholder_transfer` behind a router that checks only the window. The table is built from the audit
-trail, so it shows what the engine recorded, not what the lab intended.
+trail, so it shows what the engine recorded, not what the lab intended. Its `replay` column is the audit's
+output oracle (audit/replay.py) in small: B's answer against the same prompt answered alone on a fresh,
+clean engine, `same` or `changed` (`-` when B was not answered).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class Row:
     status: str
     pool_unchanged: bool | None  # refused cases only: every pool byte-for-byte as before B
     output: str
+    replay: str = "-"  # B's answer vs the same prompt alone on a clean engine: same | changed | -
     passed: bool = False
 
 
@@ -101,6 +104,7 @@ def summarise(
     status: str,
     output: str,
     unchanged: bool | None,
+    solo: str | None = None,
 ) -> Row:
     reads = [p for e in events if e["kind"] == "pages_read" for p in e["pages"]]
     row = Row(
@@ -117,6 +121,7 @@ def summarise(
         status=status,
         pool_unchanged=unchanged,
         output=output,
+        replay="-" if solo is None or status != "finished" else "same" if output == solo else "changed",
     )
     row.passed = _meets(case.expect, row)
     return row
@@ -124,9 +129,11 @@ def summarise(
 
 def _meets(expect: str, row: Row) -> bool:
     if expect == "clean":
-        return row.status == "finished" and row.pages_read > 0 and row.foreign_read == 0
+        return (
+            row.status == "finished" and row.pages_read > 0 and row.foreign_read == 0 and row.replay == "same"
+        )
     if expect == "leak":
-        return row.status == "finished" and row.foreign_read > 0
+        return row.status == "finished" and row.foreign_read > 0 and row.replay == "changed"
     return (
         row.status in ("rejected", "aborted")
         and row.allocated == row.transferred == row.steps == 0
@@ -154,6 +161,17 @@ def same(before: list[tuple[torch.Tensor, ...]], after: list[tuple[torch.Tensor,
     return all(
         torch.equal(x, y) for b, a in zip(before, after, strict=True) for x, y in zip(b, a, strict=True)
     )
+
+
+# ---- replay --------------------------------------------------------------------------------------------
+
+
+def solo_output(model: LlamaModel, tokenizer: Tokenizer, prompt: list[int]) -> str:
+    """B's prompt answered alone on a fresh engine with the fence on and no fault: what a case's answer
+    must equal (the engine is batch-invariant, so neither the pool nor A's pages may change it)."""
+    config = EngineConfig(num_pages=32, max_model_len=512, enable_prefix_caching=False)
+    engine = LLMEngine(config, model, tokenizer, log=lambda _: None)
+    return engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS), tenant="B")[0].output_text
 
 
 # ---- single node ----------------------------------------------------------------------------------------
@@ -185,9 +203,9 @@ def run_single(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> Row:
     except AdmissionError as refusal:
         status, output = "rejected", f"400 {refusal.code}"
     unchanged = same(before, snapshot([engine])) if status.startswith(("rejected", "aborted")) else None
-    return summarise(
-        "single", case, prompt, engine.events.for_request("b"), status.split(" ")[0], output, unchanged
-    )
+    solo = solo_output(model, tokenizer, prompt) if status == "finished" else None
+    events = engine.events.for_request("b")
+    return summarise("single", case, prompt, events, status.split(" ")[0], output, unchanged, solo)
 
 
 # ---- disaggregated ----------------------------------------------------------------------------------------
@@ -233,7 +251,9 @@ def run_disaggregated(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> Ro
         except AdmissionError as refusal:
             status, output = "rejected", f"400 {refusal.code}"
         unchanged = same(before, snapshot(pools)) if status in ("rejected", "aborted") else None
-        return summarise("disaggregated", case, prompt, router.audit_events("b"), status, output, unchanged)
+        events = router.audit_events("b")
+    solo = solo_output(model, tokenizer, prompt) if status == "finished" else None
+    return summarise("disaggregated", case, prompt, events, status, output, unchanged, solo)
 
 
 # ---- the command ------------------------------------------------------------------------------------------
@@ -263,6 +283,7 @@ def format_table(rows: list[Row]) -> str:
         "steps",
         "read",
         "foreign",
+        "replay",
         "status",
         "pool same",
         "ok",
@@ -278,6 +299,7 @@ def format_table(rows: list[Row]) -> str:
             str(r.steps),
             str(r.pages_read),
             str(r.foreign_read),
+            r.replay,
             r.status,
             "-" if r.pool_unchanged is None else str(r.pool_unchanged).lower(),
             "PASS" if r.passed else "FAIL",
@@ -291,7 +313,12 @@ def format_table(rows: list[Row]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="GGUF file (default: the packaged SmolLM2)")
-    parser.add_argument("--mode", choices=["single", "disaggregated", "both"], default="both")
+    parser.add_argument(
+        "--mode",
+        choices=["single", "disaggregated", "both"],
+        default="both",
+        help="which deployment runs the four requests (default: %(default)s)",
+    )
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
 
 

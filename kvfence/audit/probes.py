@@ -5,16 +5,22 @@ and returns a `CheckResult` (result.py). Every request and what came back is kep
 client, so later checks (the canary scan, status consistency, the white-box acceptance checks in checks.py)
 can read every answer of every tenant.
 
-The probes:
+The probes, in this order (`run_probes`):
 - boundary: find, by galloping then bisecting the prompt length, where the server starts refusing;
-  requests inside, at and beyond it must be a full normal answer or a clear 4xx, never a 5xx or a 200
-  with empty or garbled content;
+  requests inside, at and beyond it must be a full normal answer or a clear 4xx, never a 5xx (other than
+  the fence's kv_integrity_error, retried and reported) or a 200 with empty or garbled content;
 - cancellation storm: open streams and drop them after the first chunk, drop others before any answer,
   then the server must still answer normally;
-- canary scan: every tenant plants a unique random canary while over-long and cancelled requests run
-  concurrently; no answer of any tenant may contain (a fragment of) another tenant's canary;
+- canaries (canaries.py): each tenant plants one alone (the positive control), later more concurrently
+  with over-long and dropped requests; no answer of any tenant may contain (a fragment of) another
+  tenant's canary;
+- replay (replay.py): greedy prompts alone, then under churn (its long prompts are canary victims): every
+  answer must be the same; FAIL or INCONCLUSIVE depending on whether the server declares batch invariance;
 - recovery: a normal request per tenant succeeds after the storms;
 - status consistency: 200 means non-empty choices with a finish_reason, an error means no choices.
+
+An integrity abort (`Exchange.fenced`) fails no probe: with a fault armed it is the fence doing its job;
+the probes report how many they saw.
 
 Probes target only loopback or private test deployments (`check_test_address` in client.py): never run
 them against somebody else's production service.
@@ -24,24 +30,24 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvfence.audit.client import Exchange, ProbeClient, Target
+from kvfence.audit import canaries
+from kvfence.audit.client import MAX_WORKERS, Exchange, ProbeClient, Target
+from kvfence.audit.replay import LONG_FRACTION, LONG_MAX_TOKENS, run_replay
 from kvfence.audit.result import CheckResult, verdict
 
-CANARY_PREFIX = "CANARY-"
-CANARY_HEX_CHARS = 16
-FRAGMENT_CHARS = 8  # a run of this many canary hex digits in another tenant's answer counts as a leak
 BOUNDARY_MAX_TOKENS = 4
 MAX_SEARCH_REQUESTS = 32  # boundary search budget (each request is one prompt length)
 MAX_REPS = 2**17  # no boundary below ~128k prompt words: the probe gives up
 STORM_STREAMS = 6
 STORM_EARLY_DROPS = 2
-CANARY_ROUNDS = 2
-MAX_WORKERS = 16
+ATTEMPTS = 3  # tries of a boundary length the server fails or the fence aborts
+RECOVERY_ATTEMPTS = 8  # tries of a normal request the fence aborts (with a fault armed at 0.5: 1/256 fail)
+DEFAULT_WINDOW = 512  # tokens assumed for the replay's long prompts when nothing says otherwise
 _REQUESTED = re.compile(r"requested (\d+) tokens")
 Progress = Callable[[str], None]
 
@@ -84,9 +90,9 @@ class _Search:
         self.requests = 0
 
     def accepted(self, reps: int) -> bool | None:
-        """The verdict for a `reps`-word prompt; a 5xx or broken answer is retried once (an intermittent
-        failure should not hide the boundary; the failed exchange still fails the probe)."""
-        for _ in range(2):
+        """The verdict for a `reps`-word prompt; a 5xx or broken answer is retried (an intermittent failure
+        should not hide the boundary; a failed exchange other than a fence abort still fails the probe)."""
+        for _ in range(ATTEMPTS):
             if reps in self.verdicts or self.requests >= MAX_SEARCH_REQUESTS:
                 break
             exchange = self.client.send("boundary:search", 0, "completions", filler(reps), self.max_tokens)
@@ -170,7 +176,7 @@ def _boundary_verdict(exchanges: list[Exchange], boundary: Boundary | None, sear
             **e.summary(),
         }
         for e in exchanges
-        if e.outcome not in ("answer", "refused")
+        if e.outcome not in ("answer", "refused") and not e.fenced
     ]
     answered = [r for r, v in search.verdicts.items() if v]
     refused = [r for r, v in search.verdicts.items() if v is False]
@@ -187,11 +193,16 @@ def _boundary_verdict(exchanges: list[Exchange], boundary: Boundary | None, sear
     ids = [e.request_id for e in exchanges if e.request_id and e.label != "boundary:search"]
     ok = (
         f"answered up to {boundary.accepted_total} tokens (prompt+max_tokens), refused from "
-        f"{boundary.refused_total}; inside/at answered, beyond/far a clean 4xx"
+        f"{boundary.refused_total}; inside/at answered, beyond/far a clean 4xx{_fenced(exchanges)}"
         if boundary
         else ""
     )
     return verdict("boundary", problems, ok, ids)
+
+
+def _fenced(exchanges: list[Exchange]) -> str:
+    aborts = sum(e.fenced for e in exchanges)
+    return f"; {aborts} aborted by the fence (kv_integrity_error)" if aborts else ""
 
 
 # ---- cancellation storm -----------------------------------------------------------------------------
@@ -217,99 +228,33 @@ def probe_cancel_storm(
             for i in range(early)
         ]
         sent = [job.result() for job in jobs]
-    after = client.send("storm:after", 0, "completions", "The capital of France is", 8)
+    after = _answered(lambda: client.send("storm:after", 0, "completions", "The capital of France is", 8))
     problems = [
         {"problem": f"{e.label}: {'; '.join(e.problems()) or e.outcome}", **e.summary()}
         for e in [*sent, after]
-        if e.outcome in ("broken", "aborted")
+        if e.outcome == "broken" or (e.outcome == "aborted" and not e.fenced)
     ]
     if after.outcome != "answer" and not problems:
         problems.append({"problem": f"after the storm: {after.outcome}", **after.summary()})
     dropped = sum(e.cancelled for e in sent)
     ids = [e.request_id for e in [*sent, after] if e.request_id]
-    return verdict(
-        "cancel_storm", problems, f"{dropped} requests dropped mid-stream or early; then answered", ids
-    )
+    ok = f"{dropped} requests dropped mid-stream or early; then answered{_fenced(sent)}"
+    return verdict("cancel_storm", problems, ok, ids)
 
 
 def _unique(prompt: str) -> str:
     return f"[{secrets.token_hex(8)}] {prompt}"
 
 
-# ---- canaries ---------------------------------------------------------------------------------------
-
-
-def new_canary() -> str:
-    return CANARY_PREFIX + secrets.token_hex(CANARY_HEX_CHARS // 2)
-
-
-def canary_prompt(canary: str) -> str:
-    """A prompt whose natural continuation is the canary's digits (so an echo of it is easy to see)."""
-    return f"Remember the code {canary}. The code is {CANARY_PREFIX}"
-
-
-def plant_canaries(client: ProbeClient, overlong_words: int, rounds: int = CANARY_ROUNDS) -> None:
-    """Each round, every tenant plants a fresh canary (one answered request, one stream dropped after its
-    first event) while every tenant also sends an over-long request, all concurrently."""
-    keys = range(len(client.target.api_keys))
-    for round_ in range(rounds):
-        endpoint = "chat" if round_ % 2 else "completions"
-        plants = [(key, new_canary(), new_canary()) for key in keys]
-        with ThreadPoolExecutor(min(MAX_WORKERS, 3 * len(keys))) as pool:
-            jobs = [pool.submit(_plant, client, key, endpoint, kept, 16) for key, kept, _ in plants]
-            jobs += [
-                pool.submit(_plant, client, key, endpoint, dropped, 32, True) for key, _, dropped in plants
-            ]
-            long = filler(overlong_words)
-            jobs += [pool.submit(client.send, "canary:overlong", key, endpoint, long, 16) for key in keys]
-            for job in jobs:
-                job.result()
-
-
-def _plant(
-    client: ProbeClient, key: int, endpoint: str, canary: str, max_tokens: int, drop: bool = False
-) -> Exchange:
-    prompt = canary_prompt(canary)
-    if drop:
-        exchange = client.stream_and_drop("canary:dropped", key, endpoint, prompt, max_tokens)
-    else:
-        exchange = client.send("canary:plant", key, endpoint, prompt, max_tokens)
-    exchange.planted = canary
+def _answered(send: Callable[[], Exchange]) -> Exchange:
+    """`send()` again while the fence aborts it (up to RECOVERY_ATTEMPTS): a normal request must get
+    through."""
+    exchange = send()
+    for _ in range(RECOVERY_ATTEMPTS - 1):
+        if not exchange.fenced:
+            break
+        exchange = send()
     return exchange
-
-
-def canary_fragments(canary: str) -> Iterator[str]:
-    """Every run of FRAGMENT_CHARS digits of the canary (a partial echo is still a leak)."""
-    digits = canary.removeprefix(CANARY_PREFIX)
-    for start in range(len(digits) - FRAGMENT_CHARS + 1):
-        yield digits[start : start + FRAGMENT_CHARS]
-
-
-def scan_canaries(exchanges: list[Exchange]) -> CheckResult:
-    """No answer (or partial stream) of any tenant may contain a fragment of another tenant's canary."""
-    planted = [(e.key_index, e.planted) for e in exchanges if e.planted]
-    if len({key for key, _ in planted}) < 2:
-        return CheckResult("canary_scan", None, "needs canaries from at least two tenants (API keys)")
-    problems = []
-    for exchange in exchanges:
-        text = exchange.text.lower()
-        for key, canary in planted:
-            if key != exchange.key_index and any(f in text for f in canary_fragments(canary)):
-                problems.append(
-                    {
-                        "problem": f"key #{exchange.key_index}'s answer holds key #{key}'s canary {canary}",
-                        "canary": canary,
-                        **exchange.summary(),
-                    }
-                )
-    echoed = sum(bool(e.planted and e.planted.removeprefix(CANARY_PREFIX) in e.text) for e in exchanges)
-    tenants = len({key for key, _ in planted})
-    ok = (
-        f"{len(planted)} canaries planted by {tenants} tenants; none in another tenant's answer "
-        f"({len(exchanges)} scanned, {echoed} echoed their own)"
-    )
-    ids = [e.request_id for e in exchanges if e.request_id and e.label.startswith("canary:")]
-    return verdict("canary_scan", problems, ok, ids)
 
 
 # ---- recovery and consistency -----------------------------------------------------------------------
@@ -318,7 +263,11 @@ def scan_canaries(exchanges: list[Exchange]) -> CheckResult:
 def probe_recovery(client: ProbeClient) -> CheckResult:
     """After everything else: one normal request per tenant, on both endpoints, must be answered."""
     sent = [
-        client.send("recovery", key, "chat" if key % 2 else "completions", "Name three colors.", 8)
+        _answered(
+            lambda key=key: client.send(
+                "recovery", key, "chat" if key % 2 else "completions", "Name three colors.", 8
+            )
+        )
         for key in range(len(client.target.api_keys))
     ]
     problems = [
@@ -359,11 +308,14 @@ class ProbeRun:
     exchanges: list[Exchange]
 
 
-PROBE_STEPS = ("boundary", "cancel_storm", "canaries", "recovery", "scan")
+PROBE_STEPS = ("boundary", "cancel_storm", "canaries", "replay", "canaries", "recovery", "scan")
 
 
-def run_probes(target: Target, window_hint: int | None, progress: Progress = lambda _: None) -> ProbeRun:
-    """Every probe, in order, against `target` (needs at least two API keys for the canary scan)."""
+def run_probes(
+    target: Target, window_hint: int | None, progress: Progress = lambda _: None, declared: bool = False
+) -> ProbeRun:
+    """Every probe, in order, against `target` (needs at least two API keys for the canary scan).
+    `declared`: the server pins batch invariance (replay.declares_batch_invariance)."""
     client = ProbeClient(target)
     try:
         progress("boundary")
@@ -371,13 +323,28 @@ def run_probes(target: Target, window_hint: int | None, progress: Progress = lam
         progress("cancel_storm")
         storm = probe_cancel_storm(client)
         progress("canaries")
+        canaries.plant_alone(client)
+        progress("replay")
+        window = boundary.accepted_total if boundary else window_hint or DEFAULT_WINDOW
+        replay, _ = run_replay(client, _long_prompts(client, window), declared)
+        progress("canaries")
         overlong = 2 * boundary.reps_refused + 64 if boundary else 4 * (window_hint or 4096)
-        plant_canaries(client, min(overlong, MAX_REPS))
+        canaries.plant_concurrently(client, filler(min(overlong, MAX_REPS)))
         progress("recovery")
         recovery = probe_recovery(client)
         progress("scan")
         exchanges = list(client.exchanges)
-        results = [boundary_result, storm, scan_canaries(exchanges), recovery, check_consistency(exchanges)]
+        scan = canaries.scan_canaries(exchanges, declared)
+        results = [boundary_result, storm, scan, replay, recovery, check_consistency(exchanges)]
         return ProbeRun(results, boundary, exchanges)
     finally:
         client.close()
+
+
+def _long_prompts(client: ProbeClient, window: int) -> list[tuple[str, str]]:
+    """Per tenant, the replay's long probe: a canary victim of about LONG_FRACTION of the window (sized by
+    the tokens per record the lone plants reported), and its canary."""
+    budget = int(LONG_FRACTION * window) - LONG_MAX_TOKENS
+    records = canaries.records_for(budget, canaries.tokens_per_record(client.exchanges))
+    canaries_ = [canaries.new_canary() for _ in client.target.api_keys]
+    return [(canaries.victim_prompt(canary, records), canary) for canary in canaries_]

@@ -1,6 +1,8 @@
-"""The audit's report: a progress bar on stderr, the table of checks on stdout, the JSON form, and one
-self-contained HTML page (inline CSS, nothing fetched) with an SVG timeline of every probe request's pages:
-when each page was allocated or shared, written, read (a foreign read in red), quarantined and released.
+"""The audit's report: a progress bar on stderr, the table of checks on stdout and the verdict line under
+it (INCONCLUSIVE checks named apart: not failures, not passes), the JSON form, and one self-contained HTML
+page (inline CSS, nothing fetched) with the replay table (each prompt's solo answer and its answers under
+load, linked to their timelines) beside an SVG timeline of every probe request's pages: when each page was
+allocated or shared, written, read (a foreign read in red), quarantined and released.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, TextIO
 
 from kvfence.audit.client import Exchange
 from kvfence.audit.probes import Boundary
-from kvfence.audit.result import CheckResult
+from kvfence.audit.result import INCONCLUSIVE, CheckResult
 from kvfence.audit.trail import ACQUIRE, ENGINE, Event, Trail, by_where, event_pages, tenant_of
 
 DEFAULT_PAGE_SIZE = 16
@@ -51,10 +53,18 @@ class Report:
     def passed(self) -> bool:
         return all(r.passed is not False for r in self.results)
 
+    @property
+    def exit_status(self) -> int:
+        """1: a check failed; 3: none failed, one is INCONCLUSIVE; 0: every check that ran passed."""
+        if not self.passed:
+            return 1
+        return 3 if any(r.status == INCONCLUSIVE for r in self.results) else 0
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,
             "passed": self.passed,
+            "inconclusive": [r.name for r in self.results if r.status == INCONCLUSIVE],
             "checks": [r.to_dict() for r in self.results],
             "boundary": self.boundary.to_dict() if self.boundary else None,
             "exchanges": [e.summary() for e in self.exchanges],
@@ -62,21 +72,37 @@ class Report:
         }
 
 
-def render_table(results: list[CheckResult], width: int = 96) -> str:
-    """One line per check: name, PASS/FAIL/SKIP, details (shortened to fit `width`)."""
+def render_table(results: list[CheckResult], width: int = 110) -> str:
+    """One line per check: name, PASS/FAIL/SKIP/INCONCLUSIVE, details (shortened to fit `width`)."""
     name_w = max(len(r.name) for r in results)
-    room = max(20, width - name_w - 10)
-    lines = [f"  {'check':<{name_w}}  result  details", f"  {'-' * name_w}  ------  {'-' * room}"]
+    status_w = max(6, *(len(r.status) for r in results))
+    room = max(20, width - name_w - status_w - 6)
+    lines = [
+        f"  {'check':<{name_w}}  {'result':<{status_w}}  details",
+        f"  {'-' * name_w}  {'-' * status_w}  {'-' * room}",
+    ]
     for r in results:
         details = r.details if len(r.details) <= room else r.details[: room - 1] + "…"
-        lines.append(f"  {r.name:<{name_w}}  {r.status:<6}  {details}")
+        lines.append(f"  {r.name:<{name_w}}  {r.status:<{status_w}}  {details}")
     return "\n".join(lines)
+
+
+def verdict_line(results: list[CheckResult]) -> str:
+    """`audit FAILED: names`, `audit INCONCLUSIVE: names` (nothing failed, not everything proven) or
+    `audit PASSED`; a failed audit still names its INCONCLUSIVE checks."""
+    failing = [r.name for r in results if r.passed is False]
+    unsure = [r.name for r in results if r.status == INCONCLUSIVE]
+    unproven = f"INCONCLUSIVE (not failed, not proven): {', '.join(unsure)}"
+    if failing:
+        return f"audit FAILED: {', '.join(failing)}" + (f"; {unproven}" if unsure else "")
+    return f"audit {unproven}" if unsure else "audit PASSED"
 
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}
-.PASS{background:#e5f5e0}.FAIL{background:#fee0d2}.SKIP{background:#eee}
+.PASS{background:#e5f5e0}.FAIL{background:#fee0d2}.SKIP{background:#eee}.INCONCLUSIVE{background:#fff3bf}
+.changed{background:#fee0d2}.fenced{background:#fdd0a2}
 pre{background:#f6f6f6;padding:8px;overflow:auto;max-height:24em}
 section{margin:1.5em 0}h3{font-size:14px;margin:.3em 0}svg text{font:10px monospace}
 """
@@ -85,6 +111,8 @@ section{margin:1.5em 0}h3{font-size:14px;margin:.3em 0}svg text{font:10px monosp
 def render_html(report: Report) -> str:
     """The whole report as one self-contained HTML page (inline CSS and SVG, nothing fetched)."""
     status = "PASS" if report.passed else "FAIL"
+    unsure = [r.name for r in report.results if r.status == INCONCLUSIVE]
+    heading = f"{status}; INCONCLUSIVE: {', '.join(unsure)}" if unsure else status
     rows = "".join(
         f"<tr class='{r.status}'><td>{_e(r.name)}</td><td>{r.status}</td><td>{_e(r.details)}</td></tr>"
         for r in report.results
@@ -98,19 +126,63 @@ def render_html(report: Report) -> str:
     target = _e(json.dumps(report.target, default=str))
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>kvfence audit: {status}</title>"
-        f"<style>{_CSS}</style></head><body><h1 class='{status}'>kvfence audit: {status}</h1>"
+        f"<style>{_CSS}</style></head><body><h1 class='{status}'>kvfence audit: {_e(heading)}</h1>"
         f"<p><code>{target}</code></p><table><tr><th>check</th><th>result</th><th>details</th></tr>{rows}</table>"
         f"<h2>Evidence</h2>{evidence or '<p>none</p>'}"
-        f"<h2>Page timelines</h2>{_legend()}{_timelines(report)}</body></html>"
+        f"<h2>Replay and page timelines</h2>{_replay_table(report)}{_legend()}{_timelines(report)}"
+        "</body></html>"
     )
+
+
+def _replay_rows(report: Report) -> list[dict[str, Any]]:
+    """The replay check's per-prompt rows (replay.probe_rows), [] when it did not run."""
+    replay = next((r for r in report.results if r.name == "replay"), None)
+    return [item for item in replay.evidence if "replays" in item] if replay else []
+
+
+def _replay_table(report: Report) -> str:
+    """Each replay prompt: its answer alone, then each answer under load (same / changed / fenced), with
+    the request ids whose timelines follow."""
+    rows = _replay_rows(report)
+    if not rows:
+        return ""
+    waves = max(len(row["replays"]) for row in rows)
+    head = "<tr><th>prompt</th><th>key</th><th>alone</th>"
+    head += "".join(f"<th>under load {i + 1}</th>" for i in range(waves)) + "</tr>"
+    body = ""
+    for row in rows:
+        alone = f"{_e(row['solo'])} <code>{_e(row['solo_request_id'])}</code><br>{_e(repr(row['solo_text']))}"
+        cells = "".join(
+            f"<td class='{_e(r['verdict'])}'>{_e(r['verdict'])} <code>{_e(r['request_id'])}</code>"
+            + (f"<br>{_e(repr(r['text']))}" if r["verdict"] == "changed" else "")
+            + "</td>"
+            for r in row["replays"]
+        )
+        prompt = f"<td>{row['probe']} ({_e(row['endpoint'])})</td><td>#{row['key']}</td>"
+        body += f"<tr>{prompt}<td>{alone}</td>{cells}</tr>"
+    return f"<h3>replay</h3><table>{head}{body}</table>"
+
+
+def _replay_notes(report: Report) -> dict[str, str]:
+    """request id -> its part in the replay check, for the timeline titles."""
+    notes = {}
+    for row in _replay_rows(report):
+        if row["solo_request_id"]:
+            notes[str(row["solo_request_id"])] = f"replay prompt {row['probe']} alone"
+        for r in row["replays"]:
+            notes[str(r["request_id"])] = f"replay prompt {row['probe']} under load: {r['verdict'].upper()}"
+    return notes
 
 
 def _timelines(report: Report) -> str:
     sections = []
+    notes = _replay_notes(report)
     for e in report.exchanges:
         trail = report.trails.get(str(e.request_id)) if e.request_id else None
         if trail:
             title = f"{e.label} · key #{e.key_index} · {e.outcome} (HTTP {e.status}) · {e.request_id}"
+            note = notes.get(str(e.request_id))
+            title += f" · {note}" if note else ""
             sections.append(f"<section><h3>{_e(title)}</h3>{timeline_svg(trail, report.page_size)}</section>")
     return "".join(sections) or "<p>no audit trails (black-box run)</p>"
 

@@ -1,5 +1,7 @@
 """What pins a running engine, reported by the server itself at GET /v1/audit/info: the code (version,
-git commit), the weights (file and sha256), the pool and the window, and whether the fence is on.
+git commit), the weights (file and sha256), the pool and the window, whether the fence is on, and whether
+decode is batch-invariant (`batch_invariant`: the audit's replay check fails any answer that changes under
+load only where it is true).
 
 An auditor compares these with what it expects; it never has to trust its own copy of the model file or
 guess the page size. Everything here is static after start-up, so it is safe to read from any thread.
@@ -11,6 +13,7 @@ import os
 from typing import Any
 
 from kvfence.engine.engine import LLMEngine
+from kvfence.model.llama import LlamaModel
 from kvfence.pins import code_info, file_sha256
 
 
@@ -32,4 +35,16 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
         "max_model_len": engine.max_model_len,
         "isolation": engine.fence.enabled,
         "prefix_caching": engine.prefix is not None,
+        # Decode rows computed one at a time, in a fixed reduction order, by the C kernels (packed matmul for
+        # every projection and the LM head, paged attention): what shares the batch cannot change them.
+        "batch_invariant": _decode_rows_alone(engine.model),
     }
+
+
+def _decode_rows_alone(model: LlamaModel) -> bool:
+    """Every decode-row matmul and the attention run in the per-row kernels; False on any BLAS or SDPA
+    fallback (`--decode-matmul dense`, `--decode-attention sdpa`, not float32 on CPU, an unpacked weight),
+    whose results depend on the number of rows in the step."""
+    projections = [model.lm_head, *(p for layer in model.layers for p in layer.projections())]
+    kernels = model.decode_matmul == "kernel" and model.decode_attention == "kernel"
+    return kernels and all(p.packed is not None for p in projections)

@@ -1,6 +1,8 @@
 """`kvfence audit` end to end: the acceptance checks against a healthy kvfence and against one with the
 fence off and a fault armed (real model, in-process server on a free port), and the black-box probe
-against two tiny stand-in servers, one of which leaks an earlier tenant's prompt into later answers.
+against tiny stand-in servers: one leaks an earlier tenant's prompt into later answers, one answers
+differently under load (INCONCLUSIVE when it declares nothing, FAIL when it declares batch invariance).
+(tests/integration/test_replay.py runs the replay check against kvfence with faults armed.)
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ ADMIN = "audit-admin"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 MODEL = "smollm2-audit"
 SMALL = {"num_pages": 64, "max_model_len": 512}  # 1024-token pool, 512-token window: a fast boundary
-PROBES = ["boundary", "cancel_storm", "canary_scan", "recovery", "status_consistency"]
+PROBES = ["boundary", "cancel_storm", "canary_scan", "replay", "recovery", "status_consistency"]
 ACCEPTANCE = [
     "pinned_versions",
     "capacity",
@@ -74,12 +76,18 @@ def test_audit_passes_against_a_healthy_kvfence(smollm2: GGUFModel, tmp_path: Pa
     assert status == 0, {c["name"]: c["details"] for c in report["checks"] if c["status"] != "PASS"}
     assert statuses(report) == dict.fromkeys(PROBES + ACCEPTANCE, "PASS")
     assert report["boundary"]["accepted_total"] == 512 and report["boundary"]["exact"]
+    assert report["target"]["batch_invariant_declared"] is True
+    replay = check(report, "replay")["evidence"][0]
+    assert replay["compared"] >= 12 and replay["changed"] == 0, replay
+    control = check(report, "canary_scan")["evidence"][0]["positive_control"]
+    assert control["rate"] >= 0.9, control
     pins = check(report, "pinned_versions")["evidence"][-1]
     assert pins["source"] == "server: GET /v1/audit/info" and pins["startup_flags"] == "x"
     assert pins["pools"]["single"]["model_sha256"] == file_sha256(smollm2.path)
     html = page.read_text(encoding="utf-8")
     assert not re.search(r"<script|<link|<img|\b(?:src|href)\s*=|url\(|@import", html), "not self-contained"
     assert html.count("<svg") == len(report["trails"]) + 1  # one timeline per audited request + legend
+    assert "<h3>replay</h3>" in html and "replay prompt 0 under load: SAME" in html
 
 
 @pytest.mark.real_model
@@ -144,20 +152,40 @@ def test_pinned_versions_fail_when_the_server_serves_another_file(tmp_path: Path
 # ---- black-box probe against stand-in servers -------------------------------------------------------
 
 STAND_IN_WINDOW = 256  # words (one "token" per word)
+STAND_IN_ADMIN = "stand-in-admin"
 
 
-def stand_in(leaky: bool) -> FastAPI:
+def stand_in(leaky: bool, load_sensitive: bool = False, declares: bool = False) -> FastAPI:
     """A minimal OpenAI-compatible server. It counts words as tokens and refuses prompt + max_tokens
     beyond its window with a 400. The leaky one answers every request with the previous prompt another
-    API key sent (as a recycled, unfenced KV page would); the clean one answers deterministically."""
+    API key sent (as a recycled, unfenced KV page would); the clean one answers deterministically, except
+    that a `load_sensitive` one answers otherwise while another request is in flight (as batch-dependent
+    numerics, or another tenant's KV, would). `declares`: it pins batch invariance in its model card and
+    at /v1/audit/info (admin key STAND_IN_ADMIN), and has no audit trails."""
     app = FastAPI()
     last_prompt: dict[str, str] = {}
+    in_flight = [0]
+
+    if declares:
+
+        @app.get("/v1/audit/info")
+        async def info(request: Request) -> Response:
+            if request.headers.get("authorization") != f"Bearer {STAND_IN_ADMIN}":
+                return JSONResponse({"error": {"message": "admin only"}}, status_code=403)
+            return JSONResponse({"mode": "single", "pools": {"single": {"batch_invariant": True}}})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
-            "data": [{"id": "stand-in", "object": "model", "max_model_len": STAND_IN_WINDOW}],
+            "data": [
+                {
+                    "id": "stand-in",
+                    "object": "model",
+                    "max_model_len": STAND_IN_WINDOW,
+                    "batch_invariant": declares,
+                }
+            ],
         }
 
     async def generate(request: Request, chat: bool) -> Response:
@@ -170,6 +198,11 @@ def stand_in(leaky: bool) -> FastAPI:
         others = [p for k, p in last_prompt.items() if k != key]
         last_prompt[key] = prompt
         words = (others[-1].split() if leaky and others else [f"w{i}" for i in range(8)])[:budget]
+        if load_sensitive:
+            in_flight[0] += 1
+            await asyncio.sleep(0.05)  # long enough for concurrent requests to overlap
+            words = [f"{'busy' if in_flight[0] > 1 else 'w'}{i}" for i in range(8)][:budget]
+            in_flight[0] -= 1
         answer = _Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, words, tokens)
         if body.get("stream"):
             return StreamingResponse(answer.events(), media_type="text/event-stream", headers=answer.headers)
@@ -241,12 +274,46 @@ def test_black_box_probe_catches_a_leaky_server(tmp_path: Path) -> None:
     assert set(results) == set(PROBES), "--black-box runs the probes only"
 
 
-def test_black_box_probe_passes_a_clean_server(tmp_path: Path) -> None:
+def test_black_box_probe_passes_a_clean_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Nothing fails; but a server that pins no batch invariance, and whose model does not copy its
+    canaries, gets INCONCLUSIVE replay and canary scan, never PASS: exit status 3, not 0."""
     with serving(stand_in(leaky=False)) as url:
         status, report = audit(url, tmp_path, "--black-box")
-    assert status == 0, {c["name"]: c["details"] for c in report["checks"] if c["status"] != "PASS"}
-    assert statuses(report) == dict.fromkeys(PROBES, "PASS")
+    unsure = dict.fromkeys(["canary_scan", "replay"], "INCONCLUSIVE")
+    assert status == 3, {c["name"]: c["details"] for c in report["checks"] if c["status"] != "PASS"}
+    assert statuses(report) == dict.fromkeys(PROBES, "PASS") | unsure
+    assert report["inconclusive"] == ["canary_scan", "replay"]
+    assert "positive control 0/" in check(report, "canary_scan")["details"]
     assert report["boundary"]["accepted_total"] == STAND_IN_WINDOW and report["boundary"]["exact"]
+    assert "audit INCONCLUSIVE (not failed, not proven): canary_scan, replay" in capsys.readouterr().out
+
+
+def test_replay_is_inconclusive_against_a_server_that_declares_nothing(tmp_path: Path) -> None:
+    """Answers that change under load, on a server without the pin: the change rate is reported, and the
+    check neither passes nor fails."""
+    with serving(stand_in(leaky=False, load_sensitive=True)) as url:
+        status, report = audit(url, tmp_path, "--black-box")
+    replay = check(report, "replay")
+    assert replay["status"] == "INCONCLUSIVE" and status == 3
+    summary = replay["evidence"][0]
+    assert summary["declared_batch_invariant"] is False
+    assert summary["changed"] > 0 and summary["change_rate"] > 0, summary
+    assert f"{summary['changed']} of {summary['compared']} answers under load differ" in replay["details"]
+    assert "does not declare batch invariance" in replay["details"]
+
+
+def test_replay_fails_a_server_that_declares_batch_invariance_and_changes(tmp_path: Path) -> None:
+    """The same server pinning batch invariance: every changed answer fails the audit, named by its id,
+    whether the pin is read from the model card (a tenant's view) or /v1/audit/info (the admin's)."""
+    for admin in ([], ["--admin-key", STAND_IN_ADMIN]):
+        with serving(stand_in(leaky=False, load_sensitive=True, declares=True)) as url:
+            status, report = audit(url, tmp_path, "--black-box", *admin)
+        assert report["target"]["batch_invariant_declared"] is True
+        assert status == 1 and check(report, "replay")["status"] == "FAIL"
+    replay = check(report, "replay")
+    mismatches = [item for item in replay["evidence"] if "problem" in item]
+    assert mismatches and mismatches[0]["request_id"] in replay["details"]
+    assert all(m["text"].startswith("busy") and m["solo_text"].startswith("w0") for m in mismatches)
 
 
 def test_probes_refuse_public_addresses_and_a_single_tenant(tmp_path: Path) -> None:

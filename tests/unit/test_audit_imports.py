@@ -23,6 +23,7 @@ HEAVY += ("kvfence.disagg", "kvfence.api")
 
 def test_the_audit_modules_are_found() -> None:
     assert "kvfence.audit.client" in MODULES and "kvfence.audit.cli" in MODULES, MODULES
+    assert "kvfence.audit.replay" in MODULES and "kvfence.audit.canaries" in MODULES, MODULES
 
 
 @pytest.mark.parametrize("module", MODULES)
