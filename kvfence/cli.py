@@ -3,8 +3,9 @@ prefill/decode worker, or `--disaggregated` locally), `router` (the front of rem
 (acceptance checks against a running server), `lab` (the isolation lab) and `generate` (one prompt,
 offline).
 
-Engine options are defined once (`add_engine_options`) and turned into an EngineConfig once
-(`engine_config`), so every subcommand that runs the engine takes the same flags with the same meaning.
+Engine options are defined once (`add_engine_options`, in kvfence.cli_options with the other shared option
+groups, each default stated in its help) and turned into an EngineConfig once (`engine_config`), so every
+subcommand that runs the engine takes the same flags with the same meaning.
 Progress and the capacity line go to stderr, so `generate` prints only the answer on stdout.
 
 Start-up options are checked before any model loads (kvfence.cli_checks): a bad one is one line on stderr
@@ -21,9 +22,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 from kvfence.cli_checks import (
     Front,
     OneLineParser,
@@ -32,19 +30,17 @@ from kvfence.cli_checks import (
     check_http,
     check_model,
     fault_spec,
-    port_number,
-    positive_float,
-    positive_int,
     protection_lines,
-    size_bytes,
 )
+from kvfence.cli_options import add_engine_options, add_http_options, add_transport_options, engine_config
 from kvfence.config import CapacityError, EngineConfig
+from kvfence.disagg.launch import add_kv_transport_option, add_scale_options, address_list
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError, LLMEngine, load_engine
-from kvfence.model.llama import DECODE_ATTENTION, DECODE_MATMUL
+from kvfence.request import Request, Status
 from kvfence.sampling import SamplingParams
 from kvfence.trail.events import EventLog
-from kvfence.trail.faults import FAULTS, FaultInjector
+from kvfence.trail.faults import FaultInjector
 
 if TYPE_CHECKING:
     from kvfence.disagg.keys import TransportKeys
@@ -53,146 +49,8 @@ ROLES = ("prefill", "decode", "router")
 DEFAULT_LISTEN = "tcp://127.0.0.1:5600"  # a worker's address when neither --listen nor its key names one
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """The flags every engine-running subcommand shares."""
-    g = parser.add_argument_group("engine")
-    defaults = EngineConfig()  # one source of truth for default values
-    g.add_argument("--model", type=Path, help="GGUF file (default: the packaged SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    g.add_argument("--device", default=default_device(), help="torch device (default: %(default)s)")
-    g.add_argument("--page-size", type=positive_int, default=defaults.page_size, help="tokens per KV page")
-    g.add_argument(
-        "--num-pages", type=positive_int, help="KV pool size in pages (wins over --kv-cache-memory)"
-    )
-    g.add_argument(
-        "--kv-cache-memory",
-        type=size_bytes,
-        default=defaults.kv_cache_memory,
-        help="KV pool size, e.g. 512MiB, 1GiB (default: %(default)s bytes)",
-    )
-    g.add_argument("--max-model-len", type=positive_int, help="context window (default: the model's)")
-    g.add_argument(
-        "--max-num-seqs", type=positive_int, default=defaults.max_num_seqs, help="requests per batch"
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=defaults.max_num_batched_tokens,
-        help="tokens per step",
-    )
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    g.add_argument(
-        "--isolation",
-        choices=["on", "off"],
-        default="on",
-        help="the KV fence; 'off' only for the lab and benchmarks, never to serve tenants",
-    )
-    g.add_argument(
-        "--inject-fault",
-        type=fault_spec,
-        action="append",
-        default=[],
-        metavar="NAME[:RATE]",
-        help="arm a named fault (repeatable): " + ", ".join(sorted(FAULTS)),
-    )
-    g.add_argument("--num-threads", type=positive_int, help="torch CPU threads")
-    g.add_argument(
-        "--decode-attention",
-        choices=DECODE_ATTENTION,
-        default=defaults.decode_attention,
-        help="kernel: the C paged-attention kernel (float32 on CPU); sdpa: gather pages + torch SDPA; "
-        "auto: the kernel where it can run (default: %(default)s)",
-    )
-    g.add_argument(
-        "--decode-matmul",
-        choices=DECODE_MATMUL,
-        default=defaults.decode_matmul,
-        help="kernel: decode rows multiply by the GGUF's quantized weights (Q4_0/Q4_1/Q8_0) in a C kernel "
-        "(float32 on CPU); dense: BLAS over the dequantized weights; auto: the kernel where it can run "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--trace-pages",
-        action="store_true",
-        help="audit which pages each request reads and whose data they hold (lab, audits)",
-    )
-    t = parser.add_argument_group("tenants")
-    t.add_argument(
-        "--max-waiting-per-tenant",
-        type=positive_int,
-        default=1024,
-        help="a tenant's waiting requests beyond this get 429 (default: %(default)s)",
-    )
-    for flag, what in (("running", "running requests"), ("pages", "KV pages")):
-        t.add_argument(
-            f"--max-{flag}-per-tenant",
-            type=positive_int,
-            help=f"{what} a tenant may hold at once; at the limit its requests wait (default: no limit)",
-        )
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig named by the options `add_engine_options` defined."""
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        isolation=args.isolation == "on",
-        faults=dict(args.inject_fault),
-        num_threads=args.num_threads,
-        decode_attention=args.decode_attention,
-        decode_matmul=args.decode_matmul,
-        trace_pages=args.trace_pages,
-        max_waiting_per_tenant=args.max_waiting_per_tenant,
-        max_running_per_tenant=args.max_running_per_tenant,
-        max_pages_per_tenant=args.max_pages_per_tenant,
-    )
-
-
-def add_http_options(parser: argparse.ArgumentParser) -> None:
-    """The flags of every command that serves the OpenAI API."""
-    g = parser.add_argument_group("http")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    g.add_argument("--port", type=port_number, default=8000, help="HTTP port (default: %(default)s)")
-    g.add_argument(
-        "--api-keys",
-        type=Path,
-        metavar="FILE",
-        help="'KEY TENANT' per line (# comments); else $KVFENCE_API_KEYS ('; '-separated)",
-    )
-    g.add_argument("--admin-key", help="key for the audit endpoint (else $KVFENCE_ADMIN_KEY)")
-    g.add_argument("--audit-log", type=Path, metavar="FILE", help="append audit events here as JSONL")
-    g.add_argument("--served-model-name", help="model id in the API (default: the GGUF file stem)")
-    g.add_argument(
-        "--http-read-timeout",
-        type=positive_float,
-        default=DEFAULT_READ_TIMEOUT_S,
-        metavar="SECONDS",
-        help="a connection must send its whole request head within this, and a body that sends nothing for "
-        "this long is cut (default: %(default)ss)",
-    )
-    g.add_argument(
-        "--max-connections",
-        type=positive_int,
-        default=DEFAULT_MAX_CONNECTIONS,
-        metavar="N",
-        help="connections served at once; a request beyond them gets 503 (default: %(default)s)",
-    )
 
 
 def _load_engine(config: EngineConfig, events: EventLog | None = None) -> LLMEngine | None:
@@ -218,7 +76,8 @@ def _serve(args: argparse.Namespace) -> int:
         keys = _transport_keys(args, args.role, [args.listen] if args.listen else [])
         check_engine(config)
         _report(args, None)
-        run_worker(args.role, config, args.listen or _own_address(keys) or DEFAULT_LISTEN, keys=keys)
+        listen = args.listen or _own_address(keys) or DEFAULT_LISTEN
+        run_worker(args.role, config, listen, keys=keys, kv_transport=args.kv_transport)
         return 0
     check_engine(config)
     front = check_http(args)
@@ -235,20 +94,26 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_disaggregated(args: argparse.Namespace, config: EngineConfig, front: Front) -> int:
-    """One prefill and one decode worker process plus the router, all on this host, speaking CURVE with
-    keys made for this run only (unless --insecure-transport). A worker that dies is restarted; SIGTERM and
-    SIGINT stop every child."""
-    from kvfence.disagg.keys import ephemeral
+    """--prefill-workers prefill and --decode-workers decode worker processes plus the router, all on this
+    host, speaking CURVE with keys made for this run only, one per process (unless --insecure-transport).
+    A worker that dies is restarted; SIGTERM and SIGINT stop every child."""
+    from kvfence.disagg.keys import ephemeral, worker_names
     from kvfence.disagg.launch import LocalWorkers, free_ports
 
-    addresses = {role: f"tcp://127.0.0.1:{port}" for role, port in zip(ROLES, free_ports(3), strict=True)}
-    keys = None if args.insecure_transport else ephemeral([(r, r, a) for r, a in addresses.items()])
+    names = worker_names("prefill", args.prefill_workers) + worker_names("decode", args.decode_workers)
+    ports = free_ports(len(names) + 1)
+    addresses = {
+        name: f"tcp://127.0.0.1:{port}" for name, port in zip([*names, "router"], ports, strict=True)
+    }
+    specs = [(name, name.partition("-")[0], address) for name, address in addresses.items()]
+    keys = None if args.insecure_transport else ephemeral(specs)
     _log(f"transport: {'INSECURE (--insecure-transport)' if keys is None else 'CURVE with ephemeral keys'}")
-    with _terminate_on_sigterm(), LocalWorkers([("prefill", config), ("decode", config)], addresses, keys):
+    workers = [(name, config) for name in names]
+    with _terminate_on_sigterm(), LocalWorkers(workers, addresses, keys, kv_transport=args.kv_transport):
         router_keys = keys["router"] if keys else None
-        return _run_router(
-            args, addresses["prefill"], addresses["decode"], addresses["router"], router_keys, front
-        )
+        prefill = [addresses[n] for n in names if n.startswith("prefill")]
+        decode = [addresses[n] for n in names if n.startswith("decode")]
+        return _run_router(args, prefill, decode, addresses["router"], router_keys, front)
 
 
 @contextlib.contextmanager
@@ -265,14 +130,15 @@ def _terminate_on_sigterm() -> Iterator[None]:
 
 def _router(args: argparse.Namespace) -> int:
     keys = _transport_keys(
-        args, "router", [args.prefill, args.decode, *([args.listen] if args.listen else [])]
+        args, "router", [*args.prefill, *args.decode, *([args.listen] if args.listen else [])]
     )
     if keys is not None:
         for role in ("prefill", "decode"):
-            peer = keys.book.by_address.get(getattr(args, role))
-            if peer is None or peer.role != role:
-                _log(f"error: --{role} {getattr(args, role)} is not a {role} worker in {args.keys}/peers")
-                return 2
+            for address in getattr(args, role):
+                peer = keys.book.by_address.get(address)
+                if peer is None or peer.role != role:
+                    _log(f"error: --{role} {address} is not a {role} worker in {args.keys}/peers")
+                    return 2
     check_model(args.model)
     front = check_http(args)
     _report(args, front)
@@ -302,8 +168,8 @@ def _transport_keys(args: argparse.Namespace, role: str, addresses: list[str]) -
 
 def _run_router(
     args: argparse.Namespace,
-    prefill: str,
-    decode: str,
+    prefill: list[str],
+    decode: list[str],
     listen: str,
     keys: TransportKeys | None,
     front: Front,
@@ -329,12 +195,12 @@ def _run_router(
 
 
 def _keys_generate(args: argparse.Namespace) -> int:
-    from kvfence.disagg.keys import generate
+    from kvfence.disagg.keys import generate, named
 
-    book = generate(args.directory, [(role, role, getattr(args, role)) for role in ROLES])
+    book = generate(args.directory, [spec for role in ROLES for spec in named(role, getattr(args, role))])
     _log(f"wrote {args.directory}/peers and one .secret per process (mode 0600):")
     for peer in book:
-        _log(f"  {peer.name:8} {peer.address}: copy {peer.name}.secret and peers to that host only")
+        _log(f"  {peer.name:9} {peer.address}: copy {peer.name}.secret and peers to that host only")
     return 0
 
 
@@ -355,7 +221,7 @@ def _run_http(args: argparse.Namespace, client: EngineClient, front: Front) -> i
     from kvfence.pins import default_model_path
 
     name = args.served_model_name or (args.model or default_model_path()).stem
-    app = build_app(client, name, front.api_keys, front.admin_key)
+    app = build_app(client, name, front.api_keys, front.admin_key, sampling=front.sampling)
     _log(f"serving '{name}' on http://{args.host}:{args.port}/v1")
     config = uvicorn_config(app, front.read_timeout_s, front.max_connections, log_level="info")
     uvicorn.Server(config).run(sockets=[front.sock])
@@ -379,28 +245,27 @@ def _generate(args: argparse.Namespace) -> int:
         )
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        (request,) = engine.generate([prompt], params)
+        request = engine.add_request(prompt, params)
     except (AdmissionError, ValueError) as exc:
         _log(f"error: {exc}")
         return 1
-    print(request.output_text)
+    return _stream(engine, request)
+
+
+def _stream(engine: LLMEngine, request: Request) -> int:
+    """Step the engine and print the request's text as each step gives it (flushed, so a pipe sees every
+    piece as it comes), then a newline. Exit code 1 when the request did not finish normally: the fence
+    aborted it, and stderr says why."""
+    while not request.is_finished:
+        for output in engine.step():
+            if output.request_id == request.request_id and output.new_text:
+                sys.stdout.write(output.new_text)
+                sys.stdout.flush()
+    print(flush=True)
+    if request.status is not Status.FINISHED:
+        _log(f"error: request {request.status.value}: {request.finish_reason}")
+        return 1
     return 0
-
-
-def add_transport_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--keys",
-        type=Path,
-        help="transport key directory (kvfence keys generate): CURVE on every socket, peers from its "
-        "allow-list",
-    )
-    parser.add_argument("--key-name", help="this process's name in --keys (default: its role)")
-    parser.add_argument(
-        "--insecure-transport",
-        action="store_true",
-        help="allow a non-loopback address without keys (any process that reaches it may send: trusted "
-        "networks only; shown in /v1/audit/info and failed by kvfence audit)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -414,24 +279,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--role",
         choices=["single", "prefill", "decode"],
         default="single",
-        help="single-node server, or one prefill/decode worker (no HTTP) for a router",
+        help="single-node server, or one prefill/decode worker (no HTTP) for a router (default: %(default)s)",
     )
     serve.add_argument(
         "--listen",
         help=f"a worker's ZeroMQ address (default: its address in --keys, else {DEFAULT_LISTEN})",
     )
     add_transport_options(serve)
+    add_kv_transport_option(serve)
     serve.add_argument(
         "--disaggregated",
         action="store_true",
-        help="start a prefill worker, a decode worker and the router on this host",
+        help="start prefill workers, decode workers and the router on this host",
     )
+    add_scale_options(serve)
     serve.set_defaults(run=_serve)
 
-    router = commands.add_parser("router", help="the OpenAI front of a prefill and a decode worker")
+    router = commands.add_parser("router", help="the OpenAI front of prefill and decode workers")
     add_http_options(router)
-    router.add_argument("--prefill", required=True, help="prefill worker address, e.g. tcp://10.0.0.1:5600")
-    router.add_argument("--decode", required=True, help="decode worker address")
+    router.add_argument(
+        "--prefill",
+        type=address_list,
+        required=True,
+        help="prefill worker addresses, comma-separated, e.g. tcp://10.0.0.1:5600,tcp://10.0.0.4:5600",
+    )
+    router.add_argument(
+        "--decode", type=address_list, required=True, help="decode worker addresses, likewise"
+    )
     router.add_argument(
         "--listen",
         help="the router's own ZeroMQ address; workers reply to it, so it must be reachable "
@@ -443,9 +317,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--isolation",
         choices=["on", "off"],
         default="on",
-        help="fail-closed admission against both pools ('off': window only, as in the incident)",
+        help="fail-closed admission against both pools ('off': window only, as in the incident) "
+        "(default: %(default)s)",
     )
-    router.add_argument("--inject-fault", type=fault_spec, action="append", default=[], metavar="NAME[:RATE]")
+    router.add_argument(
+        "--inject-fault",
+        type=fault_spec,
+        action="append",
+        default=[],
+        metavar="NAME[:RATE]",
+        help="arm a named fault (repeatable; default: none)",
+    )
     router.set_defaults(run=_router)
 
     keys = commands.add_parser("keys", help="transport keys for a disaggregated deployment")
@@ -456,7 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate_keys.add_argument("directory", type=Path)
     for role in ROLES:
         generate_keys.add_argument(
-            f"--{role}", required=True, metavar="ADDRESS", help=f"where the {role} listens"
+            f"--{role}",
+            type=address_list if role != "router" else lambda a: [a],
+            required=True,
+            metavar="ADDRESS" if role == "router" else "ADDRESS[,ADDRESS...]",
+            help=f"where the {role} listens"
+            + ("" if role == "router" else f" (several: named {role}-0, {role}-1... by position)"),
         )
     generate_keys.set_defaults(run=_keys_generate)
 
@@ -475,8 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(generate)
     generate.add_argument("text")
     generate.add_argument("--raw", action="store_true", help="plain completion: no chat template")
-    generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    generate.add_argument("--max-tokens", type=int, default=64, help="tokens at most (default: %(default)s)")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     generate.add_argument("--seed", type=int)
     generate.set_defaults(run=_generate)
     return parser

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 import torch
 
 from kvfence.config import CapacityError, EngineConfig, check_window
+from kvfence.sampling import SamplingDefaults
 from kvfence.trail.faults import FAULTS, parse_fault_spec
 from kvfence.units import parse_size
 
@@ -71,6 +72,14 @@ def positive_float(text: str) -> float:
 
 def port_number(text: str) -> int:
     return _number(text, int, lambda v: 1 <= v <= 65535, "a port number from 1 to 65535")
+
+
+def temperature(text: str) -> float:
+    return _number(text, float, lambda v: 0 <= v <= 2, "a number from 0 to 2")
+
+
+def top_p(text: str) -> float:
+    return _number(text, float, lambda v: 0 < v <= 1, "a number above 0 and at most 1")
 
 
 def size_bytes(text: str) -> int:
@@ -345,6 +354,7 @@ class Front:
     sock: socket.socket
     read_timeout_s: float
     max_connections: int
+    sampling: SamplingDefaults  # what a request that leaves a value out gets
 
     def describe(self) -> list[str]:
         if self.api_keys:
@@ -378,9 +388,26 @@ def check_http(args: argparse.Namespace) -> Front:
             args.audit_log.open("a", encoding="utf-8").close()
         except OSError as exc:
             raise StartupError(f"--audit-log {args.audit_log}: cannot append to it ({_reason(exc)})") from exc
+    sampling = check_sampling(args)
     check_open_files(args.max_connections)
     sock = bind_http(args.host, args.port)
-    return Front(api_keys, admin_key, sock, args.http_read_timeout, args.max_connections)
+    return Front(api_keys, admin_key, sock, args.http_read_timeout, args.max_connections, sampling)
+
+
+def check_sampling(args: argparse.Namespace) -> SamplingDefaults:
+    """The sampling defaults of requests: --default-temperature / --default-top-p where given, else the
+    model's general.sampling.* settings, else greedy (kvfence.sampling.SamplingDefaults)."""
+    from kvfence.pins import default_model_path
+
+    path = args.model or default_model_path()
+    overrides = {"temperature": args.default_temperature, "top_p": args.default_top_p}
+    try:
+        return SamplingDefaults.resolve(read_gguf_scalars(path), overrides)
+    except (OSError, ValueError, struct.error) as exc:
+        raise StartupError(
+            f"--model {path}: its general.sampling.* settings are unusable ({_reason(exc)}); "
+            "give --default-temperature and --default-top-p"
+        ) from exc
 
 
 def protection_lines(isolation: bool, faults: Sequence[tuple[str, float]], front: Front | None) -> list[str]:

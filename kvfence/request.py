@@ -2,6 +2,8 @@
 
 `Request.finish` is the ONLY place a request becomes FINISHED, ABORTED or REJECTED, and `is_finished` is
 the one predicate every stage asks (invariant 5). There is no second flag that could disagree with it.
+A request with n > 1 is a parent that forks into n requests once its prompt is computed, then finishes
+("forked"); each fork has its own lifecycle and its own one finish.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfence.cache.fence import MappingRecord
+from kvfence.grammar.compiler import RequestGrammar
 from kvfence.sampling import SamplingParams
 
 
@@ -58,6 +61,11 @@ class Request:
     page_hashes: list[int] = field(default_factory=list)  # prefix-cache chain over full pages of all tokens
     num_published_pages: int = 0  # logical pages already offered to the prefix cache
     prefill_only: bool = False  # a prefill worker's request: compute the prompt's KV, sample nothing
+    grammar: RequestGrammar | None = None  # structured output: masks every sampled token (grammar/)
+    # Parallel sampling (n > 1): the parent computes the prompt once; at its end its `forks` each sample
+    # the parent's last logits with their own generator and go on as requests of their own on its pages.
+    forks: list[Request] = field(default_factory=list)
+    index: int = 0  # the choice this sequence answers: its place among its parent's forks, else 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -90,3 +98,8 @@ class Request:
         allowed = _ALLOWED.get(self.status, set())
         if status not in allowed:
             raise RuntimeError(f"request {self.request_id}: illegal transition {self.status} -> {status}")
+
+
+def fork_id(parent_id: str, index: int) -> str:
+    """The request id of a parent's fork number `index` (its audit trail's key)."""
+    return f"{parent_id}.{index}"

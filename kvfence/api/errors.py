@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfence.api.protocol import ErrorDetail, ErrorResponse
 from kvfence.engine.output import RequestOutput
+from kvfence.grammar.mask import GRAMMAR_ERROR
 from kvfence.trail.reasons import INTEGRITY_REASONS
 
 _ERROR_TYPES = {
@@ -87,6 +88,9 @@ def abort_error(output: RequestOutput) -> APIError:
             reason,
             request_id=output.request_id,
         )
+    if reason == GRAMMAR_ERROR:
+        message = "The output grammar failed during generation (grammar_error); no output is returned."
+        return APIError(500, message, "server_error", reason, request_id=output.request_id)
     return APIError(
         500, f"The request was aborted ({reason}).", "server_error", reason, request_id=output.request_id
     )

@@ -7,7 +7,12 @@ Contracts:
 - The engine's counters and gauges are read from `engine.stats()` at scrape time, never cached, one series
   per role (`single`, or `prefill` and `decode`, and `router` for its dropped frames): pools are never
   summed, so a full decode pool cannot hide behind an idle prefill pool. `kvfence_pages_free` counts the
-  pages an allocation can take now, free or cached-and-idle; `kvfence_pages{state="free"}` only the free.
+  pages an allocation can take now: FREE ones plus cached prefix pages no request holds (still in state
+  `owned`, their tenant's, evicted on demand); `kvfence_pages{state="free"}` only the FREE ones, so the gap
+  is the idle prefix cache. `kvfence_kv_cache_usage_ratio` is the pages held (neither) over all pages.
+- vLLM's core series, under kvfence's prefix and with a `model_name` label (the served name) so a vLLM
+  dashboard reads them: requests running and waiting, KV cache usage, and the end-to-end latency of every
+  request that finished normally (`kvfence_requests_total{status="finished"}` counts the same requests).
 - Closing the observed stream closes the engine's stream, which aborts the engine request.
 """
 
@@ -41,18 +46,23 @@ class _Family:
     value: Callable[[EngineStats], float | dict[str, float]]
     label: str | None = None
     pools_only: bool = True  # roles without a pool (the router) have no series
+    model_label: bool = False  # vLLM's series carry the served model's name
 
-    def collect(self, stats: dict[str, EngineStats]) -> Metric:
-        family = self.kind(self.name, self.doc, labels=["role"] + ([self.label] if self.label else []))
+    def collect(self, stats: dict[str, EngineStats], model_name: str) -> Metric:
+        model = [model_name] if self.model_label else []
+        labels = (
+            ["role"] + (["model_name"] if self.model_label else []) + ([self.label] if self.label else [])
+        )
+        family = self.kind(self.name, self.doc, labels=labels)
         for role, s in stats.items():
             if self.pools_only and not s.num_pages:
                 continue
             values = self.value(s)
             if isinstance(values, dict):
                 for key, v in values.items():
-                    family.add_metric([role, key], v)
+                    family.add_metric([role, *model, key], v)
             else:
-                family.add_metric([role], values)
+                family.add_metric([role, *model], values)
         return family
 
 
@@ -61,10 +71,33 @@ _ENGINE_FAMILIES = (
     _Family(
         _GAUGE,
         "kvfence_pages_free",
-        "KV pages an allocation can take now (free, or cached and idle)",
+        "KV pages an allocation can take now: state free, plus cached prefix pages no request holds (state "
+        'owned, evicted on demand); so it exceeds kvfence_pages{state="free"} by the idle prefix cache',
         lambda s: s.pages_free,
     ),
-    _Family(_GAUGE, "kvfence_pages_used", "KV pages held by requests", lambda s: s.num_pages - s.pages_free),
+    _Family(_GAUGE, "kvfence_pages_used", "KV pages held by requests or transfers", lambda s: s.pages_held),
+    _Family(
+        _GAUGE,
+        "kvfence_kv_cache_usage_ratio",
+        "KV cache usage, 0 to 1: pages held by requests or transfers over all pages (idle cached pages "
+        "count as free, as they are evicted on demand)",
+        lambda s: s.pages_held / s.num_pages,
+        model_label=True,
+    ),
+    _Family(
+        _GAUGE,
+        "kvfence_num_requests_running",
+        "Requests the scheduler steps now (prefill or decode)",
+        lambda s: s.num_running,
+        model_label=True,
+    ),
+    _Family(
+        _GAUGE,
+        "kvfence_num_requests_waiting",
+        "Requests queued for admission",
+        lambda s: s.num_waiting,
+        model_label=True,
+    ),
     _Family(_GAUGE, "kvfence_pages", "KV pages by allocator state", lambda s: s.pages_by_state, "state"),
     _Family(
         _COUNTER, "kvfence_prefix_cache_hits", "Pages served from the prefix cache", lambda s: s.prefix_hits
@@ -103,18 +136,19 @@ _ENGINE_FAMILIES = (
 class _EngineCollector:
     """Prometheus collector for the engine's own counters and gauges, read at scrape time."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self._engine = engine
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.stats()
-        return (family.collect(stats) for family in _ENGINE_FAMILIES)
+        return (family.collect(stats, self._model_name) for family in _ENGINE_FAMILIES)
 
 
 class Metrics:
     """The app's metrics, in a registry of its own (so several apps can live in one process)."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvfence_requests", "Requests by final status", ["status"], registry=r)
@@ -137,7 +171,14 @@ class Metrics:
             registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
         )
-        r.register(_EngineCollector(engine))
+        self.e2e_latency = Histogram(
+            "kvfence_e2e_request_latency_seconds",
+            "Arrival to the last token, of requests that finished normally",
+            ["model_name"],
+            registry=r,
+            buckets=(0.3, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600),
+        ).labels(model_name)
+        r.register(_EngineCollector(engine, model_name))
 
     async def observe(self, outputs: _Outputs) -> _Outputs:
         """Pass `outputs` through, recording the request once however it ends (closing this closes
@@ -152,6 +193,8 @@ class Metrics:
                     last = output
                     if output.finished:
                         status = output.status.value
+                        if output.status is Status.FINISHED:  # at its last token, not when the client is done
+                            self.e2e_latency.observe(time.monotonic() - arrived)
                     yield output
         except AdmissionError as exc:
             status = Status.REJECTED.value

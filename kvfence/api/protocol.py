@@ -1,21 +1,33 @@
 """OpenAI-compatible request and response models for /v1/completions and /v1/chat/completions.
 
-Requests ignore unknown fields (OpenAI clients send extras), but a field asking for something this server
-does not do (n > 1, best_of > 1, logprobs, echo, suffix, logit_bias, penalties, a batch of prompts) is
-refused with a clear message rather than silently dropped. Text must be valid Unicode: JSON can carry lone
-surrogates (`"\ud800"`), which no tokenizer can encode. api/errors.py turns every validation failure into
-HTTP 400 `invalid_request_error`.
+Every parameter OpenAI defines is declared: implemented, accepted because it changes no answer by definition
+(`user`, `metadata`, the prompt-cache hints), or refused unless neutral (best_of other than n, echo, suffix,
+audio, functions, store, reasoning_effort, ...: a 400 naming it, never silently dropped). Fields OpenAI does
+not define are ignored (clients send vendor extras); a value out of its range (top_logprobs over 20, a
+logit_bias over 100) is a 400 naming it. Values a request leaves out come from the server's
+`SamplingDefaults` (the model's generation settings, else the server's) and `max_tokens` from the rest of
+the window. Text must be valid Unicode: JSON can carry lone surrogates (`"\ud800"`), which no tokenizer
+can encode. api/errors.py turns every validation failure into HTTP 400 `invalid_request_error`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from kvfence.sampling import SamplingParams
+from kvfence.api.logprobs import ChatLogprobs, CompletionLogprobs
+from kvfence.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingDefaults,
+    SamplingParams,
+)
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_N = 16  # choices per request: each is a sequence of its own in the batch and the pool
 # Below these, sampling is greedy (the limit it tends to) instead of breaking float32 arithmetic: logits /
 # 1e-40 overflow to inf and softmax to NaN; a top_p under float32's smallest value rounds to 0 and drops
 # every token. Either way the sampler raised and the step failed for the whole batch.
@@ -38,17 +50,56 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced exactly, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON valid against a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is 'json_schema'")
+        return self
+
+    def output_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must satisfy; None for free text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema" and self.json_schema is not None:
+            return self.json_schema.schema_ or {}  # OpenAI's default: no schema, any JSON value
+        return None
+
+
 class GenerationRequest(BaseModel):
     """Fields both endpoints share, and their translation into SamplingParams."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # None: the served model
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)  # None: OpenAI's default, 1
+    temperature: float | None = Field(default=None, ge=0, le=2)  # None: the server's default
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's convention: -1 (or 0) means off
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(
+        default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, allow_inf_nan=False
+    )
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias; ids checked by the server
     seed: int | None = Field(default=None, ge=0, lt=2**64)  # the range torch.Generator.manual_seed takes
     stop: list[str] = Field(default_factory=list)
     stream: bool = False
@@ -56,24 +107,35 @@ class GenerationRequest(BaseModel):
     n: int | None = 1
     user: str | None = None  # accepted for compatibility; the tenant always comes from the API key
     ignore_eos: bool = False
-    # Asked-for behaviour this server does not implement: accepted only at their neutral values.
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    response_format: ResponseFormat | None = None  # enforced by a grammar (kvfence/grammar)
 
-    _unicode_model = field_validator("model")(_valid_unicode)
+    @field_validator("model")
+    @classmethod
+    def _unicode_model(cls, model: str | None) -> str | None:
+        return model if model is None else _valid_unicode(model)
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError("only n=1 is supported")
+    def _choices(cls, n: int | None) -> int | None:
+        """1 to MAX_N choices, sampled in parallel from one computation of the prompt."""
+        if n is not None and not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
         return n
 
-    @field_validator("logit_bias", "presence_penalty", "frequency_penalty")
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @field_validator("logit_bias")
     @classmethod
-    def _neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
-        return _refuse_if_set(value, info)
+    def _bias_by_token_id(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids written as decimal strings (OpenAI's shape), values in [-100, 100]."""
+        for token, value in (bias or {}).items():
+            if not token.isdecimal():
+                raise ValueError(f"keys must be token ids (decimal strings), got {token[:20]!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"token {token}: a bias must be in [-100, 100], got {value}")
+        return bias
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -95,21 +157,32 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's parameters; `default_max_tokens` applies when the client set no limit."""
+    def sampling_params(self, default_max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
+        """The engine's parameters; `default_max_tokens` applies when the client set no limit, `defaults`
+        to every sampling value it left out."""
         limits = (self.max_completion_tokens, self.max_tokens, default_max_tokens)
-        temperature = 1.0 if self.temperature is None else self.temperature
-        top_p = 1.0 if self.top_p is None else self.top_p
+        temperature = defaults.temperature if self.temperature is None else self.temperature
+        top_p = defaults.top_p if self.top_p is None else self.top_p
         greedy = temperature < GREEDY_TEMPERATURE or top_p < GREEDY_TOP_P
         return SamplingParams(
             max_tokens=next(limit for limit in limits if limit is not None),
             temperature=0.0 if greedy else temperature,
             top_p=1.0 if greedy else top_p,
-            top_k=max(self.top_k or 0, 0),
+            top_k=max(defaults.top_k if self.top_k is None else self.top_k, 0),
+            min_p=defaults.min_p if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or defaults.repetition_penalty,
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
+            logprobs=self.logprobs_wanted(),
             seed=self.seed,
             stop=list(self.stop),
             ignore_eos=self.ignore_eos,
         )
+
+    def logprobs_wanted(self) -> int | None:
+        """How many top logprobs beside the sampled token's; None: no logprobs. Each endpoint has its own."""
+        return None
 
 
 def _refuse_if_set(value: Any, info: ValidationInfo) -> Any:
@@ -119,28 +192,24 @@ def _refuse_if_set(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
-def _refuse_if_present(value: Any, info: ValidationInfo) -> Any:
-    """Accept only null: even 0 asks for something (completions' logprobs=0 is the sampled token's)."""
-    if value is not None:
-        raise ValueError(f"{info.field_name} is not supported by this server")
-    return value
-
-
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top k, and the sampled token's
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
     _unsupported = field_validator("echo", "suffix")(_refuse_if_set)
-    _no_logprobs = field_validator("logprobs")(_refuse_if_present)
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod
-    def _one_candidate(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _no_extra_candidates(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        """Candidates beyond the returned choices (ranked by logprob) are not generated: only best_of=n."""
+        if best_of is not None and best_of != (info.data.get("n") or 1):
+            raise ValueError("best_of is supported only equal to n")
         return best_of
 
     @field_validator("prompt", mode="before")
@@ -172,11 +241,49 @@ class TextPart(BaseModel):
     _unicode = field_validator("text")(_valid_unicode)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # the parameters schema is always enforced exactly when a call is forced
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -192,13 +299,85 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
-    _unsupported = field_validator("logprobs", "top_logprobs")(_refuse_if_set)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation in the shape chat templates expect."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    # OpenAI's other chat parameters. Each asks for behaviour this server does not have, so anything but
+    # its neutral value (absent, null, false, empty; text-only `modalities`; the default `service_tier`) is
+    # refused, never ignored (tests/integration/test_sampling_api.py walks the openai client's list).
+    audio: Any = None
+    functions: Any = None  # the deprecated form of `tools`
+    function_call: Any = None
+    moderation: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    store: bool | None = None  # nothing is stored
+    verbosity: Any = None
+    web_search_options: Any = None
+    modalities: list[str] | None = None
+    service_tier: str | None = None
+    # Accepted: they identify or hint and, by OpenAI's own definition, change no answer (`metadata` tags a
+    # stored completion, and nothing is stored; prompt caching here is automatic, per tenant).
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+
+    _unsupported = field_validator(
+        "audio",
+        "functions",
+        "function_call",
+        "moderation",
+        "prediction",
+        "reasoning_effort",
+        "store",
+        "verbosity",
+        "web_search_options",
+    )(_refuse_if_set)
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, modalities: list[str] | None) -> list[str] | None:
+        if modalities not in (None, [], ["text"]):
+            raise ValueError("modalities: only text is supported by this server")
+        return modalities
+
+    @field_validator("service_tier")
+    @classmethod
+    def _default_tier(cls, tier: str | None) -> str | None:
+        if tier not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {tier!r} is not supported by this server (only auto/default)")
+        return tier
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs: true")
+        return top
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = {tool.function.name for tool in self.tools or []}
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """'none', 'auto', 'required' or 'named' (OpenAI's default: auto with tools, else none)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -214,7 +393,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -230,14 +409,15 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -249,16 +429,29 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

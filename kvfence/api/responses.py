@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from kvfence.api.errors import abort_error
+from kvfence.api.logprobs import LogprobsFormat
 from kvfence.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -27,8 +29,12 @@ from kvfence.api.protocol import (
     CompletionChoice,
     CompletionResponse,
     ErrorResponse,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
+from kvfence.api.tools import ToolCallParser, finish_reason
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
 
@@ -43,38 +49,63 @@ class Format:
     model: str
     chat: bool
     created: int
+    logprobs: LogprobsFormat | None = None  # the request asked for logprobs: each body and chunk has its own
 
-    def response(self, text: str, finish_reason: str | None, usage: Usage) -> BaseModel:
+    def _logprobs(self) -> Any:
+        """The logprobs of the tokens added since the last body or chunk (None without any)."""
+        return self.logprobs.take() if self.logprobs is not None else None
+
+    def response(
+        self, text: str, finish_reason: str | None, usage: Usage, tool_calls: list[ToolCall] | None = None
+    ) -> BaseModel:
         if self.chat:
+            # With calls, OpenAI's content is null unless the model also wrote text.
+            message = AssistantMessage(content=(text or None) if tool_calls else text, tool_calls=tool_calls)
             return ChatCompletionResponse(
                 id=self.request_id,
                 created=self.created,
                 model=self.model,
                 usage=usage,
-                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)],
+                choices=[ChatChoice(message=message, finish_reason=finish_reason, logprobs=self._logprobs())],
             )
         return CompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.model,
             usage=usage,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+            choices=[CompletionChoice(text=text, finish_reason=finish_reason, logprobs=self._logprobs())],
         )
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> BaseModel:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        tool_calls: list[ToolCall] | None = None,
+    ) -> BaseModel:
         if self.chat:
-            delta = ChatDelta(role="assistant" if role else None, content=text)
+            deltas = [
+                ToolCallDelta(
+                    index=i, id=c.id, type="function", function=FunctionCallDelta(**c.function.model_dump())
+                )
+                for i, c in enumerate(tool_calls or [])
+            ]
+            delta = ChatDelta(role="assistant" if role else None, content=text, tool_calls=deltas or None)
             return ChatCompletionChunk(
                 id=self.request_id,
                 created=self.created,
                 model=self.model,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
+                choices=[
+                    ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=self._logprobs())
+                ],
             )
         return CompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.model,
-            choices=[CompletionChoice(text=text or "", finish_reason=finish_reason)],
+            choices=[
+                CompletionChoice(text=text or "", finish_reason=finish_reason, logprobs=self._logprobs())
+            ],
         )
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
@@ -95,10 +126,15 @@ def _sse(payload: BaseModel | str) -> str:
 
 
 async def sse_events(
-    first: RequestOutput, outputs: AsyncIterator[RequestOutput], fmt: Format, include_usage: bool
+    first: RequestOutput,
+    outputs: AsyncIterator[RequestOutput],
+    fmt: Format,
+    include_usage: bool,
+    tools: ToolCallParser | None = None,
 ) -> AsyncIterator[str]:
     """The stream body: content deltas, then the finish (or an error event for an aborted request, and no
-    normal finish_reason), the optional usage chunk, and `[DONE]`."""
+    normal finish_reason), the optional usage chunk, and `[DONE]`. With `tools`, text that may be a tool
+    call is held back and sent at the end as one `tool_calls` delta, with finish_reason "tool_calls"."""
     if fmt.chat:
         yield _sse(fmt.chunk("", role=True))
     output = first
@@ -106,8 +142,18 @@ async def sse_events(
         if output.status is Status.ABORTED:
             yield _sse(ErrorResponse(error=abort_error(output).detail))
             break
-        if output.new_text or output.finished:
-            yield _sse(fmt.chunk(output.new_text, output.finish_reason if output.finished else None))
+        if fmt.logprobs is not None:
+            fmt.logprobs.add(output.logprobs)  # sent with the next chunk that goes out
+        text = output.new_text if tools is None else tools.feed(output.new_text)
+        calls: list[ToolCall] = []
+        if output.finished and tools is not None:
+            rest, calls = tools.finish()
+            text += rest
+        if calls:
+            yield _sse(fmt.chunk(text or None, tool_calls=calls))
+        if (text and not calls) or output.finished:
+            reason = finish_reason(output.finish_reason, calls) if output.finished else None
+            yield _sse(fmt.chunk(None if calls else text, reason))
         if output.finished:
             if include_usage:
                 yield _sse(fmt.usage_chunk(usage(output)))

@@ -30,7 +30,10 @@ from starlette.concurrency import run_in_threadpool
 
 from kvfence.api.auth import Auth, Tenant, admin, metrics_reader
 from kvfence.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from kvfence.api.choices import check_choices
+from kvfence.api.choices import respond as respond_choices
 from kvfence.api.errors import APIError, abort_error, install_error_handlers
+from kvfence.api.logprobs import LogprobsFormat
 from kvfence.api.metrics import Metrics
 from kvfence.api.protocol import (
     ChatCompletionRequest,
@@ -40,22 +43,27 @@ from kvfence.api.protocol import (
     ModelList,
 )
 from kvfence.api.responses import EngineStreamResponse, Format, sse_events, usage
+from kvfence.api.tools import ToolCallParser, finish_reason, forced_schema, template_messages
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError
+from kvfence.grammar.compiler import GrammarCompiler, GrammarError, RequestGrammar
 from kvfence.request import Status
-
-DEFAULT_MAX_TOKENS = 256
+from kvfence.sampling import SamplingDefaults
 
 
 class _Service:
     """Turns validated requests into engine requests and engine outputs into responses."""
 
-    def __init__(self, engine: EngineClient, model_name: str, metrics: Metrics) -> None:
+    def __init__(
+        self, engine: EngineClient, model_name: str, metrics: Metrics, sampling: SamplingDefaults
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.sampling = sampling
         self.created = int(time.time())
         self._declared: bool | None = None
+        self.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size)
 
     @property
     def max_model_len(self) -> int:
@@ -86,11 +94,33 @@ class _Service:
             vocab = self.engine.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return await self._generate(body, prompt, tenant, chat=False)
+        grammar = await self._grammar(body, None)
+        return await self._generate(body, prompt, tenant, chat=False, grammar=grammar)
 
     async def chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
-        prompt = await run_in_threadpool(self._encode_chat, body.template_messages())
-        return await self._generate(body, prompt, tenant, chat=True)
+        messages, tools = template_messages(body, self._tokenizer().template_supports_tools)
+        prompt = await run_in_threadpool(self._encode_chat, messages, tools)
+        grammar = await self._grammar(body, forced_schema(body))
+        parser = ToolCallParser(body) if body.tool_mode != "none" else None
+        return await self._generate(body, prompt, tenant, chat=True, grammar=grammar, tools=parser)
+
+    async def _grammar(self, body: GenerationRequest, forced: dict[str, Any] | None) -> RequestGrammar | None:
+        """The request's matcher for a forced tool call or a JSON `response_format`, compiled (once per
+        schema, then cached) before admission: a schema that cannot be enforced is a 400 naming why."""
+        requested = body.response_format.output_schema() if body.response_format else None
+        if forced is not None and requested is not None:
+            message = "response_format cannot be combined with a forced tool call"
+            raise APIError(400, message, param="tool_choice")
+        schema, param = (forced, "tools") if forced is not None else (requested, "response_format")
+        if schema is None:
+            return None
+        if not getattr(self.engine, "supports_grammar", False):  # the disaggregated router does not
+            message = f"{param}: structured output is not supported by this deployment"
+            raise APIError(400, message, param=param)
+        try:
+            return await run_in_threadpool(self.grammars.for_schema, schema)
+        except GrammarError as exc:
+            raise APIError(400, f"{param}: {exc}", code="invalid_json_schema", param=param) from exc
 
     def _tokenizer(self) -> Any:
         tokenizer = self.engine.tokenizer
@@ -98,20 +128,26 @@ class _Service:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         return tokenizer
 
-    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """Render with the model's chat template, then encode without adding special tokens (the template
         already wrote the ones it wants)."""
         tokenizer = self._tokenizer()
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except (jinja2.TemplateError, ValueError) as exc:
             raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)
 
     async def _generate(
-        self, body: GenerationRequest, prompt: list[int], tenant: str, chat: bool
+        self,
+        body: GenerationRequest,
+        prompt: list[int],
+        tenant: str,
+        chat: bool,
+        grammar: RequestGrammar | None = None,
+        tools: ToolCallParser | None = None,
     ) -> Response:
-        if body.model != self.model_name:
+        if body.model is not None and body.model != self.model_name:
             raise APIError(
                 404,
                 f"The model '{body.model}' does not exist (this server serves '{self.model_name}').",
@@ -119,8 +155,15 @@ class _Service:
                 param="model",
             )
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        params = body.sampling_params(max(1, min(DEFAULT_MAX_TOKENS, self.max_model_len - len(prompt))))
-        outputs = self.metrics.observe(self.engine.generate(prompt, params, tenant, request_id))
+        self._check_sampling(body)
+        check_choices(body, self.engine, grammar is not None or tools is not None)
+        # max_tokens left out: the rest of the window, as vLLM (a prompt filling it is refused at admission).
+        params = body.sampling_params(max(1, self.max_model_len - len(prompt)), self.sampling)
+        # Only a grammar-capable engine gets the keyword (the router's generate does not take it).
+        extra: dict[str, Any] = {"grammar": grammar} if grammar is not None else {}
+        if body.num_choices > 1:  # likewise n, for an engine that forks (check_choices made sure)
+            extra["n"] = body.num_choices
+        outputs = self.metrics.observe(self.engine.generate(prompt, params, tenant, request_id, **extra))
         try:
             first = await anext(outputs)  # admission, then the first token (or an abort)
         except AdmissionError as exc:
@@ -131,20 +174,44 @@ class _Service:
                 param="messages" if chat else "prompt",
                 request_id=request_id,
             ) from exc
-        fmt = Format(request_id, self.model_name, chat, int(time.time()))
+        logprobs = None if params.logprobs is None else LogprobsFormat(self.engine.tokenizer, chat)
+        fmt = Format(request_id, self.model_name, chat, int(time.time()), logprobs)
         headers = {"x-request-id": request_id}
+        if body.num_choices > 1:
+            return await respond_choices(first, outputs, fmt, body, headers)
         if body.stream:
-            events = sse_events(first, outputs, fmt, body.include_usage)
+            events = sse_events(first, outputs, fmt, body.include_usage, tools)
             return EngineStreamResponse(events, outputs, headers)
         async with aclosing(outputs):
             texts, last = [first.new_text], first
+            if logprobs is not None:
+                logprobs.add(first.logprobs)
             async for output in outputs:
                 texts.append(output.new_text)
                 last = output
+                if logprobs is not None:
+                    logprobs.add(output.logprobs)
         if last.status is Status.ABORTED:
             raise abort_error(last)
-        body_model = fmt.response("".join(texts), last.finish_reason, usage(last))
+        text, calls = "".join(texts), []
+        if tools is not None:
+            streamed = tools.feed(text)
+            rest, calls = tools.finish()
+            text = streamed + rest
+        reason = finish_reason(last.finish_reason, calls)
+        body_model = fmt.response(text, reason, usage(last), calls or None)
         return JSONResponse(body_model.model_dump(mode="json"), headers=headers)
+
+    def _check_sampling(self, body: GenerationRequest) -> None:
+        """What only the served model and engine can tell: logit_bias ids in its vocabulary, and whether
+        this engine reports logprobs (the disaggregated router does not carry them: refused, not dropped)."""
+        vocab = self.engine.vocab_size
+        bad = [token for token in body.logit_bias or {} if int(token) >= vocab]
+        if bad:
+            message = f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            raise APIError(400, message, param="logit_bias")
+        if body.logprobs_wanted() is not None and not getattr(self.engine, "supports_logprobs", False):
+            raise APIError(400, "logprobs are not supported by this deployment", param="logprobs")
 
     async def audit(self, request_id: str) -> dict[str, Any]:
         events = await run_in_threadpool(self.engine.audit_events, request_id)
@@ -159,11 +226,13 @@ def build_app(
     api_keys: dict[str, str] | None,
     admin_key: str | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    sampling: SamplingDefaults | None = None,
 ) -> FastAPI:
     """The HTTP app. It owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 
     `api_keys` maps key -> tenant (None: auth off, every request is tenant "default"); `admin_key` opens
     the audit endpoint (None: the endpoint refuses everyone); bodies over `max_body_bytes` get a 413.
+    `sampling`: what a request that leaves a sampling value out gets (None: `SamplingDefaults()`, greedy).
     """
 
     @asynccontextmanager
@@ -176,8 +245,8 @@ def build_app(
 
     app = FastAPI(title="kvfence", lifespan=lifespan)
     app.state.auth = Auth(api_keys, admin_key)
-    metrics = Metrics(engine)
-    service = _Service(engine, model_name, metrics)
+    metrics = Metrics(engine, model_name)
+    service = _Service(engine, model_name, metrics, sampling or SamplingDefaults())
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
     _add_routes(app, service)

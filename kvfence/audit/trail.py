@@ -11,7 +11,7 @@ from typing import Any
 Event = dict[str, Any]
 Trail = list[Event]
 ENGINE = "engine"  # the `where` of a single-node event (those carry no `where` field)
-ACQUIRE = ("pages_allocated", "prefix_hit")
+ACQUIRE = ("pages_allocated", "prefix_hit", "forked")  # a fork's event names the pages it maps
 TERMINAL = ("finished", "rejected", "aborted")
 
 

@@ -84,6 +84,19 @@ class PageAllocator:
             record.pages.append(page)
             record.generations.append(int(self.pool.generation[page]))
 
+    def fork(self, parent: MappingRecord, child: MappingRecord, count: int) -> list[int]:
+        """The child takes references on the parent's first `count` entries, at the generations the
+        parent's record holds (not the pool's: the fence must judge the child's entries as it would the
+        parent's). An entry that is already stale is copied without a reference, as `release` would skip
+        it. Returns the pages."""
+        pages, generations = parent.pages[:count], parent.generations[:count]
+        for page, generation in zip(pages, generations, strict=True):
+            if self.pool.generation[page] == generation and self.refcount[page] > 0:
+                self.refcount[page] += 1
+            child.pages.append(page)
+            child.generations.append(generation)
+        return list(pages)
+
     def release(self, record: MappingRecord) -> None:
         """Drop the record's references; pages nobody holds go back to the cache or the free queue.
 

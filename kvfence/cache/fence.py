@@ -108,6 +108,14 @@ class Fence:
             return INCOMPLETE_HANDOFF
         return None
 
+    def check_fork(self, record: MappingRecord, num_tokens: int) -> str | None:
+        """Before a parent's pages are shared with its forks and its partial page copied: every entry must
+        still be the parent's and written for `num_tokens` tokens, else the violation. A copy taken from a
+        page that changed hands would carry foreign KV into a fresh generation no later check could tell."""
+        if not self.enabled:
+            return None
+        return self._check_reads(StepLayout.reads_only([record], [num_tokens])).get(0)
+
     def _check_reads(self, layout: StepLayout) -> dict[int, str]:
         pool, pages = self.pool, layout.pages
         if pages.size == 0:

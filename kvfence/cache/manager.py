@@ -10,6 +10,7 @@ protocol: the attributes it needs, nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from kvfence.cache.allocator import PageAllocator
@@ -34,7 +35,7 @@ class CachedSequence(Protocol):
 
 
 class KVCacheManager:
-    """Pages for a request's tokens: allocate, share a cached prefix, publish full pages, release,
+    """Pages for a request's tokens: allocate, share a cached prefix, publish full pages, fork, release,
     quarantine. Contract: a sequence's record is edited only through these methods (and so only by the
     allocator); `num_published_pages` never exceeds the pages the record holds."""
 
@@ -110,6 +111,50 @@ class KVCacheManager:
             pool.generation[page] == record.generations[logical]
             and pool.state[page] == PageState.OWNED
             and pool.owner[page] == record.tenant
+        )
+
+    def fork_pages_needed(self, num_tokens: int, count: int) -> int:
+        """Fresh pages a fork of `count` sequences after `num_tokens` tokens takes: a copy each of the
+        partial last page, none when the tokens end on a page boundary."""
+        return count if num_tokens % self.page_size else 0
+
+    def fork(self, parent: CachedSequence, children: Sequence[CachedSequence], num_tokens: int) -> None:
+        """Map each child onto the parent's first `num_tokens` tokens: the full pages shared by reference
+        (same pages, the parent's generations), the partial last page copied on write into a fresh page
+        of the child's own (a new generation, so a child's writes never reach a sibling). The caller has
+        checked the parent's record with the fence and made `fork_pages_needed` pages free; the parent
+        keeps its own references until it is released."""
+        full, slots = divmod(num_tokens, self.page_size)
+        source = parent.record.pages[full] if slots else None
+        copies = []
+        for child in children:
+            assert not child.record.pages, "a fork starts from an empty record"
+            shared = self.allocator.fork(parent.record, child.record, full)
+            if source is not None:
+                [copy] = self.allocator.allocate(child.record, 1)
+                record = child.record
+                self.pool.copy_page(source, copy, record.generations[-1], record.tenant, slots)
+                copies.append(copy)
+            child.page_hashes[:] = parent.page_hashes  # the prompt's chain: its full pages are the same
+            child.num_published_pages = parent.num_published_pages
+            self.events.emit(
+                child.request_id,
+                "forked",
+                tenant=child.tenant,
+                parent=parent.request_id,
+                pages=list(child.record.pages),
+                generations=list(child.record.generations),
+                shared=shared,
+                copied=copies[-1:],
+                source=source,
+            )
+        self.events.emit(
+            parent.request_id,
+            "forked",
+            children=[c.request_id for c in children],
+            shared=parent.record.pages[:full],
+            source=source,
+            copies=copies,
         )
 
     def release(self, seq: CachedSequence) -> None:

@@ -20,6 +20,7 @@ import enum
 
 import numpy as np
 import torch
+import xxhash
 
 NO_OWNER = -1
 
@@ -69,6 +70,18 @@ class KVPool:
         """One page's K/V for every layer ([layers, 2, page_size, kv_heads, head_dim]) as raw bytes."""
         return self.kv[:, :, page].contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
+    def page_checksum(self, page: int) -> int:
+        """xxh3_64 of `page_bytes(page)`; on the host hashed block by block where the page lies, without the
+        two copies `page_bytes` makes (a one-sided handoff hashes every page on both sides)."""
+        if self.kv.device.type != "cpu":
+            return xxhash.xxh3_64_intdigest(self.page_bytes(page))
+        blocks = self.kv.view(torch.uint8).numpy()[:, :, page]  # numpy views: no per-block torch call
+        digest = xxhash.xxh3_64()
+        for layer in blocks:
+            for half in layer:  # K, then V: the order of page_bytes
+                digest.update(half)
+        return digest.intdigest()
+
     def load_page_bytes(self, page: int, payload: bytes) -> None:
         """Inverse of `page_bytes`. Unfenced: the caller has authorised the write (or isolation is off)."""
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv.dtype)
@@ -89,6 +102,23 @@ class KVPool:
         """Record that slots `offsets` of `pages` now hold data written at the page's current generation."""
         np.maximum.at(self.written, pages, offsets + 1)
         self.last_writer[pages] = self.owner[pages]
+
+    def copy_page(self, src: int, dst: int, dst_generation: int, tenant: int, slots: int) -> bool:
+        """Copy-on-write for a fork: the first `slots` slots of `src` (every layer, K and V) into `dst`, which
+        must be `tenant`'s at `dst_generation` (a fenced write, invariant 2; False when refused). `written`
+        of `dst` covers only what `src` had written of those slots, so a copy of unwritten slots stays
+        unreadable."""
+        allowed = self.authorize_writes(
+            np.array([dst], dtype=np.int64),
+            np.array([dst_generation], dtype=np.int64),
+            np.array([tenant], dtype=np.int64),
+        )
+        if not allowed[0]:
+            return False
+        self.kv[:, :, dst, :slots] = self.kv[:, :, src, :slots]
+        self.written[dst] = min(int(self.written[src]), slots)
+        self.last_writer[dst] = self.last_writer[src]  # the data's origin, for tracing
+        return True
 
     def begin_generation(self, page: int, owner: int) -> None:
         """Allocator hook: `page` is handed out anew. Old references to it stop matching from here on."""

@@ -19,7 +19,9 @@ from kvfence.engine.engine import LLMEngine
 from kvfence.engine.info import engine_info
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.stats import EngineStats
+from kvfence.grammar.compiler import RequestGrammar
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.request import fork_id
 from kvfence.sampling import SamplingParams
 
 log = logging.getLogger("kvfence.engine")
@@ -45,7 +47,11 @@ class EngineClient(Protocol):
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
-    ) -> AsyncIterator[RequestOutput]: ...
+    ) -> AsyncIterator[RequestOutput]:
+        """A client that constrains decoding also takes `grammar: RequestGrammar | None` and sets
+        `supports_grammar = True` (the router does not: the API refuses structured output there); one that
+        samples n > 1 choices from one prompt takes `n` and sets `supports_parallel_sampling = True`."""
+        ...
 
     def stats(self) -> dict[str, EngineStats]:
         """Pool and fence counters by role: `single`, or `prefill` and `decode` (and the `router`'s dropped
@@ -98,25 +104,47 @@ class AsyncEngine:
         self._commands.put(run)
         return future
 
+    supports_grammar = True
+    supports_logprobs = True  # outputs carry logprobs (the router's do not: the API refuses them there)
+    supports_parallel_sampling = True  # generate takes n > 1 (the router's does not: refused there)
+
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenant: str,
+        request_id: str,
+        grammar: RequestGrammar | None = None,
+        n: int = 1,
     ) -> AsyncIterator[RequestOutput]:
         """Admit the request (AdmissionError propagates) and yield its outputs until it finishes.
-        Leaving the iterator early (client gone, task cancelled) aborts the request and frees its pages."""
+        Leaving the iterator early (client gone, task cancelled) aborts the request and frees its pages.
+        With n > 1 the outputs are its forks' (`index` tells them apart), until all n finished or the
+        parent was aborted before forking; leaving early aborts every fork still running."""
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        ids = [request_id, *(fork_id(request_id, i) for i in range(n if n > 1 else 0))]
+        for stream_id in ids:
+            self._streams[stream_id] = (asyncio.get_running_loop(), stream)
         try:
             await asyncio.wrap_future(
-                self.call(lambda: self.engine.add_request(prompt_token_ids, params, tenant, request_id))
+                self.call(
+                    lambda: self.engine.add_request(
+                        prompt_token_ids, params, tenant, request_id, grammar, n=n
+                    )
+                )
             )
+            running = n
             while True:
                 output = await stream.get()
                 yield output
                 if output.finished:
-                    return
+                    running -= 1
+                    if output.request_id == request_id or running == 0:
+                        return
         finally:
-            self._streams.pop(request_id, None)
-            self.abort(request_id, "client_disconnected")
+            for stream_id in ids:
+                self._streams.pop(stream_id, None)
+                self.abort(stream_id, "client_disconnected")
 
     def stats(self) -> dict[str, EngineStats]:
         return {"single": self.call(lambda: EngineStats.read(self.engine)).result(timeout=STATS_TIMEOUT_S)}

@@ -8,6 +8,7 @@ handoff extends it in disagg/handoff.py.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import Counter
@@ -22,15 +23,17 @@ from kvfence.engine.builder import build_parts
 from kvfence.engine.output import OutputProcessor, RequestOutput
 from kvfence.engine.runner import StepResult
 from kvfence.engine.scheduler import Batch
+from kvfence.grammar.compiler import RequestGrammar
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.request import Request, Status
-from kvfence.sampling import SamplingParams, make_generator
+from kvfence.request import Request, Status, fork_id
+from kvfence.sampling import SamplingParams, TokenLogprobs, make_generator
 from kvfence.trail.events import EventLog
 from kvfence.trail.reasons import INTEGRITY_REASONS
 from kvfence.units import cdiv
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+FORKED = "forked"  # a parent's finish reason once its forks took over its pages (n > 1)
 RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 log = logging.getLogger("kvfence.engine")
 
@@ -95,9 +98,15 @@ class LLMEngine:
         params: SamplingParams,
         tenant: str = "default",
         request_id: str | None = None,
+        grammar: RequestGrammar | None = None,
+        n: int = 1,
     ) -> Request:
         """Admit a request or refuse it before any page is reserved (invariant 3); beyond its tenant's
-        queue limit, refuse it with 429 (the tenant floods: its own requests wait, nobody else's)."""
+        queue limit, refuse it with 429 (the tenant floods: its own requests wait, nobody else's).
+        `grammar`: this request's own matcher (structured output), already compiled. `n` > 1: parallel
+        sampling, the prompt computed once and forked into n requests `fork_id(request_id, i)`."""
+        if n > 1 and grammar is not None:  # a matcher is one sequence's state: forks would need copies
+            raise AdmissionError("invalid_request_error", "n > 1 is not supported with structured output")
         limit = self.config.max_waiting_per_tenant
         if limit is not None and self.scheduler.waiting.queued(tenant) >= limit:
             raise AdmissionError(
@@ -105,12 +114,18 @@ class LLMEngine:
                 f"Tenant {tenant!r} has {limit} requests waiting already; retry later.",
                 429,
             )
-        request = self._admit(prompt_token_ids, params, tenant, request_id)
+        request = self._admit(prompt_token_ids, params, tenant, request_id, n)
+        request.grammar = grammar
         self.scheduler.add(request)
         return request
 
     def _admit(
-        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str | None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenant: str,
+        request_id: str | None,
+        n: int = 1,
     ) -> Request:
         request_id = request_id or f"req-{next(self._ids)}"
         assert request_id not in self.requests, f"duplicate request id {request_id}"
@@ -122,6 +137,8 @@ class LLMEngine:
             self.kv_cache.new_record(tenant),
             generator=make_generator(params, self.model.device),
         )
+        if n > 1:
+            request.forks = [self._fork_of(request, index) for index in range(n)]
         refusal = self._admission_refusal(request)
         if refusal is not None:
             self.scheduler.finish(request, Status.REJECTED, refusal.code)
@@ -137,6 +154,23 @@ class LLMEngine:
         )
         return request
 
+    def _fork_of(self, parent: Request, index: int) -> Request:
+        """Fork `index` of a parent, not yet running: the same tenant and prompt, its own record and its own
+        generator, seeded `seed + index` when the parent has a seed (so that every choice is reproducible,
+        and choice 0 is what the same request with n=1 gives)."""
+        params = parent.params
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=(params.seed + index) % 2**64)
+        return Request(
+            fork_id(parent.request_id, index),
+            parent.tenant,
+            list(parent.prompt_token_ids),
+            params,
+            self.kv_cache.new_record(parent.tenant),
+            generator=make_generator(params, self.model.device),
+            index=index,
+        )
+
     def _admission_refusal(self, request: Request) -> AdmissionError | None:
         prompt, budget = len(request.prompt_token_ids), request.params.max_tokens
         if prompt == 0:
@@ -149,7 +183,32 @@ class LLMEngine:
                 ("This model's maximum context length is", self.max_model_len, total),
                 ("The KV pool holds", self.capacity.capacity_tokens, total),
             ],
+        ) or self._fork_refusal(request)
+
+    def _fork_refusal(self, request: Request) -> AdmissionError | None:
+        """Forks must fit the pool together: the prompt's full pages once, each fork's own pages (its copy
+        of the partial page and what it generates), and the parent's partial page while it is copied."""
+        n, page_size, config = len(request.forks), self.pool.page_size, self.config
+        if n <= 1:
+            return None
+        # The forks run at once, as n of the tenant's requests: they must fit its running and page limits
+        # too, or n would be a way around them.
+        rows = min(config.max_num_seqs, config.max_running_per_tenant or config.max_num_seqs)
+        if n > rows:
+            message = f"n={n} exceeds the {rows} sequences a tenant may run at once"
+            return AdmissionError("invalid_request_error", message)
+        prompt, total = len(request.prompt_token_ids), request.num_tokens + request.params.max_tokens
+        full, partial = divmod(prompt, page_size)
+        own = cdiv(total, page_size) - full
+        peak = full + max(n * own, n + 1 if partial else 0)
+        pages = min(self.pool.num_pages, config.max_pages_per_tenant or self.pool.num_pages)
+        if peak <= pages:
+            return None
+        message = (
+            f"A tenant may hold {pages} KV pages. However, n={n} sequences of {total} tokens sharing "
+            f"the prompt's full pages need {peak}."
         )
+        return AdmissionError(CONTEXT_LENGTH_EXCEEDED, message)
 
     # ---- the step --------------------------------------------------------------------------------------
 
@@ -178,6 +237,7 @@ class LLMEngine:
     def _apply(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
         """The step's results, row by row: integrity aborts first, then each surviving row's tokens."""
         outputs = [r for rid, reason in result.aborted.items() if (r := self.abort(rid, reason)) is not None]
+        parents = []
         for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             if request.request_id in result.aborted:
                 continue
@@ -185,12 +245,43 @@ class LLMEngine:
             request.num_computed_tokens += n
             token = result.sampled.get(request.request_id)
             if token is not None:
-                outputs.append(self._append_token(request, token))
+                outputs.append(self._append_token(request, token, result.logprobs.get(request.request_id)))
             if not request.is_finished:
                 self.kv_cache.publish_full_pages(
                     request, min(request.num_computed_tokens, request.num_tokens)
                 )
                 outputs.extend(self._after_compute(request))
+                if request.forks and request.num_computed_tokens == request.num_tokens:
+                    parents.append(request)
+        # After every row is applied: making room for the copies may preempt a request of this batch, even
+        # another parent (it then recomputes its prompt and forks later).
+        for parent in parents:
+            if parent.status is Status.RUNNING:
+                outputs.extend(self._fork(parent, result))
+        return outputs
+
+    def _fork(self, parent: Request, result: StepResult) -> list[RequestOutput]:
+        """The parent's prompt is computed and its forks sampled their first tokens: unless a fork's
+        sampling failed or the fence finds the parent's pages no longer its own (then the parent is
+        aborted, and no fork ever starts), the forks take over its pages and run, and the parent finishes
+        ("forked"), dropping its own references: the shared pages live on while any fork holds them."""
+        failed = (result.aborted.get(child.request_id) for child in parent.forks)
+        reason = next((r for r in failed if r is not None), None)
+        reason = reason or self.fence.check_fork(parent.record, parent.num_computed_tokens)
+        if reason is not None:
+            output = self.abort(parent.request_id, reason)
+            return [output] if output is not None else []
+        self.scheduler.fork(parent)
+        self._finish(parent, Status.FINISHED, FORKED)
+        outputs = []
+        for child in parent.forks:
+            self.requests[child.request_id] = child
+            self.outputs.start(child)
+            outputs.append(
+                self._append_token(
+                    child, result.sampled[child.request_id], result.logprobs.get(child.request_id)
+                )
+            )
         return outputs
 
     def _after_compute(self, request: Request) -> list[RequestOutput]:
@@ -224,11 +315,13 @@ class LLMEngine:
                 self.events.emit(request.request_id, "validated", pages=pages)
             self.events.emit(request.request_id, "step", tokens=n, position=request.num_computed_tokens)
 
-    def _append_token(self, request: Request, token: int) -> RequestOutput:
+    def _append_token(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         reason = self.outputs.append(request, token)
         if reason is not None:
             self._finish(request, Status.FINISHED, reason)
-        return RequestOutput.of(request, [token], self.outputs.new_text(request))
+        return RequestOutput.of(
+            request, [token], self.outputs.new_text(request), None if logprobs is None else [logprobs]
+        )
 
     # ---- offline use -----------------------------------------------------------------------------------
 

@@ -53,10 +53,14 @@ class TenantQueues:
         if queue is not None and request in queue:
             queue.remove(request)
 
+    def heads(self) -> list[Request]:
+        """Each tenant's next request."""
+        return [q[0] for q in self._queues.values() if q]
+
     def next(self, eligible: set[str] | None = None) -> Request | None:
         """The request to admit next: the head of the least-served tenant's queue (FIFO: the oldest head),
         among tenants in `eligible` (None: all)."""
-        heads = [q[0] for t, q in self._queues.items() if q and (eligible is None or t in eligible)]
+        heads = [h for h in self.heads() if eligible is None or h.tenant in eligible]
         if not heads:
             return None
         return min(heads, key=self.rank)

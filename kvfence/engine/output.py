@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvfence.model.tokenizer import IncrementalDecoder, Tokenizer
 from kvfence.request import Request, Status
+from kvfence.sampling import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,18 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    # One entry per new token when the request asked for logprobs (SamplingParams.logprobs), else None.
+    logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # the choice (n > 1: which fork; the parent's own outputs, aborts only, say 0)
 
     @classmethod
-    def of(cls, request: Request, tokens: list[int] | None = None, text: str = "") -> RequestOutput:
+    def of(
+        cls,
+        request: Request,
+        tokens: list[int] | None = None,
+        text: str = "",
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> RequestOutput:
         return cls(
             request.request_id,
             tokens or [],
@@ -38,6 +48,8 @@ class RequestOutput:
             request.finish_reason,
             len(request.prompt_token_ids),
             len(request.output_token_ids),
+            logprobs,
+            request.index,
         )
 
 
@@ -82,10 +94,13 @@ class OutputProcessor:
         return text
 
     def _ending(self, request: Request, token: int) -> str | None:
-        """Why `token`, just appended, is the request's last (EOS: "stop", budget or window: "length"), or
-        None. Known before the token is decoded, so that the decoder can give out what it holds back."""
+        """Why `token`, just appended, is the request's last (EOS or a complete grammar: "stop", budget or
+        window: "length"), or None. Known before the token is decoded, so that the decoder can give out what
+        it holds back."""
         if token in self.stop_token_ids and not request.params.ignore_eos:
             return "stop"
+        if request.grammar is not None and request.grammar.is_done:
+            return "stop"  # structured output complete: only EOS could follow
         if (
             len(request.output_token_ids) >= request.params.max_tokens
             or request.num_tokens >= self.max_model_len

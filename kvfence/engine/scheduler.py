@@ -9,6 +9,7 @@ its tokens later (recompute), so the pool running dry is never a crash, and the 
 pays for it.
 
 `finish` is the one way a request leaves: it makes the terminal transition and releases the pages.
+`fork` turns a parent whose prompt is computed into its n running forks (parallel sampling).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class Scheduler:
         return batch
 
     def _next_admission(self) -> Request | None:
-        if len(self.running) >= self.max_num_seqs:
+        if not len(self.waiting):
             return None
         return self.waiting.next(self._may_start())
 
@@ -124,18 +125,21 @@ class Scheduler:
         self.waiting.charge(request.tenant, n)
         return n
 
-    def _may_start(self) -> set[str] | None:
-        """Tenants below their own limits on running requests and pages held (None: no limits set)."""
+    def _may_start(self) -> set[str]:
+        """Tenants whose next request fits max_num_seqs and their own limits on running requests and pages
+        held. A parent counts as its n forks (n > 1): they all run once its prompt is computed."""
         limits = self.limits
-        if limits.max_running is None and limits.max_pages is None:
-            return None
-        running = Counter(r.tenant for r in self.running)
-        pages = self._held()
+        running = Counter[str]()
+        for r in self.running:
+            running[r.tenant] += _width(r)
+        rows = sum(running.values())
+        pages = self._held() if limits.max_pages is not None else None
         return {
             r.tenant
-            for r in self.waiting
-            if running[r.tenant] < (limits.max_running or self.max_num_seqs)
-            and pages[r.tenant] < (limits.max_pages or self.kv_cache.pool.num_pages)
+            for r in self.waiting.heads()
+            if rows + _width(r) <= self.max_num_seqs
+            and running[r.tenant] + _width(r) <= (limits.max_running or self.max_num_seqs)
+            and (pages is None or pages[r.tenant] < limits.max_pages)
         }
 
     def _held(self) -> Counter[str]:
@@ -206,6 +210,20 @@ class Scheduler:
         self.waiting.push(request, front=True)
         self.events.emit(request.request_id, "preempted")
 
+    def fork(self, parent: Request) -> None:
+        """Hand a parent's computed prompt to its forks, which run from the next step on its pages (full
+        pages shared, the partial one copied) as requests of their own. The copies' pages are freed first
+        by preempting other running requests as needed, never the parent: admission checked that the
+        parent and its copies fit the pool. The parent's own finish is the caller's."""
+        tokens = parent.num_computed_tokens
+        while self.kv_cache.fork_pages_needed(tokens, len(parent.forks)) > self.kv_cache.num_free_pages:
+            self.preempt(self._victim([parent]))
+        self.kv_cache.fork(parent, parent.forks, tokens)
+        for child in parent.forks:
+            child.num_computed_tokens = tokens
+            child.move_to(Status.RUNNING)
+            self.running.append(child)
+
     def reserve(self, request: Request, tokens: int) -> bool:
         """Allocate pages for the request's first `tokens` tokens now, or nothing."""
         return self.kv_cache.allocate(request, tokens)
@@ -258,3 +276,8 @@ class Scheduler:
         self.events.emit(request_id, "drained", how=how)
         self.kv_cache.release(request)
         return True
+
+
+def _width(request: Request) -> int:
+    """The sequences a running or waiting request stands for: its n forks (n > 1), else itself."""
+    return max(1, len(request.forks))

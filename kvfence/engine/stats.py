@@ -1,4 +1,9 @@
-"""Engine counters read together (on the engine's own thread), for /metrics and for workers' replies."""
+"""Engine counters read together (on the engine's own thread), for /metrics and for workers' replies.
+
+`pages_free` is what an allocation can take now: FREE pages plus cached prefix pages no request holds (they
+stay OWNED by their tenant, so only that tenant can hit them, and are evicted on demand); hence it exceeds
+`pages_by_state["free"]` by the idle prefix cache.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +31,15 @@ class EngineStats:
     validation_seconds: float
     # Frames a disaggregated node dropped before acting on them, by reason (empty on a single node).
     transport_rejected: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Requests the scheduler steps (prefill or decode) and those queued for admission; a disaggregated
+    # worker's requests whose KV is in transit are in neither. Defaults keep older positional callers.
+    num_running: int = 0
+    num_waiting: int = 0
+
+    @property
+    def pages_held(self) -> int:
+        """Pages some request or transfer holds: neither free nor cached-and-idle."""
+        return self.num_pages - self.pages_free
 
     @classmethod
     def read(cls, engine: LLMEngine, transport_rejected: Mapping[str, int] | None = None) -> EngineStats:
@@ -41,6 +55,8 @@ class EngineStats:
             validation_checks=fence.checks,
             validation_seconds=fence.seconds,
             transport_rejected=dict(transport_rejected or {}),
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
         )
 
     @classmethod

@@ -7,7 +7,7 @@ special tokens), and `apply_chat_template` renders the file's jinja template as 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
@@ -79,7 +79,9 @@ class Tokenizer:
         self._add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
         self._eos_token_id = int(metadata["tokenizer.ggml.eos_token_id"])
         self._stop_token_ids = self._end_of_generation_ids(metadata, token_types)
-        self._chat_template = _compile_template(metadata.get("tokenizer.chat_template"))
+        template = metadata.get("tokenizer.chat_template")
+        self._template_source = None if template is None else str(template)
+        self._chat_template = _compile_template(self._template_source)
 
     @classmethod
     def from_gguf(cls, model: GGUFModel) -> Tokenizer:
@@ -147,12 +149,28 @@ class Tokenizer:
         """Text of `ids`; bytes that are not valid UTF-8 (e.g. half a character) decode to U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}]) from the file's chat template."""
+    def backend_json(self) -> str:
+        """The `tokenizers` JSON of this tokenizer (what llguidance builds its token trie from)."""
+        return self._backend.to_str()
+
+    @property
+    def template_supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` variable (else tools go into a system prompt)."""
+        return self._template_source is not None and "tools" in self._template_source
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}]) from the file's chat template;
+        `tools` (OpenAI's tool list) is passed to templates that render it, as HF does."""
         if self._chat_template is None:
             raise ValueError("this GGUF file has no tokenizer.chat_template")
         return self._chat_template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self._bos_token_id),
             eos_token=self._token_text(self._eos_token_id),

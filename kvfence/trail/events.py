@@ -3,7 +3,8 @@
 Events live in a bounded in-memory ring per tenant (a tenant's oldest requests fall out first, so one
 tenant's traffic, refused requests included, can never evict another tenant's trails) and, when a path is
 given, are appended to a JSONL file. A request's tenant is the `tenant` field of its first event that has
-one (`admitted`, `rejected`). The engine thread writes; the server reads: one lock guards both.
+one (`admitted`, `rejected`, a fork's `forked`). The engine thread writes; the server reads: one lock
+guards both.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ EVENT_KINDS = frozenset(
         "rejected",
         "pages_allocated",
         "prefix_hit",
+        "forked",  # n > 1: the parent names its forks; each fork its shared and copied pages
         "transfer_started",
         "page_received",
         "transfer_complete",

@@ -3,9 +3,9 @@
 The server is the real SmolLM2 behind uvicorn with a 64-token window, so every accepted request generates
 at most a few dozen tokens and anything bigger is refused at once. Rules for every answer: no 5xx except
 `kv_integrity_error`; every 4xx in OpenAI's error shape. tests/integration/test_server.py already covers
-malformed JSON on chat, unknown models, token ids out of range, n/logprobs/top_logprobs on chat and
-max_tokens=0; this file adds the rest of the list, and the request-size limit (413 before the body is read
-whole).
+malformed JSON on chat, unknown models, token ids out of range, n and top_logprobs on chat and
+max_tokens=0 (tests/integration/test_sampling_api.py the range of every sampling value); this file adds the
+rest of the list, and the request-size limit (413 before the body is read whole).
 """
 
 from __future__ import annotations
@@ -138,15 +138,15 @@ BAD_FIELDS = {
     "prompt null": {"prompt": None},
     "stop number": {"stop": 7},
     "stream object": {"stream": {"yes": True}},
-    "n=2": {"n": 2},
-    "logprobs=0": {"logprobs": 0},
-    "logprobs=5": {"logprobs": 5},
+    "n=17": {"n": 17},
+    "logprobs=21": {"logprobs": 21},
+    "logprobs=-1": {"logprobs": -1},
     "best_of=2": {"best_of": 2},
     "echo": {"echo": True},
     "suffix": {"suffix": "!"},
-    "logit_bias": {"logit_bias": {"42": 5}},
-    "presence_penalty": {"presence_penalty": 0.5},
-    "frequency_penalty": {"frequency_penalty": -1},
+    "logit_bias": {"logit_bias": {"42": 500}},
+    "presence_penalty": {"presence_penalty": 2.5},
+    "frequency_penalty": {"frequency_penalty": -3},
 }
 
 

@@ -189,9 +189,9 @@ def test_audit_info_reports_what_pins_the_service(server: Server, smollm2: GGUFM
 @pytest.mark.parametrize(
     "extra",
     [
-        {"n": 2},
-        {"logprobs": True},
-        {"top_logprobs": 2},
+        {"n": 17},
+        {"top_logprobs": 2},  # without logprobs: true
+        {"presence_penalty": 3},
         {"temperature": 3},
         {"max_tokens": 0},
         {"stop": [""]},

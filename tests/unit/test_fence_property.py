@@ -1,8 +1,9 @@
 """Stateful property test of the real engine's bookkeeping, with faults armed at random.
 
 Hypothesis drives an `LLMEngine` on the tiny model (its scheduler, its KV cache manager with the prefix
-cache, its runner and fence) through admissions, steps and cancellations on a pool small enough that
-prefix hits, chunked prefill and preemption happen all the time. A plain-Python oracle says, entry by
+cache, its runner and fence) through admissions (some forking into n > 1 sequences), steps and
+cancellations on a pool small enough that prefix hits, chunked prefill, forks and preemption happen all the
+time. A plain-Python oracle says, entry by
 entry, whether a live request may still read a page; at every point the vectorised fence must flag
 exactly the requests the oracle condemns, and the pool's invariants must hold.
 """
@@ -50,11 +51,13 @@ class FenceMachine(RuleBasedStateMachine):
         tenant=st.sampled_from(TENANTS),
         tokens=st.lists(st.integers(0, 3), min_size=1, max_size=10),  # few values: many shared prefixes
         max_tokens=st.integers(1, 4),
+        n=st.sampled_from([1, 1, 2, 3]),  # parallel sampling: forks share the prompt's pages
     )
-    def start(self, tenant: str, tokens: list[int], max_tokens: int) -> None:
+    def start(self, tenant: str, tokens: list[int], max_tokens: int, n: int) -> None:
         # Over the window or the pool: refused before any page moved (tested elsewhere).
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         with contextlib.suppress(AdmissionError):
-            self.engine.add_request(tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), tenant)
+            self.engine.add_request(tokens, params, tenant, n=n)
 
     @rule()
     def step(self) -> None:
@@ -86,6 +89,15 @@ class FenceMachine(RuleBasedStateMachine):
             and self.pool.written[page] >= required
         )
 
+    def _current(self, request: Request, logical: int) -> bool:
+        """The entry still names its page's present life, for the request's tenant."""
+        page = request.record.pages[logical]
+        return bool(
+            self.pool.generation[page] == request.record.generations[logical]
+            and self.pool.state[page] == PageState.OWNED
+            and self.pool.owner[page] == request.record.tenant
+        )
+
     def _condemned(self, request: Request) -> bool:
         return not all(self._entry_ok(request, i) for i in range(len(request.record.pages)))
 
@@ -106,6 +118,34 @@ class FenceMachine(RuleBasedStateMachine):
                 if self._entry_ok(request, i):
                     readers.setdefault(page, set()).add(request.record.tenant)
         assert all(len(tenants) == 1 for tenants in readers.values())
+
+    @invariant()
+    def no_page_is_written_by_one_request_and_mapped_by_another(self) -> None:
+        """Copy on write: a page a live request will still write (from its first uncomputed token on) is
+        current in no other live record; what is shared (prefix hits, a fork's prompt) is full and final."""
+        mappers: dict[int, set[str]] = {}
+        for request in self.live:
+            for i, page in enumerate(request.record.pages):
+                if self._current(request, i):
+                    mappers.setdefault(page, set()).add(request.request_id)
+        for request in self.live:
+            for i in range(request.num_computed_tokens // PAGE, len(request.record.pages)):
+                if self._current(request, i):
+                    assert mappers[request.record.pages[i]] == {request.request_id}
+
+    @invariant()
+    def a_fork_maps_what_its_forked_event_names(self) -> None:
+        """Until preempted (then it starts over as a request of its own), a fork's record begins with
+        exactly the pages and generations its `forked` event names: the parent's full pages, then its copy."""
+        for request in self.live:
+            trail = self.engine.events.for_request(request.request_id)
+            if trail[0]["kind"] != "forked" or any(e["kind"] == "preempted" for e in trail):
+                continue
+            forked, record = trail[0], request.record
+            count = len(forked["pages"])
+            assert forked["pages"] == forked["shared"] + forked["copied"]
+            assert record.pages[:count] == forked["pages"]
+            assert record.generations[:count] == forked["generations"]
 
     @invariant()
     def generations_never_decrease(self) -> None:

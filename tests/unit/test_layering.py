@@ -19,13 +19,14 @@ ROOT = Path(kvfence.__file__).parent
 FLOORS: list[set[str]] = [
     {"units", "pins", "config", "sampling", "trail"},
     {"model"},
-    {"cache"},
+    {"cache", "grammar"},  # grammar: structured output (llguidance), under the request that holds it
     {"request"},
     {"engine"},
     {"disagg", "api"},
     {"harness"},
     {"audit"},
     {"cli_checks"},
+    {"cli_options"},
     {"cli"},
 ]
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}

@@ -1,0 +1,98 @@
+"""Log-probabilities in OpenAI's two shapes: chat (`choices[].logprobs.content[]`: token, logprob, bytes,
+top_logprobs) and completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+
+Contracts:
+- The numbers are the engine's (kvfence.sampling): log-softmax of the model's raw logits, before bias,
+  penalties, temperature, truncation or a grammar's mask, at the sampled token.
+- A token's text is its own decode, special tokens included; `bytes` are that text's UTF-8 (a token holding
+  half a character reads U+FFFD, as its decode does). A -inf logprob is written -9999.0, as OpenAI does:
+  JSON has no infinity.
+- One `LogprobsFormat` per request renders a whole answer or its stream chunk by chunk: completions'
+  `text_offset` runs on across chunks. Tokens whose text a chunk did not carry yet (held back for a stop
+  string) are rendered with the next chunk that goes out, so none is lost.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.sampling import TokenLogprobs
+
+FLOOR = -9999.0  # OpenAI's stand-in for a token the model gives no probability at all
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class LogprobsFormat:
+    """Renders one request's logprobs, for chat or completions, chunk by chunk or all at once."""
+
+    def __init__(self, tokenizer: Tokenizer, chat: bool) -> None:
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.offset = 0  # completions' text_offset of the next token
+        self.pending: list[TokenLogprobs] = []
+
+    def add(self, entries: list[TokenLogprobs] | None) -> None:
+        self.pending += entries or []
+
+    def take(self) -> ChatLogprobs | CompletionLogprobs | None:
+        """The pending tokens' logprobs in this endpoint's shape (None when there are none), then forgets
+        them."""
+        entries, self.pending = self.pending, []
+        if not entries:
+            return None
+        return self._chat(entries) if self.chat else self._completion(entries)
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        text = self._text(token)
+        return TopLogprob(token=text, logprob=max(logprob, FLOOR), bytes=list(text.encode("utf-8")))
+
+    def _chat(self, entries: list[TokenLogprobs]) -> ChatLogprobs:
+        content = [
+            ChatTokenLogprob(
+                **self._top(e.token, e.logprob).model_dump(), top_logprobs=[self._top(*t) for t in e.top]
+            )
+            for e in entries
+        ]
+        return ChatLogprobs(content=content)
+
+    def _completion(self, entries: list[TokenLogprobs]) -> CompletionLogprobs:
+        tokens, offsets, tops = [], [], []
+        for e in entries:
+            text = self._text(e.token)
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+            # OpenAI: the top `logprobs` tokens, and the sampled one's always (so up to logprobs + 1).
+            top = {self._text(t): max(lp, FLOOR) for t, lp in e.top}
+            top.setdefault(text, max(e.logprob, FLOOR))
+            tops.append(top)
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[max(e.logprob, FLOOR) for e in entries],
+            top_logprobs=tops,
+            text_offset=offsets,
+        )

@@ -1,0 +1,199 @@
+"""Tool calling for chat completions: the tools in the prompt, a forced call's grammar, and the calls read
+back out of the model's text in OpenAI's shape.
+
+Contracts:
+- A chat template that renders `tools` itself gets them (and the conversation's calls and results) as HF
+  passes them. Otherwise (SmolLM2's template) the tools go into the system prompt in the format below, and
+  earlier calls and results are written into the messages in the same format:
+
+      <tools>
+      {"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}
+      </tools>
+      ... the model answers a call as
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+      ... and a tool's result comes back in a user turn as <tool_response>...</tool_response>.
+
+- `tool_choice` "none": the tools are left out of the prompt and nothing is parsed. "auto": the output is
+  scanned for <tool_call> blocks. "required" and a named function are enforced by grammar: the model can
+  only write a JSON array of calls ([{"name", "arguments"}], one call when parallel_tool_calls is false),
+  or the named function's arguments object.
+- Output that does not parse into calls is returned as content, never as a half-made call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from kvfence.api.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall, ToolSpec
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
+
+
+def system_prompt(tools: list[ToolSpec]) -> str:
+    """The documented tool format, for templates that do not render tools themselves."""
+    signatures = "\n".join(json.dumps(tool.model_dump(exclude_none=True)) for tool in tools)
+    return (
+        "You may call functions to answer. Their signatures are within <tools></tools>:\n"
+        f"<tools>\n{signatures}\n</tools>\n"
+        "To call a function, answer with a JSON object per call within <tool_call></tool_call> tags:\n"
+        f'{TOOL_CALL_OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n{TOOL_CALL_CLOSE}'
+    )
+
+
+def template_messages(
+    body: ChatCompletionRequest, native_tools: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The conversation for the chat template, and the tools to pass to it (None: nothing to pass)."""
+    tools = body.tools if body.tools and body.tool_mode != "none" else []
+    if native_tools:
+        return [_native(m) for m in body.messages], [t.model_dump(exclude_none=True) for t in tools] or None
+    messages = [_written_out(m) for m in body.messages]
+    if tools:
+        prompt = system_prompt(tools)
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+    return messages, None
+
+
+def _native(message: ChatMessage) -> dict[str, Any]:
+    """HF's convention: calls carry their arguments as objects, results their call id."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {"type": "function", "function": {"name": c.function.name, "arguments": _arguments(c)}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _written_out(message: ChatMessage) -> dict[str, str]:
+    """A message in the documented format: calls as <tool_call> blocks, a result as a user turn."""
+    if message.role == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{message.text()}\n</tool_response>"}
+    calls = [{"name": c.function.name, "arguments": _arguments(c)} for c in message.tool_calls or []]
+    blocks = [f"{TOOL_CALL_OPEN}\n{json.dumps(call)}\n{TOOL_CALL_CLOSE}" for call in calls]
+    return {"role": message.role, "content": "\n".join(filter(None, [message.text(), *blocks]))}
+
+
+def _arguments(call: ToolCall) -> Any:
+    """A call's arguments as an object where they parse (a client may send any string back)."""
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments
+
+
+def forced_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema that forces a call ("required", named), None when the model chooses."""
+    tools = {tool.function.name: tool.function.parameters for tool in body.tools or []}
+    if body.tool_mode == "named":
+        assert not isinstance(body.tool_choice, str) and body.tool_choice is not None
+        return tools[body.tool_choice.function.name]
+    if body.tool_mode != "required":
+        return None
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, parameters in tools.items()
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if body.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    """OpenAI's finish_reason for an answer that made calls."""
+    return "tool_calls" if calls else reason
+
+
+def new_call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
+
+
+class ToolCallParser:
+    """Splits a chat answer into content and tool calls, incrementally for streams.
+
+    `feed` returns the content that can be streamed now; `finish` the rest of the content and the calls.
+    In "auto" text is streamed until something that may open a <tool_call> block; from there it is held
+    until the end. A forced call ("required", named) is held whole: it is all call."""
+
+    def __init__(self, body: ChatCompletionRequest) -> None:
+        self.mode = body.tool_mode
+        self.names = {tool.function.name for tool in body.tools or []}
+        choice = body.tool_choice
+        self.forced_name = "" if choice is None or isinstance(choice, str) else choice.function.name
+        self._held = ""
+        self._in_call = self.mode in ("named", "required")
+
+    def feed(self, text: str) -> str:
+        self._held += text
+        if self._in_call:
+            return ""
+        start = self._held.find(TOOL_CALL_OPEN)
+        if start != -1:
+            self._in_call = True
+            out, self._held = self._held[:start], self._held[start:]
+            return out
+        keep = _partial_open(self._held)
+        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet handed out, calls); no calls when the held text does not parse into them."""
+        text, self._held = self._held, ""
+        parse = {"named": self._named, "required": self._required, "auto": self._auto}.get(self.mode)
+        calls = parse(text) if parse is not None and self._in_call else None
+        if calls is None:
+            return text, []
+        return ("" if self.mode != "auto" else _BLOCK.sub("", text).strip()), calls
+
+    def _named(self, text: str) -> list[ToolCall] | None:
+        return [new_call(self.forced_name, text)] if isinstance(_loads(text), dict) else None
+
+    def _required(self, text: str) -> list[ToolCall] | None:
+        items = _loads(text)
+        if not isinstance(items, list) or not items:
+            return None
+        calls = [self._call(item) for item in items]
+        return None if None in calls else calls  # type: ignore[return-value]
+
+    def _auto(self, text: str) -> list[ToolCall] | None:
+        calls = [self._call(_loads(block.strip())) for block in _BLOCK.findall(text)]
+        return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+    def _call(self, item: Any) -> ToolCall | None:
+        """{"name": a known tool, "arguments": an object} as a call, else None."""
+        if not isinstance(item, dict) or item.get("name") not in self.names:
+            return None
+        arguments = item.get("arguments", {})
+        return new_call(item["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _partial_open(text: str) -> int:
+    """Length of the longest end of `text` that may be the start of TOOL_CALL_OPEN (held back)."""
+    for size in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-size:]):
+            return size
+    return 0

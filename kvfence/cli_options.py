@@ -1,0 +1,227 @@
+"""The option groups the `kvfence` commands share, defined once: engine, tenants, HTTP and transport, and the
+one function that turns the engine options into an EngineConfig.
+
+Contract: every option whose value defaults to something states that default in its help, in the units a
+person reads (`512 MiB`, not a byte count), taken from the same constant the option uses, so `--help`
+cannot drift from what runs (tests/unit/test_cli_help.py checks both, and the README's options table).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
+from kvfence.cli_checks import (
+    fault_spec,
+    port_number,
+    positive_float,
+    positive_int,
+    size_bytes,
+    temperature,
+    top_p,
+)
+from kvfence.config import EngineConfig
+from kvfence.model.llama import DECODE_ATTENTION, DECODE_MATMUL
+from kvfence.trail.faults import FAULTS
+from kvfence.units import format_size
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The flags every engine-running subcommand shares."""
+    g = parser.add_argument_group("engine")
+    defaults = EngineConfig()  # one source of truth for default values
+    g.add_argument("--model", type=Path, help="GGUF file (default: the packaged SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and KV cache dtype (default: %(default)s)",
+    )
+    g.add_argument(
+        "--device",
+        default=default_device(),
+        help="torch device (default: cuda if available, else cpu; here: %(default)s)",
+    )
+    g.add_argument(
+        "--page-size",
+        type=positive_int,
+        default=defaults.page_size,
+        help="tokens per KV page (default: %(default)s)",
+    )
+    g.add_argument(
+        "--num-pages",
+        type=positive_int,
+        help="KV pool size in pages, wins over --kv-cache-memory (default: from --kv-cache-memory)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=size_bytes,
+        default=defaults.kv_cache_memory,
+        metavar="SIZE",
+        help=f"KV pool size, e.g. 512MiB, 1GiB (default: {format_size(defaults.kv_cache_memory)})",
+    )
+    g.add_argument("--max-model-len", type=positive_int, help="context window (default: the model's)")
+    g.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=defaults.max_num_seqs,
+        help="requests per batch (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=defaults.max_num_batched_tokens,
+        help="tokens per step, the chunked-prefill budget (default: %(default)s)",
+    )
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    _add_fence_options(g)
+    g.add_argument("--num-threads", type=positive_int, help="torch CPU threads (default: torch's)")
+    g.add_argument(
+        "--decode-attention",
+        choices=DECODE_ATTENTION,
+        default=defaults.decode_attention,
+        help="kernel: the C paged-attention kernel (float32 on CPU); sdpa: gather pages + torch SDPA; "
+        "auto: the kernel where it can run (default: %(default)s)",
+    )
+    g.add_argument(
+        "--decode-matmul",
+        choices=DECODE_MATMUL,
+        default=defaults.decode_matmul,
+        help="kernel: decode rows multiply by the GGUF's quantized weights (Q4_0/Q4_1/Q8_0) in a C kernel "
+        "(float32 on CPU); dense: BLAS over the dequantized weights; auto: the kernel where it can run "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--trace-pages",
+        action="store_true",
+        help="audit which pages each request reads and whose data they hold (lab, audits)",
+    )
+    _add_tenant_options(parser, defaults)
+
+
+def _add_fence_options(group: argparse._ArgumentGroup) -> None:
+    """The fence's switch and the faults it is tested against."""
+    group.add_argument(
+        "--isolation",
+        choices=["on", "off"],
+        default="on",
+        help="the KV fence; 'off' only for the lab and benchmarks, never to serve tenants "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--inject-fault",
+        type=fault_spec,
+        action="append",
+        default=[],
+        metavar="NAME[:RATE]",
+        help="arm a named fault (repeatable; default: none): " + ", ".join(sorted(FAULTS)),
+    )
+
+
+def _add_tenant_options(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
+    t = parser.add_argument_group("tenants")
+    t.add_argument(
+        "--max-waiting-per-tenant",
+        type=positive_int,
+        default=defaults.max_waiting_per_tenant,
+        help="a tenant's waiting requests beyond this get 429 (default: %(default)s)",
+    )
+    for flag, what in (("running", "running requests"), ("pages", "KV pages")):
+        t.add_argument(
+            f"--max-{flag}-per-tenant",
+            type=positive_int,
+            help=f"{what} a tenant may hold at once; at the limit its requests wait (default: no limit)",
+        )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig named by the options `add_engine_options` defined."""
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        isolation=args.isolation == "on",
+        faults=dict(args.inject_fault),
+        num_threads=args.num_threads,
+        decode_attention=args.decode_attention,
+        decode_matmul=args.decode_matmul,
+        trace_pages=args.trace_pages,
+        max_waiting_per_tenant=args.max_waiting_per_tenant,
+        max_running_per_tenant=args.max_running_per_tenant,
+        max_pages_per_tenant=args.max_pages_per_tenant,
+    )
+
+
+def add_http_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of every command that serves the OpenAI API."""
+    g = parser.add_argument_group("http")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    g.add_argument("--port", type=port_number, default=8000, help="HTTP port (default: %(default)s)")
+    g.add_argument(
+        "--api-keys",
+        type=Path,
+        metavar="FILE",
+        help="'KEY TENANT' per line (# comments) (default: $KVFENCE_API_KEYS, '; '-separated; "
+        "neither: auth off)",
+    )
+    g.add_argument("--admin-key", help="key for the audit endpoint (default: $KVFENCE_ADMIN_KEY)")
+    g.add_argument("--audit-log", type=Path, metavar="FILE", help="append audit events here as JSONL")
+    g.add_argument("--served-model-name", help="model id in the API (default: the GGUF file stem)")
+    g.add_argument(
+        "--http-read-timeout",
+        type=positive_float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a connection must send its whole request head within this, and a body that sends nothing for "
+        "this long is cut (default: %(default)ss)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="connections served at once; a request beyond them gets 503 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--default-temperature",
+        type=temperature,
+        metavar="T",
+        help="temperature of a request that sets none (default: the model's general.sampling.temp, "
+        "else 0: greedy)",
+    )
+    g.add_argument(
+        "--default-top-p",
+        type=top_p,
+        metavar="P",
+        help="top_p of a request that sets none (default: the model's general.sampling.top_p, else 1)",
+    )
+
+
+def add_transport_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--keys",
+        type=Path,
+        help="transport key directory (kvfence keys generate): CURVE on every socket, peers from its "
+        "allow-list",
+    )
+    parser.add_argument("--key-name", help="this process's name in --keys (default: its role)")
+    parser.add_argument(
+        "--insecure-transport",
+        action="store_true",
+        help="allow a non-loopback address without keys (any process that reaches it may send: trusted "
+        "networks only; shown in /v1/audit/info and failed by kvfence audit)",
+    )

@@ -1,0 +1,103 @@
+"""JSON schemas compiled into llguidance grammars over the model's own tokenizer, and one matcher per request.
+
+Contracts:
+- The llguidance tokenizer is built from kvfence's `Tokenizer` (its `tokenizers` JSON, the model's vocab
+  size and every end-of-generation id as EOS): no Hugging Face hub, no transformers.
+- A schema is compiled once per distinct canonical JSON (an LRU); each request gets a fresh copy of the
+  compiled, unadvanced matcher, so requests never share parser state.
+- A schema llguidance cannot honour (an unknown keyword, format or reference, a grammar too large) raises
+  `GrammarError` naming the problem, before anything reaches the engine.
+- JSON is generated compact-but-readable (`", "`, `": "`, no free whitespace): a model cannot pad the
+  output with whitespace until it runs out of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+
+from kvfence.model.tokenizer import Tokenizer
+
+CACHE_SIZE = 256  # distinct schemas kept compiled
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """The schema cannot be turned into a grammar; the message names why (the API answers 400)."""
+
+
+class RequestGrammar:
+    """One request's position in its grammar: the mask for the next token, then the sampled token."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    @property
+    def error(self) -> str:
+        """The matcher's error, "" while it is healthy."""
+        return self.matcher.get_error()
+
+    @property
+    def is_done(self) -> bool:
+        """The output is complete: nothing but EOS may follow (or the matcher consumed EOS)."""
+        return self.matcher.is_stopped()
+
+    def advance(self, token: int) -> bool:
+        """Consume a sampled token; False when the matcher rejects it (then it stays in error)."""
+        return self.matcher.consume_token(token)
+
+
+class GrammarCompiler:
+    """Compiles schemas for one tokenizer. Thread-safe: the API compiles on its worker threads."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._cache_size = cache_size
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self._llg_tokenizer: llguidance.LLTokenizer | None = None
+        self.compilations = 0  # schemas compiled (cache misses), for tests and the bench
+
+    def for_schema(self, schema: dict[str, Any]) -> RequestGrammar:
+        """A fresh matcher for `schema`; GrammarError when it cannot be compiled."""
+        key = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        with self._lock:
+            template = self._cache.get(key)
+            if template is None:
+                template = self._compile(schema)
+                self._cache[key] = template
+                if len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
+            # deep_copy shares the compiled lexer and parser tables: microseconds, not a compile.
+            return RequestGrammar(template.deep_copy())
+
+    def _compile(self, schema: dict[str, Any]) -> llguidance.LLMatcher:
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarError(f"invalid JSON schema: {exc}") from None
+        tokenizer = self._llg()
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if is_error:
+            raise GrammarError(f"unsupported JSON schema: {'; '.join(messages)}")
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"unsupported JSON schema: {matcher.get_error()}")
+        self.compilations += 1
+        return matcher
+
+    def _llg(self) -> llguidance.LLTokenizer:
+        """Built on first use (about half a second for a 49k vocab), then shared by every grammar."""
+        if self._llg_tokenizer is None:
+            self._llg_tokenizer = llguidance.LLTokenizer(
+                self._tokenizer.backend_json(),
+                n_vocab=self._vocab_size,
+                eos_token=sorted(self._tokenizer.stop_token_ids),
+            )
+        return self._llg_tokenizer

@@ -1,0 +1,86 @@
+"""Structured output and a forced tool call on the real SmolLM2, through the HTTP API and the official
+`openai` client: the answers parse and validate against their schemas."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema_rs
+import openai
+import pytest
+from conftest import real_engine, serving
+
+from kvfence.api.server import build_app
+from kvfence.engine.async_engine import AsyncEngine
+from kvfence.model.gguf import GGUFModel
+
+pytestmark = pytest.mark.real_model
+
+MODEL = "smollm2-test"
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "continent": {"enum": ["Africa", "Asia", "Europe", "America", "Oceania"]},
+        "is_capital": {"type": "boolean"},
+    },
+    "required": ["city", "continent", "is_capital"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def client(smollm2: GGUFModel) -> Iterator[openai.OpenAI]:
+    engine = AsyncEngine(real_engine(smollm2, num_pages=64, max_model_len=1024))
+    with serving(build_app(engine, MODEL, None, None)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_json_schema(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "city", "schema": CITY, "strict": True},
+        },
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    assert jsonschema_rs.validator_for(CITY).is_valid(json.loads(choice.message.content or ""))
+
+
+def test_forced_tool_call(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        max_tokens=60,
+        temperature=0,
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"  # type: ignore[union-attr]
+    arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+    assert jsonschema_rs.validator_for(WEATHER["function"]["parameters"]).is_valid(arguments)  # type: ignore[index]

@@ -1,0 +1,59 @@
+"""`--help` tells an operator what runs: every option that defaults to something says so, in units a
+person reads, and every `kvfence serve` option has a row in the README's options table (so the table
+cannot drift from the parser again)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from kvfence.cli import build_parser
+
+README = Path(__file__).parents[2] / "README.md"
+OPTIONS_HEADING = "### Options (`kvfence serve --help`)"
+
+
+def subcommand(name: str) -> argparse.ArgumentParser:
+    """The parser of `kvfence NAME` (`keys generate` for 'keys generate')."""
+    parser = build_parser()
+    for word in name.split():
+        actions = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = next(actions).choices[word]
+    return parser
+
+
+def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def readme_options() -> set[str]:
+    """The flags named in the first column of the README's options table."""
+    section = README.read_text().split(OPTIONS_HEADING, 1)[1]
+    rows = re.findall(r"^\|([^|]*(?:\\\|[^|]*)*)\|", section.split("\n\n", 2)[1], flags=re.MULTILINE)
+    return {flag for row in rows for flag in re.findall(r"--[a-z][a-z0-9-]*", row)}
+
+
+def test_every_serve_option_is_in_the_readme_table() -> None:
+    table = readme_options()
+    flags = {a.option_strings[0] for a in options(subcommand("serve"))}
+    assert not flags - table, f"serve options missing from README's options table: {sorted(flags - table)}"
+    assert not table - flags, f"README's table names options serve does not have: {sorted(table - flags)}"
+
+
+@pytest.mark.parametrize("name", ["serve", "router", "generate", "keys generate"])
+def test_every_default_is_in_the_help(name: str) -> None:
+    """An option with a default value states it; a switch (False) or an absent value (None) needs not."""
+    silent = [
+        a.option_strings[0]
+        for a in options(subcommand(name))
+        if a.default not in (None, False, argparse.SUPPRESS) and "default" not in (a.help or "")
+    ]
+    assert not silent, f"`kvfence {name}` options whose help hides their default: {silent}"
+
+
+def test_sizes_are_shown_in_human_units() -> None:
+    text = subcommand("serve").format_help()
+    assert "(default: 512 MiB)" in text and "536870912" not in text

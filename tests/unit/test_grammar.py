@@ -1,0 +1,394 @@
+"""Structured output and tools on the tiny random model: whatever the weights say, the grammar's mask makes
+every output parse and validate against its schema (greedy and sampled), a forced tool call parses into
+the named function, a schema llguidance cannot enforce is a 400 naming the problem, and a matcher that
+fails mid-decode aborts its own request only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema_rs
+import pytest
+from conftest import TINY, tiny_model
+from fastapi.testclient import TestClient
+
+from kvfence.api.protocol import ChatCompletionRequest, ResponseFormat
+from kvfence.api.server import build_app
+from kvfence.api.tools import ToolCallParser, forced_schema, template_messages
+from kvfence.config import EngineConfig
+from kvfence.engine.async_engine import AsyncEngine
+from kvfence.engine.engine import LLMEngine
+from kvfence.grammar.compiler import GrammarCompiler, GrammarError
+from kvfence.grammar.mask import GRAMMAR_ERROR
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.request import Request, Status
+from kvfence.sampling import SamplingParams
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = [("{", '"'), ('"', ":"), ('"', ","), ("Ġ", '"')]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "required_fields": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    },
+    "enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    },
+    "array": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 99},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}, "tag": {"const": "p"}},
+                "required": ["x", "tag"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["point"],
+        "additionalProperties": False,
+    },
+    "numbers": {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 500}, "flag": {"type": "null"}},
+        "required": ["n", "flag"],
+        "additionalProperties": False,
+    },
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+OTHER_TOOL = {
+    "type": "function",
+    "function": {"name": "noop", "parameters": {"type": "object", "maxProperties": 0}},
+}
+
+
+def chat_body(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tools": [WEATHER, OTHER_TOOL],
+        }
+        | fields
+    )
+
+
+FORCED = {
+    "named": chat_body(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+    "required": chat_body(tool_choice="required", parallel_tool_calls=False),
+}
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character map, in byte order (the vocab's first 256 tokens)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    extra = iter(range(256, 512))
+    return [chr(b if b in printable else next(extra)) for b in range(256)]
+
+
+def tiny_tokenizer() -> Tokenizer:
+    tokens = byte_alphabet() + [a + b for a, b in MERGES] + SPECIALS
+    return Tokenizer(
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "gpt-2",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS),
+            "tokenizer.ggml.merges": [f"{a} {b}" for a, b in MERGES],
+            "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
+            "tokenizer.chat_template": CHATML,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return tiny_tokenizer()
+
+
+def tiny_engine(tokenizer: Tokenizer) -> LLMEngine:
+    config = dataclasses.replace(TINY, vocab_size=tokenizer.vocab_size, context_length=1024)
+    settings = EngineConfig(num_pages=256, page_size=16, max_num_batched_tokens=1024, max_model_len=1024)
+    return LLMEngine(settings, tiny_model(seed=3, config=config), tokenizer, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer: Tokenizer) -> LLMEngine:
+    return tiny_engine(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Tokenizer, engine: LLMEngine) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, engine.model.config.vocab_size)
+
+
+SAMPLINGS = {
+    "greedy": SamplingParams(max_tokens=120),
+    "seed-1": SamplingParams(max_tokens=120, temperature=1.0, seed=1),
+    "seed-2": SamplingParams(max_tokens=120, temperature=0.8, seed=2),
+}
+PROMPT = "Answer in JSON: "
+
+
+@pytest.fixture(scope="module")
+def outputs(engine: LLMEngine, compiler: GrammarCompiler) -> dict[tuple[str, str], Request]:
+    """Every schema under every sampling, the two forced tool calls, and one unconstrained row, decoded
+    together in one batch: the masks are per row, so the free row beside them is not JSON."""
+    prompt = engine.tokenizer.encode(PROMPT)  # type: ignore[union-attr]
+    requests = {
+        (name, sampling): engine.add_request(prompt, params, grammar=compiler.for_schema(SCHEMAS[name]))
+        for name in SCHEMAS
+        for sampling, params in SAMPLINGS.items()
+    }
+    for choice, body in FORCED.items():
+        grammar = compiler.for_schema(forced_schema(body))  # type: ignore[arg-type]
+        params = SamplingParams(max_tokens=120, temperature=1.0, seed=5)
+        requests["tool", choice] = engine.add_request(prompt, params, grammar=grammar)
+    requests["free", "greedy"] = engine.add_request(prompt, SamplingParams(max_tokens=30))
+    while not all(r.is_finished for r in requests.values()):
+        engine.step()
+    return requests
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+def test_outputs_parse_and_validate(
+    outputs: dict[tuple[str, str], Request], name: str, sampling: str
+) -> None:
+    request = outputs[name, sampling]
+    assert (request.status, request.finish_reason) == (Status.FINISHED, "stop")
+    assert jsonschema_rs.validator_for(SCHEMAS[name]).is_valid(json.loads(request.output_text)), (
+        request.output_text
+    )
+
+
+def test_without_the_mask_the_random_model_writes_no_json(outputs: dict[tuple[str, str], Request]) -> None:
+    """The control: the same prompt unconstrained is not JSON, so the mask is what makes the outputs valid."""
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(outputs["free", "greedy"].output_text)
+
+
+def test_json_object_mode(engine: LLMEngine, compiler: GrammarCompiler) -> None:
+    """response_format json_object is the schema {"type": "object"}: every row opens an object, and every row
+    that ends closes it (a random model's free strings often use up the tokens first: that is "length")."""
+    schema = ResponseFormat(type="json_object").output_schema()
+    assert schema == {"type": "object"}
+    prompt = engine.tokenizer.encode(PROMPT)  # type: ignore[union-attr]
+    requests = [
+        engine.add_request(
+            prompt,
+            SamplingParams(max_tokens=24, temperature=1.0, seed=seed),
+            grammar=compiler.for_schema(schema),
+        )
+        for seed in range(6)
+    ]
+    while not all(r.is_finished for r in requests):
+        engine.step()
+    for request in requests:
+        assert request.output_text.startswith("{")
+        if request.finish_reason == "stop":
+            assert isinstance(json.loads(request.output_text), dict)
+
+
+def test_a_schema_is_compiled_once(tokenizer: Tokenizer, engine: LLMEngine) -> None:
+    compiler = GrammarCompiler(tokenizer, engine.model.config.vocab_size)
+    first = compiler.for_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    again = compiler.for_schema(
+        {"properties": {"a": {"type": "integer"}}, "type": "object"}
+    )  # same, reordered
+    assert compiler.compilations == 1 and first.matcher is not again.matcher
+
+
+def test_unsupported_schema_names_the_feature(compiler: GrammarCompiler) -> None:
+    with pytest.raises(GrammarError, match='"if"'):
+        compiler.for_schema({"type": "object", "if": {"required": ["a"]}})
+
+
+def test_a_matcher_error_aborts_that_request_alone(engine: LLMEngine, compiler: GrammarCompiler) -> None:
+    prompt = engine.tokenizer.encode("Answer in JSON: ")  # type: ignore[union-attr]
+    broken = compiler.for_schema(SCHEMAS["enum"])
+    broken.advance(engine.tokenizer.encode("x")[0])  # type: ignore[union-attr]  # not JSON: the matcher fails
+    healthy = compiler.for_schema(SCHEMAS["enum"])
+    bad = engine.add_request(prompt, SamplingParams(max_tokens=40), grammar=broken)
+    good = engine.add_request(prompt, SamplingParams(max_tokens=40), grammar=healthy)
+    while not (bad.is_finished and good.is_finished):
+        engine.step()
+    assert (bad.status, bad.finish_reason) == (Status.ABORTED, GRAMMAR_ERROR)
+    assert good.status is Status.FINISHED and json.loads(good.output_text)["color"] in {
+        "red",
+        "green",
+        "blue",
+    }
+
+
+@pytest.mark.parametrize("choice", sorted(FORCED))
+def test_a_forced_tool_call_parses(outputs: dict[tuple[str, str], Request], choice: str) -> None:
+    text = outputs["tool", choice].output_text
+    parser = ToolCallParser(FORCED[choice])
+    assert parser.feed(text) == ""
+    content, calls = parser.finish()
+    assert content == "" and len(calls) == 1, text
+    if choice == "named":
+        assert calls[0].function.name == "get_weather"
+    parameters = {"get_weather": WEATHER, "noop": OTHER_TOOL}[calls[0].function.name]["function"][
+        "parameters"
+    ]
+    assert jsonschema_rs.validator_for(parameters).is_valid(json.loads(calls[0].function.arguments))
+
+
+def test_auto_calls_are_parsed_from_a_stream() -> None:
+    parser = ToolCallParser(chat_body())
+    call = '{"name": "get_weather", "arguments": {"unit": "c", "days": 2}}'
+    answer = f"Let me check. <tool_call>\n{call}\n</tool_call>"
+    streamed = "".join(parser.feed(char) for char in answer)
+    rest, calls = parser.finish()
+    assert (streamed, rest) == ("Let me check. ", "")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"unit": "c", "days": 2})
+    ]
+
+
+def test_auto_text_without_a_call_is_content() -> None:
+    parser = ToolCallParser(chat_body())
+    streamed = parser.feed("a < b and <tool") + parser.feed("box>")
+    assert streamed + parser.finish()[0] == "a < b and <toolbox>"
+
+
+def test_calls_and_results_are_written_into_the_prompt(tokenizer: Tokenizer) -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"days": 1}'},
+    }
+    body = chat_body(
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+    )
+    messages, tools = template_messages(body, tokenizer.template_supports_tools)
+    text = tokenizer.apply_chat_template(messages, tools=tools)
+    assert tools is None and "<tools>" in messages[0]["content"] and '"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"days": 1}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>" in text
+    none_messages, _ = template_messages(chat_body(tool_choice="none"), native_tools=False)
+    assert "<tools>" not in json.dumps(none_messages)
+
+
+@pytest.fixture(scope="module")
+def client(tokenizer: Tokenizer) -> Iterator[TestClient]:
+    """The HTTP front over an engine of its own (its thread owns it)."""
+    with TestClient(build_app(AsyncEngine(tiny_engine(tokenizer)), "tiny", None, None)) as test_client:
+        yield test_client
+
+
+def test_http_json_schema_and_forced_call(client: TestClient) -> None:
+    schema = SCHEMAS["nested"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": schema, "strict": True}}
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "JSON: "}),
+    ]:
+        reply = client.post(path, json={"model": "tiny", "max_tokens": 80, "response_format": fmt} | body)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert choice["finish_reason"] == "stop" and jsonschema_rs.validator_for(schema).is_valid(
+            json.loads(text)
+        )
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    request = {"model": "tiny", "max_tokens": 80, "messages": [{"role": "user", "content": "hi"}]}
+    reply = client.post("/v1/chat/completions", json=request | {"tools": [WEATHER], "tool_choice": named})
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather" and isinstance(
+        json.loads(call["function"]["arguments"]), dict
+    )
+
+
+def test_http_streamed_tool_call(client: TestClient) -> None:
+    request = {
+        "model": "tiny",
+        "max_tokens": 80,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+    }
+    with client.stream(
+        "POST", "/v1/chat/completions", json=request | {"tools": [WEATHER], "tool_choice": "required"}
+    ) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [call for d in deltas for call in d.get("tool_calls") or []]
+    assert len(calls) >= 1 and calls[0]["function"]["name"] == "get_weather"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert all(not d.get("content") for d in deltas)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "needle"),
+    [
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "if": {}}}},
+            '"if"',
+        ),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}, "nowhere"),
+        ({"type": "json_schema"}, "json_schema is required"),
+    ],
+)
+def test_http_unsupported_schema_is_a_400_naming_it(
+    client: TestClient, fmt: dict[str, Any], needle: str
+) -> None:
+    request = {
+        "model": "tiny",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": fmt,
+    }
+    reply = client.post("/v1/chat/completions", json=request)
+    assert reply.status_code == 400 and needle in reply.json()["error"]["message"], reply.text
+
+
+def test_http_tool_choice_must_name_a_tool(client: TestClient) -> None:
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    choice = {"type": "function", "function": {"name": "missing"}}
+    reply = client.post("/v1/chat/completions", json=request | {"tool_choice": choice})
+    assert reply.status_code == 400 and "missing" in reply.json()["error"]["message"]

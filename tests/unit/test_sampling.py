@@ -1,0 +1,190 @@
+"""The sampler against the formulas: logprobs, penalties, logit_bias, min_p, top_k, defaults, and per-row
+isolation (a row's result is its solo result whatever shares the batch; a bad row fails alone)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import LogitsRecorder, make_engine
+
+from kvfence.engine.output import RequestOutput
+from kvfence.model.llama import LlamaModel
+from kvfence.request import Status
+from kvfence.sampling import (
+    SamplingDefaults,
+    SamplingParams,
+    adjusted_rows,
+    make_generator,
+    probabilities,
+    raw_logprobs,
+    sample,
+    token_logprobs,
+)
+
+VOCAB = 40
+
+
+def logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def counts(history: list[int]) -> torch.Tensor:
+    return torch.bincount(torch.tensor(history, dtype=torch.long), minlength=VOCAB).float()
+
+
+def test_penalties_and_bias_follow_their_formulas() -> None:
+    raw = logits(3)
+    prompt, output = [1, 2, 3, 3], [3, 5, 5, 5, 7]
+    params = [
+        SamplingParams(repetition_penalty=1.7),
+        SamplingParams(frequency_penalty=0.6, presence_penalty=-0.4),
+        SamplingParams(logit_bias={4: 9.5, 0: -100.0}, presence_penalty=1.0),
+    ]
+    got = adjusted_rows(raw, params, [True] * 3, [prompt] * 3, [output] * 3)
+    seen = (counts(prompt) + counts(output)) > 0
+    # repetition (HF/vLLM): a seen token's positive logit divided by the penalty, a negative one multiplied.
+    want0 = torch.where(seen, torch.where(raw[0] > 0, raw[0] / 1.7, raw[0] * 1.7), raw[0])
+    # frequency and presence (OpenAI): over the output only.
+    want1 = raw[1] - 0.6 * counts(output) - (-0.4) * (counts(output) > 0).float()
+    want2 = raw[2].clone()
+    want2[4] += 9.5
+    want2[0] -= 100.0
+    want2 -= 1.0 * (counts(output) > 0).float()
+    for row, want in enumerate((want0, want1, want2)):
+        got_row = got[row]
+        assert got_row is not None
+        torch.testing.assert_close(got_row, want)
+
+
+def test_rows_without_bias_or_penalty_are_left_alone() -> None:
+    params = [SamplingParams(), SamplingParams(temperature=0.7, top_k=5, min_p=0.1)]
+    assert adjusted_rows(logits(2), params, [True, True], None, None) == {}
+
+
+def test_min_p_and_top_k_drop_what_their_formulas_drop() -> None:
+    row = logits(1)[0]
+    full = torch.softmax(row / 0.8, dim=-1)
+    by_min_p = probabilities(row, SamplingParams(temperature=0.8, min_p=0.05))
+    kept = full >= 0.05 * full.max()
+    torch.testing.assert_close(by_min_p, torch.where(kept, full, 0.0) / full[kept].sum())
+    by_top_k = probabilities(row, SamplingParams(temperature=0.8, top_k=4))
+    top = torch.topk(row, 4).indices
+    want = torch.zeros_like(full)
+    want[top] = full[top] / full[top].sum()
+    torch.testing.assert_close(by_top_k, want)
+
+
+def test_greedy_rows_apply_bias_and_penalties_before_argmax() -> None:
+    raw = logits(2)
+    low = int(raw[0].argmin())
+    top = int(raw[1].argmax())
+    params = [SamplingParams(logit_bias={low: 100.0}), SamplingParams(frequency_penalty=2.0)]
+    tokens = sample(raw, params, [None, None], [[], []], [[], [top] * 50])
+    assert tokens[0] == low
+    assert tokens[1] != top and tokens[1] == int(raw[1].scatter(0, torch.tensor([top]), -1e9).argmax())
+
+
+def test_rows_in_one_batch_equal_their_solo_results_and_a_bad_row_fails_alone() -> None:
+    raw = logits(5, seed=3)
+    bad_bias = SamplingParams(temperature=0.9, logit_bias={VOCAB + 5: 1.0}, seed=1)
+    nan_penalty = SamplingParams(frequency_penalty=0.5)
+    nan_penalty.presence_penalty = float("nan")  # slipped past validation
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.9, top_k=8, min_p=0.02, repetition_penalty=1.3, seed=7),
+        bad_bias,
+        SamplingParams(temperature=1.1, frequency_penalty=0.8, logit_bias={3: 4.0}, seed=9),
+        nan_penalty,
+    ]
+    prompts, outputs = [[1, 2]] * 5, [[3, 3, 4]] * 5
+    batch = sample(raw, params, [make_generator(p, raw.device) for p in params], prompts, outputs)
+    solo = [
+        sample(raw[r : r + 1], [p], [make_generator(p, raw.device)], [prompts[r]], [outputs[r]])[0]
+        for r, p in enumerate(params)
+    ]
+    assert batch == solo
+    assert batch[2] is None and batch[4] is None
+    assert all(t is not None for t in (batch[0], batch[1], batch[3]))
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits_at_the_sampled_token() -> None:
+    raw = logits(3)
+    params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(temperature=1.0, logprobs=0)]
+    kept = raw_logprobs(raw, params)
+    raw.fill_(0.0)  # a grammar's mask may edit the logits in place after this: logprobs keep the raw ones
+    found = token_logprobs(kept, [5, 6, 7], params)
+    assert set(found) == {0, 2}
+    want = torch.log_softmax(logits(3), dim=-1)
+    assert found[0].token == 5 and math.isclose(found[0].logprob, float(want[0, 5]), rel_tol=1e-6)
+    values, ids = torch.topk(want[0], 3)
+    assert [t for t, _ in found[0].top] == ids.tolist()
+    assert [lp for _, lp in found[0].top] == pytest.approx(values.tolist())
+    assert found[2].top == [] and math.isclose(found[2].logprob, float(want[2, 7]), rel_tol=1e-6)
+
+
+def test_the_engine_reports_logprobs_of_the_logits_it_sampled_from(tiny: LlamaModel) -> None:
+    engine = make_engine(tiny)
+    recorder = LogitsRecorder(engine)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=2, logprobs=2, ignore_eos=True)
+    request = engine.add_request(list(range(1, 10)), params)
+    plain = engine.add_request(list(range(3, 9)), SamplingParams(max_tokens=6, ignore_eos=True))
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    mine = [lp for o in outputs if o.request_id == request.request_id for lp in o.logprobs or []]
+    assert all(o.logprobs is None for o in outputs if o.request_id == plain.request_id)
+    assert [lp.token for lp in mine] == request.output_token_ids
+    for entry, step_logits in zip(mine, recorder.steps[request.request_id], strict=True):
+        want = torch.log_softmax(step_logits, dim=-1)
+        assert entry.logprob == pytest.approx(float(want[entry.token]), rel=1e-5)
+        assert [t for t, _ in entry.top] == torch.topk(want, 2).indices.tolist()
+
+
+def test_penalised_requests_batched_equal_their_solo_runs(tiny: LlamaModel) -> None:
+    """Penalties read each request's own history, step after step, whatever shares the batch."""
+    params = [
+        SamplingParams(max_tokens=8, repetition_penalty=1.5, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.9, presence_penalty=1.5, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=8, frequency_penalty=2.0, logit_bias={7: 3.0}, ignore_eos=True),
+    ]
+    prompts = [[5, 6, 7, 5, 6], [9, 9, 9, 2], [1, 2, 3, 4, 5, 6]]
+    solo = [
+        make_engine(tiny).generate([p], sp)[0].output_token_ids for p, sp in zip(prompts, params, strict=True)
+    ]
+    done = make_engine(tiny).generate(prompts, params)
+    assert [r.status for r in done] == [Status.FINISHED] * 3
+    assert [r.output_token_ids for r in done] == solo
+    plain = make_engine(tiny).generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [plain[0].output_token_ids, plain[2].output_token_ids] != [solo[0], solo[2]]  # penalties bit
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("min_p", 1.5),
+        ("logprobs", 21),
+        ("logit_bias", {3: 101.0}),
+        ("logit_bias", {-1: 1.0}),
+    ],
+)
+def test_out_of_range_values_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field.split("_")[0]):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_logit_bias_keys_arriving_as_json_strings_become_ids() -> None:
+    assert SamplingParams(logit_bias={"12": 3}).logit_bias == {12: 3.0}  # type: ignore[dict-item]
+
+
+def test_defaults_an_override_then_the_gguf_then_greedy() -> None:
+    assert SamplingDefaults.resolve({}, {}) == SamplingDefaults(temperature=0.0, top_p=1.0)
+    gguf = {"general.sampling.temp": 0.6, "general.sampling.top_p": 0.95, "general.sampling.top_k": 40}
+    got = SamplingDefaults.resolve(gguf, {"temperature": 0.3, "top_p": None})
+    assert got == SamplingDefaults(temperature=0.3, top_p=0.95, top_k=40)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingDefaults.resolve({"general.sampling.top_p": 0.0}, {})
