@@ -34,6 +34,13 @@ ephemeral keys or none) stream `--transport-pages` `Page` messages of a real pag
 flight, received and counted here: GB/s received, median of `--transport-rounds` alternating rounds.
 "idle CPU" is what each server process burned, in % of one core, during 3 s with no request in flight.
 Writes bench/results/disagg.json.
+
+`--scale`: instead, N x M workers: `serve --disaggregated` with 1 prefill x 1 decode and with 2 x 2 worker
+processes (1 torch thread each, CURVE), W1 at `--scale-concurrency` (default 16 and 64): output tok/s, TTFT
+p50/p95, the 2x2 / 1x1 ratios, and the CPU each process used during the load (% of one core: on 2 cores,
+four workers compete, so the ratios and the CPU tell more than the absolute rates); then
+bench/kv_transport.py's NIXL vs zmq page transfer (16-page requests) beside it. Writes
+bench/results/disagg_scale.json.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kv_transport
 import numpy as np
 import torch
 import xxhash
@@ -68,7 +76,7 @@ from common import (
 from kvfence.cache.pool import KVPool
 from kvfence.config import EngineConfig
 from kvfence.disagg.connector import LinkEvent, ZmqConnector
-from kvfence.disagg.keys import ephemeral
+from kvfence.disagg.keys import ephemeral, worker_names
 from kvfence.disagg.launch import free_ports
 from kvfence.disagg.messages import Bounds, Page, decode
 from kvfence.harness.cluster import cluster
@@ -86,7 +94,10 @@ SYSTEMS = {  # label -> extra `kvfence serve` arguments
     "single node": ["--num-threads", "2"],
     "disaggregated": ["--disaggregated", "--num-threads", "1"],
     "disaggregated insecure": ["--disaggregated", "--insecure-transport", "--num-threads", "1"],
+    "PD 1x1": ["--disaggregated", "--num-threads", "1"],
+    "PD 2x2": ["--disaggregated", "--prefill-workers", "2", "--decode-workers", "2", "--num-threads", "1"],
 }
+SCALE = ("PD 1x1", "PD 2x2")  # --scale: these systems at each --scale-concurrency
 TRANSPORTS = {"disaggregated": "CURVE", "disaggregated insecure": "plain"}  # disaggregated label -> transport
 LOG_TRANSPORT = {"CURVE": "CURVE with ephemeral keys", "plain": "INSECURE"}  # in serve's "transport:" line
 CURVE_COST_TARGET = 0.10  # CURVE may cost at most this share of the plain transport's output tok/s
@@ -170,9 +181,11 @@ class SystemRun:
     trails: list[list[dict[str, Any]]]
     transport: str = "-"  # CURVE or plain for a disaggregated system
     round: int = 0
+    load_cpu_pct: dict[str, float] | None = None  # each process, % of one core, during the load
 
     def summary(self) -> dict[str, Any]:
         extra = {"transport": self.transport, "round": self.round, "idle_cpu_pct": self.idle_cpu_pct}
+        extra["load_cpu_pct"] = self.load_cpu_pct
         return {**self.result.summary(), **extra}
 
 
@@ -202,9 +215,12 @@ def run_system(
             assert transport == TRANSPORTS[label], f"{label} runs {transport}, not {TRANSPORTS[label]}"
         asyncio.run(drive(url, warm, 8, 2))
         tree = [server.pid, *descendants(server.pid)]
-        cpu_before, foreign = sum(cpu_seconds(p) for p in tree), ForeignCpu()
+        before, foreign = {p: cpu_seconds(p) for p in tree}, ForeignCpu()
         ids, timings, wall = asyncio.run(drive(url, prompts, max_tokens, concurrency))
-        own_share = (sum(cpu_seconds(p) for p in tree) - cpu_before) / (wall * (os.cpu_count() or 1))
+        used = {p: cpu_seconds(p) - before[p] for p in tree}
+        own_share = sum(used.values()) / (wall * (os.cpu_count() or 1))
+        names = process_names(server, tree, worker_list(SYSTEMS[label]))
+        load_cpu = {names.get(p, f"pid {p}"): used[p] / wall * 100 for p in tree}
         result = RunResult(
             label,
             concurrency,
@@ -214,21 +230,35 @@ def run_system(
             timings,
             foreign_cpu=max(0.0, foreign.share() - own_share),
         )
-        idle = idle_cpu(server, tree)
+        idle = idle_cpu(names, tree)
         trails = [running.audit(i) for i in ids] if "--disaggregated" in SYSTEMS[label] else []
-        return SystemRun(result, ids, idle, trails, transport, round_)
+        return SystemRun(result, ids, idle, trails, transport, round_, load_cpu)
 
 
-def idle_cpu(server: Proc, tree: list[int], seconds: float = 3.0) -> dict[str, float]:
-    """% of one core each process of the server used while nothing was in flight. The worker processes
-    (multiprocessing `spawn_main` children) are named in start order: prefill, then decode."""
+def worker_list(serve_args: list[str]) -> list[str]:
+    """The worker names `serve --disaggregated` with these arguments starts, in start order."""
+    counts = {role: 1 for role in ("prefill", "decode")}
+    for role in counts:
+        flag = f"--{role}-workers"
+        if flag in serve_args:
+            counts[role] = int(serve_args[serve_args.index(flag) + 1])
+    return [name for role, n in counts.items() for name in worker_names(role, n)]
+
+
+def process_names(server: Proc, tree: list[int], workers: list[str]) -> dict[int, str]:
+    """The server's processes by name. Worker processes (multiprocessing `spawn_main` children) are
+    named in start order (pids rise), as `worker_list` names them."""
+    names = {server.pid: "server"}
+    spawned = sorted(pid for pid in tree if b"spawn_main" in _cmdline(pid))
+    names |= dict(zip(spawned, workers, strict=False))
+    return names | {pid: "mp tracker" for pid in tree if b"resource_tracker" in _cmdline(pid)}
+
+
+def idle_cpu(names: dict[int, str], tree: list[int], seconds: float = 3.0) -> dict[str, float]:
+    """% of one core each process of the server used while nothing was in flight."""
     time.sleep(1.0)
     before = {pid: cpu_seconds(pid) for pid in tree}
     time.sleep(seconds)
-    names = {server.pid: "server"}
-    workers = sorted(pid for pid in tree if b"spawn_main" in _cmdline(pid))
-    names |= dict(zip(workers, ("prefill", "decode"), strict=False))
-    names |= {pid: "mp tracker" for pid in tree if b"resource_tracker" in _cmdline(pid)}
     return {names.get(pid, f"pid {pid}"): (cpu_seconds(pid) - before[pid]) / seconds * 100 for pid in tree}
 
 
@@ -453,7 +483,59 @@ def parse_args() -> argparse.Namespace:
         "--transport-rounds", type=int, default=3, help="rounds of the transport microbenchmark"
     )
     parser.add_argument("--skip-single-node", action="store_true", help="only the two disaggregated systems")
+    parser.add_argument("--scale", action="store_true", help="1x1 vs 2x2 workers, and NIXL vs zmq transfer")
+    parser.add_argument("--scale-concurrency", type=int, nargs="+", default=[16, 64])
     return parser.parse_args()
+
+
+def scale_bench(args: argparse.Namespace, prompts: list[list[int]], warm: list[list[int]]) -> None:
+    """1x1 vs 2x2 workers at each concurrency, then the KV transport microbenchmark beside them."""
+    runs = []
+    for concurrency in args.scale_concurrency:
+        for label in SCALE:
+            print(f"{label}: {len(prompts)} requests at concurrency {concurrency}", flush=True)
+            runs.append(run_system(label, prompts, warm, args.max_tokens, concurrency))
+            print(f"  {runs[-1].result.tok_per_s:.1f} output tok/s", flush=True)
+    rows, ratios = [], {}
+    for run in runs:
+        r = run.result
+        cpu = " ".join(f"{name} {v:.0f}" for name, v in (run.load_cpu_pct or {}).items())
+        rows.append([r.label, r.concurrency, f"{r.tok_per_s:.1f}", *_ttft_ms(r), f"{r.foreign_cpu:.0%}", cpu])
+    for concurrency in args.scale_concurrency:
+        one, two = (
+            next(x.result for x in runs if (x.result.label, x.result.concurrency) == (label, concurrency))
+            for label in SCALE
+        )
+        ratios[concurrency] = {
+            "tok_per_s_2x2_over_1x1": two.tok_per_s / one.tok_per_s,
+            "ttft_p50_2x2_over_1x1": two.pct("ttft", 50) / one.pct("ttft", 50),
+        }
+    headers = [
+        "system",
+        "conc",
+        "out tok/s",
+        "TTFT p50 ms",
+        "TTFT p95 ms",
+        "others' CPU",
+        "CPU % per process",
+    ]
+    print_table(headers, rows)
+    for concurrency, ratio in ratios.items():
+        print(
+            f"concurrency {concurrency}: 2x2/1x1 output tok/s {ratio['tok_per_s_2x2_over_1x1']:.2f}x, "
+            f"TTFT p50 {ratio['ttft_p50_2x2_over_1x1']:.2f}x"
+        )
+    wire = kv_transport.run(16, 20)
+    print(kv_transport.table(wire))
+    runs_json = [run.summary() for run in runs]
+    write_json(
+        "disagg_scale",
+        {"runs": runs_json, "ratios": ratios, "kv_transport": wire, "max_tokens": args.max_tokens},
+    )
+
+
+def _ttft_ms(result: RunResult) -> list[str]:
+    return [f"{result.pct('ttft', q) * 1e3:.0f}" for q in (50, 95)]
 
 
 def w1_row(run: SystemRun) -> list[object]:
@@ -625,6 +707,9 @@ def main() -> None:
     tokenizer = Tokenizer(metadata)
     prompts = make_prompts(tokenizer, args.requests, W1.prompt_len)
     warm = make_prompts(tokenizer, 2, 48, salt=-1)
+    if args.scale:
+        scale_bench(args, prompts, warm)
+        return
     print(f"checksum microbenchmark over {args.pages} pages, CURVE and plain", flush=True)
     checksums = [checksum_microbench(config, args.pages, transport) for transport in ("CURVE", "plain")]
     print(f"transport microbenchmark: {args.transport_rounds} x {args.transport_pages} pages", flush=True)

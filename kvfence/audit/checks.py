@@ -230,7 +230,7 @@ def _answer_problems(trail: Trail) -> list[str]:
         unfenced = _unfenced_steps(events)
         if unfenced:
             problems.append(f"{unfenced} {place} step(s) ran without fence validation (isolation off?)")
-        if place == "decode" and _decoded_before_transfer(events):
+        if place.partition("-")[0] == "decode" and _decoded_before_transfer(events):  # decode, decode-1
             problems.append("decode stepped before transfer_complete")
     return problems
 

@@ -11,13 +11,22 @@ With isolation on (the default):
   so a reservation alone can never pin the pool;
 - only the router that reserved a request may abort it, and only the prefill worker it assigned may
   write, complete or acknowledge it; a tenant may hold at most `max_reserved_pages` pages waiting for KV.
+One-sided writes (`--kv-transport nixl`): decode announces its registered pool to a prefill worker over
+the authenticated channel (`kv_agent`) and grants targets per request as before; the prefill WRITEs them
+and then sends `complete` with each page's xxh3. Nothing is marked written until, for every granted page,
+the generation is still the granted one, the bytes now in the pool match the checksum and the pages cover
+the prompt. A request aborted while a WRITE may be in flight stays QUARANTINED until the prefill's ack
+(sent only once NIXL says done or failed) and, if it wrote, the WRITE's own notification here; or until
+the prefill is gone. A notification for a grant already given up is a late write: the requests now
+holding those pages are aborted.
 With isolation off every one of those checks is skipped — only the lab and the fault tests do that.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -28,20 +37,24 @@ from kvfence.disagg.messages import (
     Abort,
     AbortAck,
     Complete,
+    KvAgent,
     Output,
     Page,
     Rejected,
     Reserve,
     Reserved,
 )
+from kvfence.disagg.nixl_transport import NixlAgent
 from kvfence.disagg.worker import Worker
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
-from kvfence.trail.reasons import CHECKSUM_MISMATCH, STALE_WRITE
+from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF, STALE_WRITE
+from kvfence.units import cdiv
 
 TRANSFER_TIMEOUT_S = 30.0  # a transfer with no progress this long is aborted
 SERVER_BUSY = "server_busy"
+RELEASED_GRANTS_KEPT = 4096  # one-sided grants given up, remembered to recognise a late WRITE's notification
 
 
 @dataclass
@@ -50,6 +63,10 @@ class Inbound:
     prefill: str
     last_progress: float
     started: bool = False  # the assigned prefill sent a page or `complete`: the transfer has begun
+    notified: bool = False  # a NIXL WRITE's notification for it arrived (its bytes have landed)
+    acked_write: bool = False  # prefill acked an abort after a WRITE: drained when that WRITE notifies
+    grant: list[tuple[int, int]] = field(default_factory=list)  # the (page, generation) targets granted
+    wrote: bool = False  # prefill reported a finished WRITE into the grant (its notification is due)
 
 
 class DecodeWorker(Worker):
@@ -61,8 +78,15 @@ class DecodeWorker(Worker):
         connector: Connector,
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
         max_reserved_pages: int | None = None,
+        agent: NixlAgent | None = None,
     ) -> None:
         super().__init__(engine, connector)
+        self.agent = agent  # this pool registered with NIXL: prefill workers may WRITE into granted pages
+        self.announced: set[str] = set()  # prefill workers that were sent our NIXL agent
+        # One-sided grants given up: any notification for one is a late write; `expected` ones still await
+        # the notification of a WRITE that NIXL reported done before they were given up.
+        self.released: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
+        self.expected: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
         self.inbound: dict[
             str, Inbound
         ] = {}  # requests whose KV is on the way, or whose abort awaits a drain
@@ -112,7 +136,11 @@ class DecodeWorker(Worker):
             self.connector.connect(
                 message.prefill
             )  # watched now, so its loss is noticed even before an abort
-            self.inbound[request_id] = Inbound(sender, message.prefill, time.monotonic())
+            self._announce(message.prefill)
+            # With our agent announced, a WRITE may land at any time: the grant is live from now on.
+            live = self.agent is not None
+            grant = [(p, g) for p, g in targets]
+            self.inbound[request_id] = Inbound(sender, message.prefill, time.monotonic(), live, grant=grant)
         self.reply(sender, Reserved(request_id=request_id, targets=targets))
 
     def _reject(self, router: str, request_id: str, code: str, why: str) -> None:
@@ -201,10 +229,16 @@ class DecodeWorker(Worker):
         ):
             return
         self.inbound[request_id].started = True
+        self.inbound[request_id].wrote = message.checksums is not None and not message.failed
         if message.failed:
             self._abort(request_id, message.failed)
             return
         tokens = request.num_tokens - 1
+        if self.isolation and message.checksums is not None:
+            reason = self._verify_one_sided(request_id, message.checksums)
+            if reason is not None:
+                self._abort(request_id, reason)
+                return
         if self.isolation:
             reason = self.engine.fence.check_handoff(request.record, tokens)
             if reason is not None:
@@ -218,8 +252,12 @@ class DecodeWorker(Worker):
         request_id = message.request_id
         if not self._from_prefill(sender, request_id):
             return  # only the worker that was sending may say that nothing more is on the way
-        self.inbound.pop(request_id, None)
-        self.engine.drain(request_id, "abort_ack")
+        inbound = self.inbound[request_id]
+        inbound.wrote = inbound.wrote or message.wrote
+        if message.wrote and self.isolation and not inbound.notified:
+            inbound.acked_write = True  # its WRITE's notification, when it lands, drains it
+            return
+        self._drain(request_id, "abort_ack")
 
     def on_link(self, event: LinkEvent) -> None:
         """This worker's own connection to a prefill worker: when it is gone, nothing more can arrive from
@@ -229,11 +267,11 @@ class DecodeWorker(Worker):
             self.down_peers.discard(event.peer)
             return
         self.down_peers.add(event.peer)
+        self.announced.discard(event.peer)  # a restarted worker has a new agent that does not know ours
         for request_id, inbound in list(self.inbound.items()):
             if inbound.prefill == event.peer:
                 self._abort(request_id, "prefill_lost")
-                self.inbound.pop(request_id, None)
-                self.engine.drain(request_id, "peer_down")
+                self._drain(request_id, "peer_down")
 
     # ---- decode output and deadlines --------------------------------------------------------------------
 
@@ -242,12 +280,92 @@ class DecodeWorker(Worker):
             self._send_output(output)
 
     def tick(self, now: float) -> None:
+        if self.agent is not None:
+            for request_id in self.agent.notified():
+                self._on_notified(request_id)
         for request_id, inbound in list(self.inbound.items()):
             request = self.engine.requests.get(request_id)
             if request is not None and now - inbound.last_progress > self.transfer_timeout_s:
                 # Nothing ever came from the assigned prefill: its pages were never written into, and a
                 # reservation alone must not pin the pool (a prefill that never connects never acks).
                 self._abort(request_id, "transfer_timeout", release=not inbound.started)
+
+    # ---- one-sided writes (NIXL) ------------------------------------------------------------------------
+
+    def _announce(self, prefill: str) -> None:
+        """Send a prefill worker our NIXL agent and pool layout, once per connection, on the authenticated
+        channel, before the first grant it will write into (the router sends `prefill` after `reserved`)."""
+        if self.agent is None or prefill in self.announced:
+            return
+        pool = self.agent.layout
+        metadata = self.agent.metadata()
+        self.reply(prefill, KvAgent(pool.base, pool.layers, pool.pages, pool.block_bytes, metadata))
+        self.announced.add(prefill)
+
+    def _verify_one_sided(self, request_id: str, checksums: list[int]) -> str | None:
+        """Every granted page covering the prompt: still at its granted generation, owned by the tenant and
+        OWNED, its bytes now in the pool matching prefill's checksum. Only then are its slots written."""
+        request, pool = self.engine.requests[request_id], self.engine.pool
+        tokens, ps, record = request.num_tokens - 1, pool.page_size, request.record
+        needed = cdiv(tokens, ps)
+        if len(checksums) != needed or len(record.pages) < needed:
+            return INCOMPLETE_HANDOFF
+        pages = np.array(record.pages[:needed])
+        tenants = np.full(needed, record.tenant)
+        if not pool.authorize_writes(pages, np.array(record.generations[:needed]), tenants).all():
+            self.engine.events.emit(request_id, "write_refused", why="stale generation or owner")
+            return STALE_WRITE
+        for logical, (page, checksum) in enumerate(zip(pages.tolist(), checksums, strict=True)):
+            if pool.page_checksum(page) != checksum:
+                self._refuse(request_id, page, "checksum mismatch (one-sided write)")
+                return CHECKSUM_MISMATCH
+            slots = min(ps, tokens - logical * ps)
+            pool.commit_writes(np.full(slots, page), np.arange(slots))
+            self.engine.events.emit(
+                request_id, "page_received", page=page, generation=record.generations[logical], slots=slots
+            )
+        return None
+
+    def _on_notified(self, request_id: str) -> None:
+        """A WRITE's bytes landed. For a live grant that is progress (and, after an ack, the drain); for a
+        grant already given up it is a late write: whoever holds those pages now may read its bytes."""
+        inbound = self.inbound.get(request_id)
+        if inbound is not None:
+            inbound.notified = True
+            if inbound.acked_write:
+                self._drain(request_id, "nixl_notified")
+            return
+        if request_id in self.expected:  # the due notification of a WRITE NIXL reported done: no alarm
+            self._remember(self.released, request_id, self.expected.pop(request_id))
+            return
+        grant = self.released.pop(request_id, None)
+        if grant is None or not self.isolation:
+            return
+        pool = self.engine.pool
+        for page, generation in grant:
+            self._refuse(request_id, page, "one-sided write after its grant was released (late write)")
+            for victim in list(self.engine.requests.values()):
+                if page in victim.record.pages and pool.generation[page] != generation:
+                    self._abort(victim.request_id, STALE_WRITE)
+
+    def _drain(self, request_id: str, how: str) -> None:
+        """Release a quarantined request (and forget its transfer), remembering a one-sided grant so that a
+        late WRITE into it is recognised."""
+        inbound = self.inbound.pop(request_id, None)
+        if self.agent is not None and inbound is not None:
+            due = inbound.wrote and not inbound.notified
+            self._remember(self.expected if due else self.released, request_id, inbound.grant)
+        self.engine.drain(request_id, how)
+
+    @staticmethod
+    def _remember(table: OrderedDict[str, list[tuple[int, int]]], request_id: str, grant: list) -> None:
+        table[request_id] = grant
+        while len(table) > RELEASED_GRANTS_KEPT:
+            table.popitem(last=False)
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
 
     # ---- helpers ----------------------------------------------------------------------------------------
 
@@ -281,8 +399,7 @@ class DecodeWorker(Worker):
             if not hold:
                 self.inbound.pop(request_id, None)
             elif inbound.prefill in self.down_peers:  # nobody is left to send anything: fenced by its death
-                self.inbound.pop(request_id, None)
-                self.engine.drain(request_id, "peer_down")
+                self._drain(request_id, "peer_down")
         if output is not None:
             self._send_output(output)
 

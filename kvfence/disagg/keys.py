@@ -5,8 +5,12 @@ only to the host that runs NAME) and one `peers` file, the allow-list every proc
 
     # name     role     public key (Z85, 40 chars)                 address it listens on ("-": none)
     router     router   rq:rM>}U?@Lx3Mwx+...                        tcp://10.0.0.9:5610
-    prefill    prefill  8gh0...                                     tcp://10.0.0.1:5600
+    prefill-0  prefill  8gh0...                                     tcp://10.0.0.1:5600
+    prefill-1  prefill  ...                                         tcp://10.0.0.4:5600
     decode     decode   ...                                         tcp://10.0.0.2:5600
+
+Workers are named by role and position (`worker_names`): the role itself when it has one worker, else
+`ROLE-0`, `ROLE-1`... Each has its own keypair, so every worker is authenticated as itself.
 
 A message's sender is the peer whose public key completed the CURVE handshake (ZAP User-Id), never a
 field, a routing identity or an address inside the message; a process dials only addresses listed here.
@@ -87,6 +91,21 @@ class PeerBook:
             name, role, key, address = words
             peers.append(Peer(name, role, key, None if address == "-" else address))
         return cls(peers)
+
+
+def worker_names(role: str, count: int) -> list[str]:
+    """The names of `count` workers of `role`: the role itself for one, else ROLE-0, ROLE-1..."""
+    return [role] if count == 1 else [f"{role}-{i}" for i in range(count)]
+
+
+def role_of(name: str) -> str:
+    """The role of a name `worker_names` made (`decode-1` -> `decode`)."""
+    return name.partition("-")[0]
+
+
+def named(role: str, addresses: list[str]) -> list[tuple[str, str, str]]:
+    """(name, role, address) for each worker of `role`, as `ephemeral` and `generate` take them."""
+    return [(name, role, a) for name, a in zip(worker_names(role, len(addresses)), addresses, strict=True)]
 
 
 def ephemeral(specs: list[tuple[str, str, str | None]]) -> dict[str, TransportKeys]:

@@ -1,20 +1,31 @@
-"""Start prefill and decode workers as real processes (for `serve --disaggregated` and the tests)."""
+"""Start prefill and decode workers as real processes (for `serve --disaggregated` and the tests).
+
+Workers are given by name (`keys.worker_names`: `prefill`, or `prefill-0`, `decode-1`... when a role has
+several); the name picks the role, the bind address and the keys of that worker.
+
+`--kv-transport` picks how pages move: `nixl` (one-sided NIXL WRITEs into the granted pages, the default
+where NIXL is installed and the pool is in host memory), `zmq` (page frames on the CURVE channel), `auto`
+the first that can run here. Either way every control message stays on the authenticated channel.
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import multiprocessing as mp
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from kvfence.config import EngineConfig
 from kvfence.disagg.connector import ZmqConnector
 from kvfence.disagg.decode import DecodeWorker
 from kvfence.disagg.handoff import HandoffEngine
-from kvfence.disagg.keys import TransportKeys
+from kvfence.disagg.keys import TransportKeys, role_of
+from kvfence.disagg.nixl_transport import NixlAgent, nixl_available
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.disagg.worker import Worker
 
@@ -22,27 +33,85 @@ WORKERS: dict[str, type[Worker]] = {"prefill": PrefillWorker, "decode": DecodeWo
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0  # how long a worker may take to stop after SIGTERM before it is killed
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:0"
+KV_TRANSPORTS = ("auto", "nixl", "zmq")
+# Builds a worker's engine in the worker process: a module-level function (spawn pickles it by name).
+EngineFactory = Callable[[EngineConfig], HandoffEngine]
+MAX_WORKERS_PER_ROLE = 64  # --prefill-workers/--decode-workers: processes on one host, not a fleet
+
+
+def add_kv_transport_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-transport",
+        choices=KV_TRANSPORTS,
+        default="auto",
+        help="how a PD worker moves KV pages: one-sided NIXL writes, or ZeroMQ frames; auto: nixl where "
+        "installed and the pool is in host memory (default: %(default)s)",
+    )
+
+
+def add_scale_options(parser: argparse.ArgumentParser) -> None:
+    """`serve --disaggregated`: how many workers of each role to start on this host."""
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-workers",
+            type=_worker_count,
+            default=1,
+            metavar="N",
+            help=f"with --disaggregated: {role} worker processes to start (default: %(default)s)",
+        )
+
+
+def _worker_count(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_WORKERS_PER_ROLE:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a whole number from 1 to {MAX_WORKERS_PER_ROLE}"
+        )
+    return int(text)
+
+
+def address_list(text: str) -> list[str]:
+    """`A,B,...`: one worker address or several (`kvfence router --prefill`, `kvfence keys generate`)."""
+    addresses = [a.strip() for a in text.split(",")]
+    if not all(addresses) or len(set(addresses)) != len(addresses):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ADDRESS[,ADDRESS...], each once")
+    return addresses
+
+
+def kv_agent(role: str, engine: HandoffEngine, kv_transport: str) -> NixlAgent | None:
+    """This worker's NIXL agent with its pool registered, or None for ZeroMQ pages."""
+    host_pool = engine.pool.kv.device.type == "cpu"
+    if kv_transport == "zmq" or (kv_transport == "auto" and not (host_pool and nixl_available())):
+        return None
+    if not host_pool:
+        raise RuntimeError("--kv-transport nixl registers a host-memory pool; use --device cpu or zmq")
+    return NixlAgent(f"kvfence-{role}-{os.getpid()}", engine.pool.kv)
 
 
 def run_worker(
-    role: str,
+    name: str,
     config: EngineConfig,
     bind: str,
     ready: Connection | None = None,
     keys: TransportKeys | None = None,
+    kv_transport: str = "auto",
+    build: EngineFactory | None = None,
 ) -> None:
-    """Load the engine, bind, announce the bound address on `ready`, then serve until killed. A worker
-    started by a parent (`ready` given) ends when that parent is gone, so it can never outlive it."""
+    """Load the engine of worker `name` (its role, or a name `worker_names` made; `build` instead of the
+    config's GGUF: tests' tiny models), bind, announce the bound address on `ready`, then serve until
+    killed. A worker started by a parent (`ready` given) ends when that parent is gone, so it can never
+    outlive it."""
     from kvfence.engine.engine import load_engine
 
+    role = role_of(name)
     if ready is not None:
         _exit_with_parent()
-    engine = load_engine(
-        config, log=lambda line: print(f"[{role}] {line}", flush=True), engine_cls=HandoffEngine
-    )
-    worker = WORKERS[role](engine, ZmqConnector(bind, keys))
+    log = lambda line: print(f"[{name}] {line}", flush=True)  # noqa: E731
+    engine = build(config) if build else load_engine(config, log=log, engine_cls=HandoffEngine)
+    agent = kv_agent(role, engine, kv_transport)
+    worker = WORKERS[role](engine, ZmqConnector(bind, keys), agent=agent)  # type: ignore[call-arg]
     security = "CURVE, allow-listed peers" if keys else "INSECURE (no keys: any local process may send)"
-    print(f"[{role}] listening on {worker.connector.address} ({security})", flush=True)
+    pages = "one-sided NIXL writes" if agent else "ZeroMQ frames"
+    print(f"[{name}] listening on {worker.connector.address} ({security}); KV pages: {pages}", flush=True)
     if ready is not None:
         ready.send(worker.connector.address)
         ready.close()
@@ -65,40 +134,42 @@ def spawn_workers(
     specs: list[tuple[str, EngineConfig]],
     bind: str | dict[str, str] = LOOPBACK_ANY_PORT,
     keys: dict[str, TransportKeys] | None = None,
+    kv_transport: str = "auto",
+    build: EngineFactory | None = None,
 ) -> list[tuple[mp.Process, str]]:
-    """Workers in fresh processes (spawned: nothing inherited from this one), loading in parallel; returns
-    each process with its bound address. `bind` and `keys` may be given per role."""
+    """Workers (name, config) in fresh processes (spawned: nothing inherited from this one), loading in
+    parallel; returns each process with its bound address. `bind` and `keys` may be given per name."""
     context = mp.get_context("spawn")
     started = []
-    for role, config in specs:
-        address = bind[role] if isinstance(bind, dict) else bind
-        own_keys = keys[role] if keys else None
+    for name, config in specs:
+        address = bind[name] if isinstance(bind, dict) else bind
+        own_keys = keys[name] if keys else None
         receiver, sender = context.Pipe(duplex=False)
         process = context.Process(
             target=run_worker,
-            args=(role, config, address, sender, own_keys),
-            name=f"kvfence-{role}",
+            args=(name, config, address, sender, own_keys, kv_transport, build),
+            name=f"kvfence-{name}",
             daemon=True,
         )
         process.start()
         sender.close()
-        started.append((process, receiver, role))
+        started.append((process, receiver, name))
     workers = []
-    for process, receiver, role in started:
+    for process, receiver, name in started:
         if not receiver.poll(START_TIMEOUT_S):
             process.kill()
-            raise RuntimeError(f"the {role} worker did not start within {START_TIMEOUT_S:.0f}s")
+            raise RuntimeError(f"the {name} worker did not start within {START_TIMEOUT_S:.0f}s")
         try:
             workers.append((process, receiver.recv()))
         except EOFError:
-            raise RuntimeError(f"the {role} worker exited while starting (see its output)") from None
+            raise RuntimeError(f"the {name} worker exited while starting (see its output)") from None
     return workers
 
 
 class LocalWorkers:
-    """The prefill and decode worker processes of `serve --disaggregated`: spawned together, a dead one
-    respawned on the same address with the same keys (the router re-learns it when its link comes back
-    up), and every one stopped when the block ends, however it ends."""
+    """The worker processes of `serve --disaggregated`, by name: spawned together, a dead one respawned on
+    the same address with the same keys (the router re-learns it when its link comes back up, the other
+    workers serving meanwhile), and every one stopped when the block ends, however it ends."""
 
     def __init__(
         self,
@@ -106,16 +177,18 @@ class LocalWorkers:
         binds: dict[str, str],
         keys: dict[str, TransportKeys] | None,
         poll_s: float = 1.0,
+        kv_transport: str = "auto",
     ) -> None:
         self.specs, self.binds, self.keys, self.poll_s = dict(specs), binds, keys, poll_s
+        self.kv_transport = kv_transport
         self.processes: dict[str, mp.Process] = {}
         self.restarts = 0
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="kvfence-supervisor", daemon=True)
 
     def __enter__(self) -> LocalWorkers:
-        for (role, _), (process, _) in zip(self.specs.items(), self._spawn(list(self.specs)), strict=True):
-            self.processes[role] = process
+        for (name, _), (process, _) in zip(self.specs.items(), self._spawn(list(self.specs)), strict=True):
+            self.processes[name] = process
         self._watcher.start()
         return self
 
@@ -129,21 +202,22 @@ class LocalWorkers:
             if process.is_alive():
                 process.kill()
 
-    def _spawn(self, roles: list[str]) -> list[tuple[mp.Process, str]]:
-        keys = {role: self.keys[role] for role in roles} if self.keys else None
-        return spawn_workers([(role, self.specs[role]) for role in roles], self.binds, keys)
+    def _spawn(self, names: list[str]) -> list[tuple[mp.Process, str]]:
+        keys = {name: self.keys[name] for name in names} if self.keys else None
+        specs = [(name, self.specs[name]) for name in names]
+        return spawn_workers(specs, self.binds, keys, self.kv_transport)
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):
-            for role, process in list(self.processes.items()):
+            for name, process in list(self.processes.items()):
                 if process.is_alive() or self._stopping.is_set():
                     continue
-                print(f"[{role}] worker exited (code {process.exitcode}); restarting it", flush=True)
+                print(f"[{name}] worker exited (code {process.exitcode}); restarting it", flush=True)
                 try:
-                    ((self.processes[role], _),) = self._spawn([role])
+                    ((self.processes[name], _),) = self._spawn([name])
                     self.restarts += 1
                 except RuntimeError as exc:  # it failed to start: try again on the next round
-                    print(f"[{role}] restart failed: {exc}", flush=True)
+                    print(f"[{name}] restart failed: {exc}", flush=True)
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

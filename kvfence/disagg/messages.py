@@ -2,7 +2,8 @@
 
 A frame off the wire is untrusted until `parse` has turned it into one of these dataclasses: the kind is
 known, every field is present with its declared type (no extra field), strings and lists are bounded,
-token ids lie in the vocabulary, integers are non-negative, and only a `Page` carries a payload. Who may
+token ids lie in the vocabulary, integers are non-negative, and only a `Page` (page bytes) and a `KvAgent`
+(NIXL agent metadata, at most 64 KiB) carry a payload. Who may
 send each kind is not decided here but by the receiver's role rules (`ROLE_RULES` below), against the
 sender the transport authenticated.
 """
@@ -23,6 +24,7 @@ MAX_ID_CHARS = 256  # request ids, tenants, tokens, codes, reasons, peer address
 MAX_TEXT_CHARS = 1 << 16  # error messages and one step's output text
 MAX_INT = 1 << 64  # an xxh3_64 checksum is the widest integer a message carries
 MAX_ITEMS = 1 << 16  # any other list: a request's audit trail, stop strings
+MAX_AGENT_BYTES = 1 << 16  # a NIXL agent's metadata (about 500 bytes over UCX)
 
 
 class BadMessage(ValueError):
@@ -165,6 +167,22 @@ class Complete(Msg):
     pages: int
     tokens: int
     failed: str = ""  # prefill aborted the request: decode must not wait for pages
+    # One-sided (NIXL) transfers: xxh3_64 of each logical page as prefill read it before the WRITE. Decode
+    # checks the bytes now in its own pool against these before it marks a single slot written.
+    checksums: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class KvAgent(Msg):
+    """decode -> prefill, on the authenticated channel only: how to WRITE into decode's pool with NIXL.
+    Granting happens per request (`targets`); this only says where the pool lies."""
+
+    KIND: ClassVar[str] = "kv_agent"
+    base: int
+    layers: int
+    pages: int
+    block_bytes: int
+    payload: bytes = field(default=b"", repr=False)  # the NIXL agent metadata
 
 
 @dataclass(frozen=True)
@@ -178,6 +196,9 @@ class Abort(Msg):
 class AbortAck(Msg):
     KIND: ClassVar[str] = "abort_ack"
     request_id: str
+    # A one-sided WRITE was posted for the request (and NIXL reported it finished): decode also waits for
+    # its notification, the proof on its own side that those bytes have landed.
+    wrote: bool = False
 
 
 @dataclass(frozen=True)
@@ -209,11 +230,13 @@ KINDS: dict[str, type[Msg]] = {
         Accepted,
         Page,
         Complete,
+        KvAgent,
         Abort,
         AbortAck,
         Output,
     )
 }
+PAYLOAD_LIMITS: dict[type[Msg], int] = {Page: 1 << 62, KvAgent: MAX_AGENT_BYTES}  # the only kinds with one
 
 # Receiver role -> kind -> the sender roles it accepts that kind from. Anything else is dropped and
 # counted. Which *one* peer of a role may send a request's messages is the receiver's own bookkeeping.
@@ -234,6 +257,7 @@ ROLE_RULES: dict[str, dict[str, frozenset[str]]] = {
         "audit": frozenset({"router"}),
         "prefill": frozenset({"router"}),
         "abort": frozenset({"decode"}),
+        "kv_agent": frozenset({"decode"}),
     },
     "router": {
         "hello_reply": frozenset({"prefill", "decode"}),
@@ -296,9 +320,10 @@ def build(cls: type[Msg], data: dict[str, Any], payload: bytes, bounds: Bounds) 
                 raise BadMessage("bad_field", f"{cls.KIND}: missing {name}")
             continue
         values[name] = _checked(hints[name], data[name], f"{cls.KIND}.{name}", bounds)
-    if payload and cls is not Page:
-        raise BadMessage("bad_field", f"{cls.KIND} carries no payload")
-    message = cls(**values, **({"payload": payload} if cls is Page else {}))
+    limit = PAYLOAD_LIMITS.get(cls, 0)
+    if len(payload) > limit:
+        raise BadMessage("bad_field", f"{cls.KIND} payload of {len(payload)} bytes (at most {limit})")
+    message = cls(**values, **({"payload": payload} if cls in PAYLOAD_LIMITS else {}))
     _check_meaning(message, bounds)
     return message
 

@@ -7,23 +7,32 @@ Otherwise the KV of every prompt token but the last is computed, each page is se
 slot count and an xxh3 checksum of its bytes, then `complete`. An `abort` from the decode worker the
 transfer targets is answered with `abort_ack` on the same channel as the pages, so the ack proves nothing
 of that request is still on the way.
+
+With `--kv-transport nixl` and decode's NIXL agent announced (a `kv_agent` on the authenticated channel),
+the pages go as one one-sided WRITE into the granted targets instead; `complete` then follows only once
+NIXL reports the WRITE done, carrying each page's xxh3 checksum, and an `abort` of a request whose WRITE
+is in flight is acknowledged only once NIXL reports it done or failed (never earlier, never on a timer).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import xxhash
 
-from kvfence.disagg.connector import Connector
+from kvfence.disagg.connector import Connector, LinkEvent
 from kvfence.disagg.handoff import HandoffEngine
-from kvfence.disagg.messages import Abort, AbortAck, Accepted, Complete, Page, Prefill, Rejected
+from kvfence.disagg.messages import Abort, AbortAck, Accepted, Complete, KvAgent, Page, Prefill, Rejected
+from kvfence.disagg.nixl_transport import NixlAgent, PoolLayout, Write
 from kvfence.disagg.worker import Worker
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
+
+CANCELLED_KEPT = 4096  # request ids aborted before their `prefill` arrived, remembered to refuse it
 
 
 @dataclass
@@ -35,18 +44,53 @@ class Transfer:
     placeholder: bool = False  # fault `placeholder_transfer`: one token computed, "complete" claimed
 
 
+@dataclass
+class Plan:
+    """What a transfer sends, faults applied: (source page, (target page, generation)) per logical page."""
+
+    pages: list[tuple[int, tuple[int, int]]]
+    lost: int | None  # logical page the transport drops (`transfer_failure_ack_mismatch`)
+    corrupt: int | None  # logical page torn on the way (`corrupt_page`)
+    crash_at: int | None  # logical page at which the process dies (`worker_crash_mid_transfer`)
+
+
+@dataclass
+class Posted:
+    """A one-sided WRITE in flight; its source pages stay held until NIXL says done or failed."""
+
+    transfer: Transfer
+    write: Write | None  # None: nothing to write
+    checksums: list[int]
+    aborted: bool = False  # decode asked to stop: acknowledge when NIXL is done, send no `complete`
+
+
 class PrefillWorker(Worker):
     role = "prefill"
 
-    def __init__(self, engine: HandoffEngine, connector: Connector) -> None:
+    def __init__(self, engine: HandoffEngine, connector: Connector, agent: NixlAgent | None = None) -> None:
         super().__init__(engine, connector)
         self.transfers: dict[str, Transfer] = {}
         self.faults = engine.faults
+        self.agent = agent
+        self.decode_agents: dict[str, tuple[str, PoolLayout]] = {}  # decode address -> NIXL agent, pool
+        self.posted: dict[str, Posted] = {}
+        # Requests decode aborted before their `prefill` arrived (no order between router and decode): a
+        # late `prefill` for one is refused, or its one-sided WRITE would land in pages since given away.
+        self.cancelled: OrderedDict[str, None] = OrderedDict()
+
+    def busy(self) -> bool:
+        return super().busy() or bool(self.posted)
+
+    def kv_transport(self) -> str:
+        return "nixl" if self.agent is not None else "zmq"
 
     def on_prefill(self, sender: str, message: Prefill) -> None:
         request_id, prompt = message.request_id, message.prompt
         if not self.is_peer(message.decode, "decode"):
             self.drop(sender, "bad_peer", f"prefill {request_id}: {message.decode} is not a decode worker")
+            return
+        if request_id in self.cancelled:
+            self.reply(sender, Rejected(request_id, "cancelled", "Cancelled before prefill started."))
             return
         targets = [(page, generation) for page, generation in message.targets]
         transfer = Transfer(request_id, message.decode, targets, len(prompt) - 1)
@@ -69,16 +113,18 @@ class PrefillWorker(Worker):
             transfer = self.transfers.pop(output.request_id, None)
             if transfer is None:
                 continue
-            if output.status is Status.TRANSFERRING:
+            if output.status is Status.TRANSFERRING and transfer.decode in self.decode_agents:
+                self._post(transfer)
+            elif output.status is Status.TRANSFERRING:  # decode has no NIXL agent (or not yet): ZeroMQ
                 self._send_pages(transfer)
                 self.engine.finish_transfer(output.request_id)
             elif output.finished:  # aborted here (fence): decode must not wait for pages
                 failed = output.finish_reason or "aborted"
                 self.reply(transfer.decode, Complete(output.request_id, pages=0, tokens=0, failed=failed))
 
-    def _send_pages(self, transfer: Transfer) -> None:
+    def _plan(self, transfer: Transfer) -> Plan:
+        """The pages to send, with the armed transfer faults applied (the same on both transports)."""
         request = self.engine.requests[transfer.request_id]
-        pool, ps = self.engine.pool, self.engine.pool.page_size
         pages = list(zip(request.record.pages, transfer.targets, strict=False))
         if self.faults.fire("partial_transfer"):
             pages = pages[: len(pages) // 2]
@@ -86,18 +132,27 @@ class PrefillWorker(Worker):
         lost = len(pages) - 1 if pages and self.faults.fire("transfer_failure_ack_mismatch") else None
         corrupt = 0 if pages and self.faults.fire("corrupt_page") else None
         crash_at = len(pages) // 2 if pages and self.faults.fire("worker_crash_mid_transfer") else None
-        self.engine.events.emit(transfer.request_id, "transfer_started", pages=len(pages))
-        for logical, (source, (page, generation)) in enumerate(pages):
-            if logical == crash_at:  # a real crash: the process dies with pages half sent
-                self.engine.events.emit(
-                    transfer.request_id, "fault_injected", fault="worker_crash_mid_transfer"
-                )
-                os.kill(os.getpid(), signal.SIGKILL)
+        self.engine.events.emit(
+            transfer.request_id, "transfer_started", pages=len(pages), transport=self.kv_transport()
+        )
+        return Plan(pages, lost, corrupt, crash_at)
+
+    def _crash(self, request_id: str) -> None:
+        """A real crash: the process dies with the transfer half done."""
+        self.engine.events.emit(request_id, "fault_injected", fault="worker_crash_mid_transfer")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _send_pages(self, transfer: Transfer) -> None:
+        pool, ps = self.engine.pool, self.engine.pool.page_size
+        plan = self._plan(transfer)
+        for logical, (source, (page, generation)) in enumerate(plan.pages):
+            if logical == plan.crash_at:
+                self._crash(transfer.request_id)
             payload = pool.page_bytes(source)
             checksum = xxhash.xxh3_64_intdigest(payload)
-            if logical == corrupt:  # a torn write: the first half of the page arrives as zeros
+            if logical == plan.corrupt:  # a torn write: the first half of the page arrives as zeros
                 payload = bytes(len(payload) // 2) + payload[len(payload) // 2 :]
-            if logical == lost:
+            if logical == plan.lost:
                 continue  # the transport drops it; the sender still believes it went out
             slots = min(ps, transfer.num_tokens - logical * ps)
             self.reply(
@@ -108,7 +163,60 @@ class PrefillWorker(Worker):
             transfer.decode,
             Complete(transfer.request_id, pages=len(transfer.targets), tokens=transfer.num_tokens),
         )
-        self.engine.events.emit(transfer.request_id, "transfer_complete", pages=len(pages))
+        self.engine.events.emit(transfer.request_id, "transfer_complete", pages=len(plan.pages))
+
+    # ---- one-sided writes (NIXL) ------------------------------------------------------------------------
+
+    def on_link(self, event: LinkEvent) -> None:
+        """A decode worker's link went down: a restarted one has a new NIXL agent, which it announces
+        before its first grant; until then its pages go as ZeroMQ frames, never to the old agent."""
+        if not event.up:
+            self.decode_agents.pop(event.peer, None)
+
+    def on_kv_agent(self, sender: str, message: KvAgent) -> None:
+        """A decode worker says where its pool lies (authenticated: only a decode key can send this)."""
+        layout = PoolLayout(message.base, message.layers, message.pages, message.block_bytes)
+        if self.agent is None or not self.agent.layout.compatible(layout):
+            why = "no NIXL agent here" if self.agent is None else "its pool layout differs from ours"
+            self.drop(sender, "bad_kv_agent", why)
+            return
+        self.decode_agents[sender] = (self.agent.add_peer(message.payload), layout)
+
+    def _post(self, transfer: Transfer) -> None:
+        """Checksum the source pages, then WRITE them into the granted targets; `tick` finishes it."""
+        assert self.agent is not None
+        pool, plan = self.engine.pool, self._plan(transfer)
+        checksums = [pool.page_checksum(source) for source, _ in plan.pages]
+        if plan.corrupt is not None:  # a torn write: the first half of the page arrives as zeros
+            source = plan.pages[plan.corrupt][0]
+            torn = pool.page_bytes(source)
+            pool.load_page_bytes(source, bytes(len(torn) // 2) + torn[len(torn) // 2 :])
+        pairs = [(source, page) for i, (source, (page, _)) in enumerate(plan.pages) if i != plan.lost]
+        if plan.crash_at is not None:
+            pairs = pairs[: plan.crash_at]
+        peer, layout = self.decode_agents[transfer.decode]
+        write = self.agent.write(peer, layout, pairs, transfer.request_id) if pairs else None
+        self.posted[transfer.request_id] = Posted(transfer, write, checksums)
+        if plan.crash_at is not None:
+            self._crash(transfer.request_id)
+
+    def tick(self, now: float) -> None:
+        for request_id, posted in list(self.posted.items()):
+            state = "DONE" if posted.write is None or self.agent is None else self.agent.poll(posted.write)
+            if state == "PROC":
+                continue
+            del self.posted[request_id]
+            transfer = posted.transfer
+            if posted.aborted:  # NIXL is done with it: now nothing more can land
+                self.engine.abort(request_id, "aborted_by_decode")
+                self.reply(transfer.decode, AbortAck(request_id=request_id, wrote=posted.write is not None))
+                continue
+            failed = "" if state == "DONE" else "transfer_failed"
+            tokens, pages = (transfer.num_tokens, len(transfer.targets)) if not failed else (0, 0)
+            checksums = posted.checksums if not failed else None
+            self.reply(transfer.decode, Complete(request_id, pages, tokens, failed, checksums))
+            self.engine.events.emit(request_id, "transfer_complete", pages=len(posted.checksums), nixl=state)
+            self.engine.finish_transfer(request_id)
 
     def on_abort(self, sender: str, message: Abort) -> None:
         """Decode gave up on a request: stop, free the source pages, and acknowledge on the data channel
@@ -124,6 +232,13 @@ class PrefillWorker(Worker):
             self.engine.events.emit(request_id, "fault_injected", fault="late_write_after_cancel")
             self.reply(sender, AbortAck(request_id=request_id))
             return
-        self.transfers.pop(request_id, None)
+        posted = self.posted.get(request_id)
+        if posted is not None:  # a WRITE is in flight: acknowledged only when NIXL says done or failed
+            posted.aborted = True
+            return
+        if self.transfers.pop(request_id, None) is None:
+            self.cancelled[request_id] = None
+            while len(self.cancelled) > CANCELLED_KEPT:
+                self.cancelled.popitem(last=False)
         self.engine.abort(request_id, message.reason)
         self.reply(sender, AbortAck(request_id=request_id))

@@ -1,9 +1,18 @@
-"""The router: the OpenAI-compatible front of a prefill worker and a decode worker.
+"""The router: the OpenAI-compatible front of N prefill workers and M decode workers.
 
 It implements the server's EngineClient, so the HTTP layer (auth, errors, SSE) is the single-node one.
-Per request: fail-closed admission against the window and BOTH pools (before anything is reserved), then
-decode `reserve` -> prefill `prefill` (with decode's targets) -> decode's outputs streamed back. Leaving
-early (client gone, router timeout) sends decode `abort`; decode then quarantines and drains.
+Per request: choose a pair (the reachable prefill and decode worker whose pools fit the request, each
+with the most headroom: capacity minus the tokens of the requests the router has in flight there; ties
+go to the first listed, so the choice is deterministic), fail-closed admission against the window and
+THAT pair's pools (before anything is reserved), then decode `reserve` -> prefill `prefill` (with decode's
+targets) -> decode's outputs streamed back. Leaving early (client gone, router timeout) sends the pair's
+decode `abort`; decode then quarantines and drains. A worker whose link drops takes only its own
+requests with it (a decode's streams end with `decode_lost`; a prefill's are ended by their decode) and
+is chosen again once it has said hello after its link came back up.
+
+Workers are named by role and position (`worker_names`): `prefill` and `decode` for one of each, else
+`prefill-0`, `decode-1`...; the names label /v1/audit/info's pools, /metrics' `role` and the trails'
+`where`.
 
 All sockets live on one I/O thread; asyncio callers talk to it through a queue and futures. That thread
 trusts nothing it receives: a frame is parsed into its declared type, its authenticated sender must have
@@ -16,17 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvfence.disagg.connector import Connector, LinkEvent, Received, ZmqConnector
-from kvfence.disagg.keys import TransportKeys
+from kvfence.disagg.keys import TransportKeys, worker_names
 from kvfence.disagg.messages import (
     ROLE_RULES,
     Abort,
@@ -83,11 +93,21 @@ class WorkerInfo:
         )
 
 
+@dataclass
+class Route:
+    """One request's pair of workers and the tokens it counts against each until it ends."""
+
+    prefill: str
+    decode: str
+    prefill_tokens: int  # released at decode's first output: by then prefill has sent its pages
+    decode_tokens: int
+
+
 class Router:
     def __init__(
         self,
-        prefill: str,
-        decode: str,
+        prefill: str | Sequence[str],
+        decode: str | Sequence[str],
         tokenizer: Tokenizer,
         vocab_size: int,
         isolation: bool = True,
@@ -97,7 +117,15 @@ class Router:
         timeout_s: float = ROUTER_TIMEOUT_S,
         keys: TransportKeys | None = None,
     ) -> None:
-        self.prefill, self.decode = prefill, decode
+        prefills = [prefill] if isinstance(prefill, str) else list(prefill)
+        decodes = [decode] if isinstance(decode, str) else list(decode)
+        if not prefills or not decodes or len(set(prefills + decodes)) != len(prefills) + len(decodes):
+            raise ValueError("a router needs at least one prefill and one decode worker, each address once")
+        self.by_role = {"prefill": prefills, "decode": decodes}
+        names = worker_names("prefill", len(prefills)) + worker_names("decode", len(decodes))
+        self.addresses: dict[str, str] = dict(zip(names, prefills + decodes, strict=True))  # name -> address
+        self.names = {address: name for name, address in self.addresses.items()}
+        self.roles = {address: role for role, group in self.by_role.items() for address in group}
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.isolation = isolation
         self.events = events or EventLog()
@@ -106,16 +134,19 @@ class Router:
         self._listen, self._keys = listen, keys
         self._outbox: queue.Queue[tuple[str, Msg]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Msg]]] = {}
+        self._routes: dict[str, Route] = {}  # requests in flight -> their pair (event loop writes, I/O reads)
+        self._load: Counter[str] = Counter()  # address -> tokens of the requests in flight there
+        self.routed: Counter[str] = Counter()  # worker name -> requests sent to it, since start
         # token -> (the worker asked, the reply kind, the future awaiting it); None for a re-hello
         self._replies: dict[str, tuple[str, str, concurrent.futures.Future[Msg] | None]] = {}
         self.rejected: Counter[str] = Counter()  # frames dropped by the I/O thread, by reason
         self._bounds = Bounds(max_tokens=1 << 20, vocab_size=vocab_size)
         self._tokens = itertools.count()
         self._stopped = threading.Event()
-        self._started = threading.Event()  # both pools learnt: reconnections are adopted from now on
+        self._started = threading.Event()  # every pool learnt: reconnections are adopted from now on
         self._ready: concurrent.futures.Future[Connector] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
-        self.workers: dict[str, WorkerInfo] = {}
+        self.workers: dict[str, WorkerInfo] = {}  # by worker name
         self.max_model_len = 0
         # Workers whose connection is lost now. Written on the I/O thread, read by callers (a set lookup).
         self._down: set[str] = set()
@@ -123,14 +154,15 @@ class Router:
     # ---- lifecycle --------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect, learn both workers' pools, and refuse to run if they cannot serve the window."""
+        """Connect, learn every worker's pool, and refuse to run if they cannot serve the window."""
         self._thread.start()
         self._ready.result(timeout=STATS_TIMEOUT_S)
-        for role, address in (("prefill", self.prefill), ("decode", self.decode)):
+        for name, address in self.addresses.items():
+            role = self.roles[address]
             reply = self._ask(address, lambda token: Hello(token=token), HelloReply)
             if reply.role != role:
                 raise RuntimeError(f"{address} answers as a {reply.role} worker, not {role}")
-            self.workers[role] = WorkerInfo.from_hello(reply)
+            self.workers[name] = WorkerInfo.from_hello(reply)
         problem = self._mismatch()
         if problem is not None:
             raise RuntimeError(problem)
@@ -139,15 +171,19 @@ class Router:
         self._started.set()
 
     def _mismatch(self) -> str | None:
-        prefill, decode = self.workers["prefill"], self.workers["decode"]
-        if prefill.page_size != decode.page_size:
-            return f"page sizes differ: prefill {prefill.page_size}, decode {decode.page_size}"
+        sizes = {name: worker.page_size for name, worker in self.workers.items()}
+        if len(set(sizes.values())) > 1:
+            return "page sizes differ: " + ", ".join(f"{name} {size}" for name, size in sizes.items())
         return None
 
     def _window(self) -> int:
-        # With isolation off the router advertises decode's window alone, as the incident's deployment did.
-        prefill, decode = self.workers["prefill"], self.workers["decode"]
-        return min(prefill.max_model_len, decode.max_model_len) if self.isolation else decode.max_model_len
+        """The advertised window: every pair must serve it, so the smallest. With isolation off the
+        decode workers' alone, as the incident's deployment did."""
+        roles = ("prefill", "decode") if self.isolation else ("decode",)
+        return min(self._info(a).max_model_len for role in roles for a in self.by_role[role])
+
+    def _info(self, address: str) -> WorkerInfo:
+        return self.workers[self.names[address]]
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -158,38 +194,99 @@ class Router:
         """The I/O thread runs: without it no request can be served (/health answers 503)."""
         return self._thread.is_alive()
 
+    @property
+    def down(self) -> set[str]:
+        """The names of the workers whose link is lost now (until they say hello again)."""
+        return {self.names[address] for address in list(self._down)}
+
     def describe(self) -> str:
-        p, d = self.workers["prefill"], self.workers["decode"]
-        return (
-            f"prefill pool {p.capacity_tokens} tokens, decode pool {d.capacity_tokens} tokens, "
-            f"context window {self.max_model_len} tokens"
-        )
+        pools = ", ".join(f"{name} pool {w.capacity_tokens} tokens" for name, w in self.workers.items())
+        return f"{pools}, context window {self.max_model_len} tokens"
 
     # ---- EngineClient -----------------------------------------------------------------------------------
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        refusal = self._unavailable() or self._admission_refusal(len(prompt_token_ids), params.max_tokens)
-        if refusal is not None:
+        try:
+            route = self._route(len(prompt_token_ids), params.max_tokens)
+        except AdmissionError as refusal:
             self.events.emit(request_id, "rejected", reason=refusal.code, tenant=tenant, where="router")
-            raise refusal
+            raise
         self.events.emit(
-            request_id, "admitted", tenant=tenant, prompt_tokens=len(prompt_token_ids), where="router"
+            request_id,
+            "admitted",
+            tenant=tenant,
+            prompt_tokens=len(prompt_token_ids),
+            prefill=self.names[route.prefill],
+            decode=self.names[route.decode],
+            where="router",
         )
         stream: asyncio.Queue[Msg] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._take(request_id, route)
         finished = False
         try:
             await self._handoff(request_id, prompt_token_ids, params, tenant, stream)
             while not finished:
                 output = _output(await self._next(stream, request_id))
+                self._release_prefill(route)
                 finished = output.finished
                 yield output
         finally:
             self._streams.pop(request_id, None)
+            self._release(request_id, route)
             if not finished:
-                self._send(self.decode, Abort(request_id=request_id, reason="client_disconnected"))
+                self._send(route.decode, Abort(request_id=request_id, reason="client_disconnected"))
+
+    def _route(self, prompt: int, budget: int) -> Route:
+        """Invariant 3 across processes: a reachable pair, the window, and (isolation on) that pair's
+        pools, before any reservation; AdmissionError otherwise. With isolation off only the window is
+        checked, as the incident's router did."""
+        for role in ("decode", "prefill"):  # a lost role answers 503 at once, not after its restart
+            if all(address in self._down for address in self.by_role[role]):
+                message = f"The {role} worker is unreachable; retry later."
+                raise AdmissionError(f"{role}_unavailable", message, 503)
+        window = [("This model's maximum context length is", self.max_model_len, prompt + budget)]
+        refusal = context_refusal(prompt, budget, window)
+        if refusal is not None:
+            raise refusal
+        prefill = self._pick("prefill", prompt, budget, prompt)
+        decode = self._pick("decode", prompt, budget, prompt + budget)
+        return Route(prefill, decode, prompt, prompt + budget)
+
+    def _pick(self, role: str, prompt: int, budget: int, need: int) -> str:
+        """The reachable `role` worker whose pool holds `need` tokens with the most headroom (first listed
+        on a tie). A pool is compared alone, never summed: the request's KV lives in one worker."""
+        known = [a for a in self.by_role[role] if self.names[a] in self.workers]
+        fits = [a for a in known if not self.isolation or need <= self._info(a).capacity_tokens]
+        if not fits:
+            largest = max(self._info(a).capacity_tokens for a in known)
+            refusal = context_refusal(prompt, budget, [(f"The {role} KV pool holds", largest, need)])
+            assert refusal is not None
+            raise refusal
+        up = [a for a in fits if a not in self._down]
+        if not up:
+            raise AdmissionError(
+                f"{role}_unavailable", f"The {role} worker is unreachable; retry later.", 503
+            )
+        return max(up, key=lambda a: self._info(a).capacity_tokens - self._load[a])
+
+    def _take(self, request_id: str, route: Route) -> None:
+        self._routes[request_id] = route
+        self._load[route.prefill] += route.prefill_tokens
+        self._load[route.decode] += route.decode_tokens
+        self.routed.update((self.names[route.prefill], self.names[route.decode]))
+
+    def _release_prefill(self, route: Route) -> None:
+        self._load[route.prefill] -= route.prefill_tokens
+        route.prefill_tokens = 0
+
+    def _release(self, request_id: str, route: Route) -> None:
+        self._release_prefill(route)
+        self._load[route.decode] -= route.decode_tokens
+        route.decode_tokens = 0
+        self._routes.pop(request_id, None)
 
     async def _handoff(
         self,
@@ -199,8 +296,9 @@ class Router:
         tenant: str,
         stream: asyncio.Queue[Msg],
     ) -> None:
-        """Reserve on decode, then start prefill; AdmissionError when either refuses."""
-        self._send(self.decode, Reserve(request_id, tenant, prompt, dict(params.__dict__), self.prefill))
+        """Reserve on the pair's decode, then start its prefill; AdmissionError when either refuses."""
+        route = self._routes[request_id]
+        self._send(route.decode, Reserve(request_id, tenant, prompt, dict(params.__dict__), route.prefill))
         reply = await self._next(stream, request_id)
         if isinstance(reply, Rejected):
             raise AdmissionError(reply.code, reply.message, reply.status)
@@ -210,10 +308,10 @@ class Router:
         if len(prompt) == 1:  # no KV to move: decode computes the only prompt token itself
             return
         targets = getattr(reply, "targets")  # noqa: B009 - a Reserved: the only other reply to a reserve
-        self._send(self.prefill, Prefill(request_id, tenant, prompt, self.decode, targets))
+        self._send(route.prefill, Prefill(request_id, tenant, prompt, route.decode, targets))
         reply = await self._next(stream, request_id)
         if isinstance(reply, Rejected):
-            self._send(self.decode, Abort(request_id=request_id, reason="prefill_rejected"))
+            self._send(route.decode, Abort(request_id=request_id, reason="prefill_rejected"))
             raise AdmissionError(reply.code, reply.message)
         if isinstance(reply, Output):  # decode ended it first (prefill worker lost), or the router gave up
             stream.put_nowait(reply)
@@ -233,27 +331,10 @@ class Router:
         """Stop waiting: decode is told to abort (it quarantines whatever may still arrive), and the client
         gets an error naming the request."""
         self.events.emit(request_id, "aborted", reason=reason, where="router")
-        self._send(self.decode, Abort(request_id=request_id, reason=reason))
+        route = self._routes.get(request_id)
+        if route is not None:
+            self._send(route.decode, Abort(request_id=request_id, reason=reason))
         return _aborted(request_id, reason)
-
-    def _unavailable(self) -> AdmissionError | None:
-        """A lost worker: answer 503 at once instead of queueing the request for its restart."""
-        for role, address in (("decode", self.decode), ("prefill", self.prefill)):
-            if address in self._down:
-                message = f"The {role} worker is unreachable; retry later."
-                return AdmissionError(f"{role}_unavailable", message, 503)
-        return None
-
-    def _admission_refusal(self, prompt: int, budget: int) -> AdmissionError | None:
-        """Invariant 3 across processes: the window, and (isolation on) both pools, before any reservation.
-        With isolation off only the window is checked, as the incident's router did."""
-        limits = [("This model's maximum context length is", self.max_model_len, prompt + budget)]
-        if self.isolation:
-            limits += [
-                ("The prefill KV pool holds", self.workers["prefill"].capacity_tokens, prompt),
-                ("The decode KV pool holds", self.workers["decode"].capacity_tokens, prompt + budget),
-            ]
-        return context_refusal(prompt, budget, limits)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -261,24 +342,33 @@ class Router:
             "transport": {"kind": "zeromq", "authenticated": self._keys is not None},
             "max_model_len": self.max_model_len,
             "router": code_info(),
-            "pools": {role: worker.info for role, worker in self.workers.items()},
+            "pools": {name: worker.info for name, worker in self.workers.items()},
         }
 
     def stats(self) -> dict[str, EngineStats]:
-        """Each worker's pool, and the frames this router dropped."""
-        workers = {role: self.worker_stats(role) for role in ("prefill", "decode")}
+        """Each reachable worker's pool (a lost one has no series until it is back), and the frames this
+        router dropped."""
+        workers = {}
+        for name, address in self.addresses.items():
+            if address not in self._down:
+                with contextlib.suppress(TimeoutError):  # a hung worker must not take /metrics with it
+                    workers[name] = self.worker_stats(name)
         return {**workers, "router": EngineStats.transport_only(self.rejected)}
 
-    def worker_stats(self, role: str) -> EngineStats:
+    def worker_stats(self, name: str) -> EngineStats:
         """One worker's pool and fence counters, and the frames it dropped (blocking)."""
-        address = self.prefill if role == "prefill" else self.decode
+        address = self.addresses[name]
         return EngineStats.from_dict(self._ask(address, lambda t: Stats(token=t), StatsReply).stats)
 
     def audit_events(self, request_id: str) -> list[dict[str, Any]]:
-        """The request's trail across router, prefill and decode, in time order."""
+        """The request's trail across the router and every worker that answers, in time order; each
+        worker's events are tagged with its name (`where`). A worker that does not answer in time (lost)
+        adds nothing rather than failing the whole trail."""
         events = [{**e, "where": "router"} for e in self.events.for_request(request_id)]
-        for address in (self.prefill, self.decode):
-            events += self._ask(address, lambda t: Audit(token=t, request_id=request_id), AuditReply).events
+        for name, address in self.addresses.items():
+            with contextlib.suppress(TimeoutError):
+                reply = self._ask(address, lambda t: Audit(token=t, request_id=request_id), AuditReply)
+                events += [{**e, "where": name} for e in reply.events]
         return sorted(events, key=lambda e: e["ts"])
 
     # ---- the I/O thread ---------------------------------------------------------------------------------
@@ -302,7 +392,7 @@ class Router:
 
     def _loop(self) -> None:
         connector = ZmqConnector(self._listen, self._keys)
-        for peer in (self.prefill, self.decode):
+        for peer in self.addresses.values():
             connector.connect(peer)
         self._ready.set_result(connector)
         try:
@@ -342,14 +432,21 @@ class Router:
         if token is not None:
             self._answer(item.sender, token, message)
             return
-        assigned = {"prefill": self.prefill, "decode": self.decode}
-        senders = {assigned[role] for role in ROLE_RULES["router"][message.KIND]}
-        if item.sender not in senders:  # the worker of that role this router uses
+        request_id = getattr(message, "request_id", "")
+        if item.sender not in self._senders(message.KIND, self._routes.get(request_id)):
             self._drop(item.sender, "not_assigned", f"{message.KIND} from a worker not assigned to it")
             return
-        target = self._streams.get(getattr(message, "request_id", ""))
+        target = self._streams.get(request_id)
         if target is not None and not target[0].is_closed():
             target[0].call_soon_threadsafe(target[1].put_nowait, message)
+
+    def _senders(self, kind: str, route: Route | None) -> set[str]:
+        """Who may send a request's message of `kind`: the worker of that role in its pair; for a request
+        no longer in flight, any worker of that role (its message is then ignored)."""
+        roles = ROLE_RULES["router"][kind]
+        if route is None:
+            return {address for role in roles for address in self.by_role[role]}
+        return {route.prefill if role == "prefill" else route.decode for role in roles}
 
     def _answer(self, sender: str, token: str, reply: Msg) -> None:
         """A reply is taken only as the answer to a question this router asked that worker."""
@@ -372,30 +469,35 @@ class Router:
             self._send(event.peer, Hello(token=token))
             return
         self._down.add(event.peer)
-        if event.peer == self.decode:
-            self._fail_all_streams("decode_lost")
+        if self.roles.get(event.peer) == "decode":
+            self._fail_streams_of(event.peer, "decode_lost")
 
     def _adopt(self, address: str, hello: HelloReply) -> None:
         """A (re)connected worker's hello: admission uses its pool and window from now on, so a worker
         restarted with a smaller pool can never be sent what only the old one could hold."""
         if not self._started.is_set():  # start() is still learning the pools; it asks for itself
             return
-        role = "prefill" if address == self.prefill else "decode"
+        role, name = self.roles[address], self.names[address]
         if hello.role != role:
             log.error("router: %s answers as a %s worker, not %s", address, hello.role, role)
             return
-        self.workers[role] = WorkerInfo.from_hello(hello)
+        self.workers[name] = WorkerInfo.from_hello(hello)
         problem = self._mismatch()
         if problem is not None:
-            log.error("router: %s worker refused after reconnecting: %s", role, problem)
+            log.error("router: %s refused after reconnecting: %s", name, problem)
             self._down.add(address)
             return
         self.max_model_len = self._window()
         self._down.discard(address)
 
-    def _fail_all_streams(self, reason: str) -> None:
-        """The decode worker is gone: every request it held ends with an error, none hangs."""
-        for request_id, (loop, stream) in list(self._streams.items()):
+    def _fail_streams_of(self, decode: str, reason: str) -> None:
+        """A decode worker is gone: every request it held ends with an error, none hangs; the other
+        workers' requests go on."""
+        for request_id, route in list(self._routes.items()):
+            target = self._streams.get(request_id)
+            if route.decode != decode or target is None:
+                continue
+            loop, stream = target
             lost = _aborted(request_id, reason)
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stream.put_nowait, lost)

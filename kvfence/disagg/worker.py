@@ -31,6 +31,7 @@ from kvfence.disagg.messages import (
     StatsReply,
     accept,
 )
+from kvfence.disagg.nixl_transport import NixlAgent
 from kvfence.engine.info import engine_info
 from kvfence.engine.stats import EngineStats
 
@@ -39,6 +40,7 @@ log = logging.getLogger("kvfence.disagg")
 
 class Worker:
     role = "worker"
+    agent: NixlAgent | None = None  # set by a worker that moves KV with one-sided NIXL writes
 
     def __init__(self, engine: HandoffEngine, connector: Connector) -> None:
         self.engine = engine
@@ -51,7 +53,11 @@ class Worker:
 
     def serve_forever(self) -> None:
         while not self.stopped.is_set():
-            self.run_once(timeout_s=0.0 if self.engine.has_unfinished() else 0.05)
+            self.run_once(timeout_s=0.0 if self.busy() else 0.05)
+
+    def busy(self) -> bool:
+        """Work waits that is not a message (a step to run, a transfer to poll): do not sleep on recv."""
+        return self.engine.has_unfinished()
 
     def run_once(self, timeout_s: float = 0.0) -> None:
         """Handle every frame waiting (the first may be waited for), then one engine step."""
@@ -131,7 +137,8 @@ class Worker:
 
     def transport(self) -> dict[str, Any]:
         """How this worker's transport is protected, for /v1/audit/info."""
-        return {"kind": "zeromq", "authenticated": self.connector.secure}
+        kv = "nixl" if self.agent is not None else "zmq"  # pages: one-sided NIXL writes, or ZeroMQ frames
+        return {"kind": "zeromq", "kv": kv, "authenticated": self.connector.secure}
 
     def on_stats(self, sender: str, message: Stats) -> None:
         stats = EngineStats.read(self.engine, self.rejected + self.connector.rejected)

@@ -1,5 +1,5 @@
-"""The one way to start and stop a serving cluster: a single node, or a router in front of a prefill and a
-decode worker, in this process or as OS processes.
+"""The one way to start and stop a serving cluster: a single node, or a router in front of prefill and
+decode workers (one of each, or N x M), in this process or as OS processes.
 
     with cluster(engine) as c: ...                                   single node here (AsyncEngine + HTTP)
     with cluster(serve_args=["--disaggregated"]) as c: ...           `kvfence serve --port P ...` process
@@ -7,20 +7,23 @@ decode worker, in this process or as OS processes.
                                                                      the router and HTTP server here
     with cluster(prefill=InThread(e1), decode=InThread(e2), http=False) as c:   workers on threads over the
                                                                      given engines, the router here (no HTTP)
+    with cluster(prefill=[Spawned(cfg)] * 2, decode=[Spawned(cfg)] * 2) as c:   2 x 2 workers, named
+                                                                     prefill-0, prefill-1, decode-0, decode-1
     with cluster(prefill=Command(args), decode=Command(args), router_process=True) as c:
                                                                      `kvfence serve --role ...` workers (after
                                                                      an optional prefix such as `ip netns exec
                                                                      NS`) and a `kvfence router` process
 
-Contracts: every wait is bounded; whatever fails while starting, everything already started is stopped
-before the error propagates; `Cluster.stop()` (run on leaving the block) is idempotent and stops in
-reverse start order: the HTTP server, the router, the workers (OS processes with their descendants, by
-pid). A worker can be killed (SIGKILL, or its thread stopped) and restarted on the SAME address, which is
-how the crash tests exercise reconnection. `isolation` is the front's (the router's admission, or
-`--isolation off` of a server or router command); workers carry their own in their config or arguments.
-A disaggregated cluster speaks CURVE with keys made for it (in memory for this process and its spawned
-children, a temporary key directory for command workers and a router command), as `kvfence serve
---disaggregated` does, unless `secure` is False.
+Workers are named as `kvfence.disagg.keys.worker_names` names them (`prefill` and `decode` for one of each);
+`Cluster.workers` and `worker_stats` take those names. Contracts: every wait is bounded; whatever fails while
+starting, everything already started is stopped before the error propagates; `Cluster.stop()` (run on leaving
+the block) is idempotent and stops in reverse start order: the HTTP server, the router, the workers (OS
+processes with their descendants, by pid). A worker can be killed (SIGKILL, or its thread stopped) and
+restarted on the SAME address, which is how the crash tests exercise reconnection. `isolation` is the front's
+(the router's admission, or `--isolation off` of a server or router command); workers carry their own in their
+config or arguments. A disaggregated cluster speaks CURVE with keys made for it (in memory for this process
+and its spawned children, a temporary key directory for command workers and a router command), as `kvfence
+serve --disaggregated` does, unless `secure` is False.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvfence.disagg.keys import role_of, worker_names
 from kvfence.disagg.launch import free_ports, spawn_workers
 from kvfence.disagg.router import ROUTER_TIMEOUT_S, Router
 from kvfence.engine.async_engine import AsyncEngine
@@ -96,7 +100,7 @@ class Cluster:
     """A running cluster. `url`, `router` and `engine` raise when this cluster has no such part."""
 
     front: Front
-    workers: dict[str, WorkerHandle] = field(default_factory=dict)  # by role: prefill, decode
+    workers: dict[str, WorkerHandle] = field(default_factory=dict)  # by name: prefill, decode-1...
     process: Proc | None = None  # the front as an OS process: a `kvfence serve` or `kvfence router`
     server: ServerThread | None = None  # the HTTP server in this process
     transport: Transport | None = None  # the workers' and router's addresses and keys (disaggregated)
@@ -123,9 +127,9 @@ class Cluster:
         procs = [w.proc for w in self.workers.values() if isinstance(w, CommandWorker)]
         return procs + ([self.process] if self.process else [])
 
-    def worker_stats(self, role: str) -> EngineStats:
+    def worker_stats(self, name: str) -> EngineStats:
         """One worker's pool counters, asked by the router (blocking, at most its stats timeout)."""
-        return self.router.worker_stats(role)
+        return self.router.worker_stats(name)
 
     def audit(self, request_id: str) -> list[dict[str, Any]]:
         """The request's trail from the admin endpoint ([] when there is none)."""
@@ -148,8 +152,8 @@ def cluster(
     engine: LLMEngine | AsyncEngine | None = None,
     *,
     serve_args: Sequence[str] | None = None,
-    prefill: WorkerSpec | None = None,
-    decode: WorkerSpec | None = None,
+    prefill: WorkerSpec | Sequence[WorkerSpec] | None = None,
+    decode: WorkerSpec | Sequence[WorkerSpec] | None = None,
     api_keys: dict[str, str] | None = None,
     admin_key: str | None = None,
     model_name: str | None = None,
@@ -164,9 +168,10 @@ def cluster(
     **app_options: Any,
 ) -> Iterator[Cluster]:
     """Start exactly one of: a single node over `engine`, here; `kvfence serve --port P [front flags]
-    SERVE_ARGS` as a process; or the `prefill` and `decode` workers behind a router (here, with an HTTP
-    server unless `http` is False; or a `kvfence router` process with `router_process`). `app_options`
-    go to build_app. Yields the running Cluster; stops it on leaving the block."""
+    SERVE_ARGS` as a process; or the `prefill` and `decode` workers (a spec, or a list of them) behind a
+    router (here, with an HTTP server unless `http` is False; or a `kvfence router` process with
+    `router_process`). `app_options` go to build_app. Yields the running Cluster; stops it on leaving
+    the block."""
     front = Front(
         api_keys=api_keys,
         admin_key=admin_key,
@@ -191,8 +196,8 @@ def cluster(
 def _start(
     engine: LLMEngine | AsyncEngine | None,
     serve_args: Sequence[str] | None,
-    prefill: WorkerSpec | None,
-    decode: WorkerSpec | None,
+    prefill: WorkerSpec | Sequence[WorkerSpec] | None,
+    decode: WorkerSpec | Sequence[WorkerSpec] | None,
     front: Front,
 ) -> Cluster:
     """Start the parts in order; on any failure stop what was started, then re-raise."""
@@ -210,7 +215,7 @@ def _start(
             _start_front_process(running, ["serve"], serve_args)
         else:
             assert prefill is not None and decode is not None
-            specs = {"prefill": prefill, "decode": decode}
+            specs = _named("prefill", prefill) | _named("decode", decode)
             running.transport = Transport.plan(specs, front.router_listen, front.secure, running._stack)
             _start_workers(running, specs)
             _start_router(running, specs)
@@ -218,6 +223,12 @@ def _start(
         running.stop()
         raise
     return running
+
+
+def _named(role: str, specs: WorkerSpec | Sequence[WorkerSpec]) -> dict[str, WorkerSpec]:
+    """The workers of `role` by name: `role` for one, `role-0`, `role-1`... for several."""
+    group = list(specs) if isinstance(specs, Sequence) else [specs]
+    return dict(zip(worker_names(role, len(group)), group, strict=True))
 
 
 def _start_single_node(running: Cluster, engine: LLMEngine | AsyncEngine) -> None:
@@ -257,14 +268,16 @@ def _start_workers(running: Cluster, specs: dict[str, WorkerSpec]) -> None:
             address, flags = transport.addresses[role], transport.key_flags(role)
             started[role] = CommandWorker.launch(role, spec, address, timeout_s, flags)
             stack.callback(started[role].stop)
-    spawned = [(role, spec.config) for role, spec in specs.items() if isinstance(spec, Spawned)]
-    if spawned:
-        roles = [role for role, _ in spawned]
-        binds, keys = {r: transport.addresses[r] for r in roles}, transport.keys
-        for (role, config), (process, address) in zip(
-            spawned, spawn_workers(spawned, binds, keys), strict=True
-        ):
-            started[role] = SpawnedWorker(role, config, address, process, transport.keys_of(role))
+    by_build: dict[Any, list[tuple[str, Spawned]]] = {}  # one spawn_workers call per engine factory
+    for role, spec in specs.items():
+        if isinstance(spec, Spawned):
+            by_build.setdefault(spec.build, []).append((role, spec))
+    for build, group in by_build.items():
+        spawned = [(role, spec.config) for role, spec in group]
+        binds, keys = {r: transport.addresses[r] for r, _ in spawned}, transport.keys
+        workers = spawn_workers(spawned, binds, keys, build=build)
+        for (role, config), (process, address) in zip(spawned, workers, strict=True):
+            started[role] = SpawnedWorker(role, config, address, process, transport.keys_of(role), build)
             stack.callback(started[role].stop)
     for role, spec in specs.items():
         if isinstance(spec, InThread):
@@ -284,10 +297,14 @@ def _transport(running: Cluster) -> Transport:
 def _start_router(running: Cluster, specs: dict[str, WorkerSpec]) -> None:
     """The router in front of the workers: here (with or without HTTP), or as a `kvfence router`."""
     front, transport = running.front, _transport(running)
-    prefill, decode = running.workers["prefill"].address, running.workers["decode"].address
+    prefill, decode = (
+        [w.address for name, w in running.workers.items() if role_of(name) == role]
+        for role in ("prefill", "decode")
+    )
     if front.router_process:
         listen = ["--listen", transport.addresses["router"], *transport.key_flags("router")]
-        _start_front_process(running, ["router", "--prefill", prefill, "--decode", decode], listen)
+        head = ["router", "--prefill", ",".join(prefill), "--decode", ",".join(decode)]
+        _start_front_process(running, head, listen)
         return
     tokenizer, vocab_size = _vocabulary(specs)
     router = Router(
@@ -315,10 +332,14 @@ def _shut_down(router: Router) -> None:
 
 
 def _vocabulary(specs: dict[str, WorkerSpec]) -> tuple[Tokenizer, int]:
-    """The router's tokenizer and vocabulary size: an in-thread worker's model's, else the packaged
-    model's (what `kvfence router` reads by default)."""
+    """The router's tokenizer and vocabulary size: an in-thread worker's model's, a spawned worker's own
+    engine's (built once here), else the packaged model's (what `kvfence router` reads by default). A
+    test's small model has no tokenizer (None): its clients send token ids."""
     for spec in specs.values():
-        if isinstance(spec, InThread) and spec.engine.tokenizer is not None:
-            return spec.engine.tokenizer, spec.engine.model.config.vocab_size
+        engine = spec.engine if isinstance(spec, InThread) else None
+        if isinstance(spec, Spawned) and spec.build is not None:
+            engine = spec.build(spec.config)
+        if engine is not None:
+            return engine.tokenizer, engine.model.config.vocab_size  # type: ignore[return-value]
     config, metadata = read_header(default_model_path())
     return Tokenizer(metadata), config.vocab_size

@@ -208,14 +208,14 @@ def run_disaggregated(gguf: GGUFModel, plan: Plan, refs_engine: LLMEngine | None
 
 
 async def _cluster_drain(running: Cluster, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Both workers idle (bounded wait); their pools summed as the router's /metrics shows them."""
+    """Every worker idle (bounded wait); their pools summed as the router's /metrics shows them."""
 
     async def idle() -> bool:
-        stats = [await asyncio.to_thread(running.worker_stats, role) for role in ("prefill", "decode")]
+        stats = [await asyncio.to_thread(running.worker_stats, name) for name in running.workers]
         return all(s.pages_free == s.num_pages and not s.pages_by_state["quarantined"] for s in stats)
 
     await wait_until(idle, timeout_s, every_s=0.5)
-    stats = [await asyncio.to_thread(running.worker_stats, role) for role in ("prefill", "decode")]
+    stats = [await asyncio.to_thread(running.worker_stats, name) for name in running.workers]
     return {
         "num_pages": sum(s.num_pages for s in stats),
         "pages_free": sum(s.pages_free for s in stats),

@@ -20,8 +20,8 @@ from pathlib import Path
 from kvfence.config import EngineConfig
 from kvfence.disagg.connector import ZmqConnector
 from kvfence.disagg.handoff import HandoffEngine
-from kvfence.disagg.keys import TransportKeys, generate, load
-from kvfence.disagg.launch import WORKERS, free_ports, spawn_workers
+from kvfence.disagg.keys import TransportKeys, generate, load, role_of
+from kvfence.disagg.launch import WORKERS, EngineFactory, free_ports, spawn_workers
 from kvfence.disagg.worker import Worker
 from kvfence.harness.procs import START_TIMEOUT_S, Proc, launch, stop
 from kvfence.harness.server import LOOPBACK
@@ -43,9 +43,11 @@ class InThread:
 
 @dataclass(frozen=True)
 class Spawned:
-    """The worker in a fresh process started by kvfence.disagg.launch.spawn_workers, on a loopback port."""
+    """The worker in a fresh process started by kvfence.disagg.launch.spawn_workers, on a loopback port;
+    its engine from `build` (a module-level function) where given, else from the config's GGUF."""
 
     config: EngineConfig
+    build: EngineFactory | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ WorkerSpec = InThread | Spawned | Command
 
 
 class WorkerHandle(ABC):
-    """A running worker: its role, its bound address, and how to crash, restart and stop it."""
+    """A running worker: its name (`prefill`, `decode-1`...: `role` names the worker, its role is
+    `keys.role_of(role)`), its bound address, and how to crash, restart and stop it."""
 
     role: str
     address: str
@@ -92,6 +95,7 @@ class SpawnedWorker(WorkerHandle):
     address: str
     process: Process
     keys: TransportKeys | None = None
+    build: EngineFactory | None = None
 
     @property
     def pid(self) -> int | None:
@@ -105,7 +109,9 @@ class SpawnedWorker(WorkerHandle):
     def restart(self) -> None:
         self.kill()
         keys = {self.role: self.keys} if self.keys else None
-        ((self.process, address),) = spawn_workers([(self.role, self.config)], bind=self.address, keys=keys)
+        ((self.process, address),) = spawn_workers(
+            [(self.role, self.config)], bind=self.address, keys=keys, build=self.build
+        )
         assert address == self.address, f"restarted on {address}, not {self.address}"
 
 
@@ -123,7 +129,7 @@ class CommandWorker(WorkerHandle):
     def launch(
         cls, role: str, spec: Command, address: str, start_timeout_s: float, key_flags: Sequence[str] = ()
     ) -> CommandWorker:
-        args = ["serve", "--role", role, "--listen", address, *key_flags, *spec.args]
+        args = ["serve", "--role", role_of(role), "--listen", address, *key_flags, *spec.args]
         return cls(role, spec, address, launch(role, args, prefix=spec.prefix), start_timeout_s, key_flags)
 
     @property
@@ -159,7 +165,7 @@ class ThreadWorker(WorkerHandle):
     def start(
         cls, role: str, engine: HandoffEngine, listen: str, keys: TransportKeys | None = None
     ) -> ThreadWorker:
-        worker = WORKERS[role](engine, ZmqConnector(listen, keys))
+        worker = WORKERS[role_of(role)](engine, ZmqConnector(listen, keys))
         thread = threading.Thread(target=worker.serve_forever, name=f"kvfence-{role}", daemon=True)
         thread.start()
         return cls(role, engine, worker.connector.address, worker, thread, keys)
@@ -189,7 +195,7 @@ class Transport:
     """Where the router and each worker listen, and (secure) their keys: in memory for this process and
     its spawned children, and as a key directory for processes started from a command."""
 
-    addresses: dict[str, str]  # by role: prefill, decode, router
+    addresses: dict[str, str]  # by name: prefill (or prefill-0, prefill-1...), decode..., router
     keys: dict[str, TransportKeys] | None = None
     key_dir: str | None = None
 
@@ -203,7 +209,7 @@ class Transport:
         if not secure:
             return cls(addresses)
         key_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfence-keys-"))
-        generate(Path(key_dir), [(role, role, address) for role, address in addresses.items()])
+        generate(Path(key_dir), [(name, role_of(name), address) for name, address in addresses.items()])
         return cls(addresses, {role: load(Path(key_dir), role) for role in addresses}, key_dir)
 
     def key_flags(self, role: str) -> list[str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+import xxhash
 from conftest import make_engine
 
 from kvfence.cache.pool import KVPool, PageState
@@ -375,3 +376,7 @@ def test_page_bytes_round_trip(dtype: torch.dtype) -> None:
     assert len(payload) == pool.kv[:, :, 1].numel() * pool.kv.element_size()
     pool.load_page_bytes(3, payload)
     assert torch.equal(pool.kv[:, :, 3], pool.kv[:, :, 1])
+    # The one-sided handoff's in-place checksum is the checksum of these bytes, and sees any change.
+    assert pool.page_checksum(1) == pool.page_checksum(3) == xxhash.xxh3_64_intdigest(payload)
+    pool.kv[-1, 1, 3, -1, -1, -1] += 1
+    assert pool.page_checksum(3) != pool.page_checksum(1)
