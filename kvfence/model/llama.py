@@ -2,11 +2,11 @@
 
 One call runs a whole step: a flat list of tokens from many sequences (chunked prefill and decode mixed).
 Each layer stores the new tokens' K/V into their pool slots, then attends over the pool: decode rows run
-through the C paged-attention kernel, in place (where it cannot run: one padded SDPA over gathered pages),
-and prefill chunks run one SDPA each. Decode rows multiply by the GGUF's quantized weights in a C kernel
-(the same float32 weights in a third of the bytes; where it cannot run, BLAS over the dense copy), the
-other rows by BLAS. Logits are computed only at the rows that are sampled, because the LM head is the
-largest matmul of a prefill step.
+through the paged-attention kernel, in place (C on CPU, Triton on CUDA; where neither runs: one padded
+SDPA over gathered pages), and prefill chunks run one SDPA each. Decode rows multiply by the GGUF's
+quantized weights in a C kernel (the same float32 weights in a third of the bytes; where it cannot run,
+BLAS over the dense copy), the other rows by BLAS. Logits are computed only at the rows that are
+sampled, because the LM head is the largest matmul of a prefill step.
 
 Numerics follow HF transformers' Llama (float32 RMSNorm, rotate-half RoPE) so that greedy tokens match.
 """
@@ -20,12 +20,13 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from kvfence.model import packed_matmul, paged_kernel
+from kvfence.model import packed_matmul, paged_kernel, triton_attention
 from kvfence.model.gguf import GGUFModel, LlamaConfig, QuantizedWeight
 from kvfence.model.packed_matmul import PackedWeight
 
 K = TypeVar("K")
-DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can run (float32 on CPU)
+AttentionKernel = paged_kernel.PagedDecodeKernel | triton_attention.TritonPagedDecode
+DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can run (C on CPU, Triton on CUDA)
 DECODE_MATMUL = ("auto", "kernel", "dense")  # auto: the kernel where it can run (float32 on CPU, quantized)
 
 
@@ -105,7 +106,7 @@ class LlamaModel:
         embed = tensors["embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
         self._kernel, self.decode_attention_note = self._choose_kernel(
-            "decode attention", decode_attention, DECODE_ATTENTION, paged_kernel.load
+            "decode attention", decode_attention, DECODE_ATTENTION, self._attention_loader()
         )
         self.decode_attention = "kernel" if self._kernel else "sdpa"
         quantized = quantized or {}
@@ -113,7 +114,9 @@ class LlamaModel:
             "decode matmul",
             decode_matmul,
             DECODE_MATMUL,
-            packed_matmul.load if quantized else lambda: (None, "the weights are not stored quantized"),
+            self._on_cpu_float32(packed_matmul.load)
+            if quantized
+            else lambda: (None, "the weights are not stored quantized"),
         )
         self.embed = embed
         lm_head = "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"
@@ -143,18 +146,32 @@ class LlamaModel:
         self, what: str, choice: str, choices: tuple[str, ...], load: Callable[[], tuple[K | None, str]]
     ) -> tuple[K | None, str]:
         """The kernel `choice` ("auto", "kernel" or the torch path, choices[2]) asks for and, when it is not
-        used, why. The kernels run float32 on CPU; "kernel" insists: no silent fallback."""
+        used, why. `load` says whether it runs here; "kernel" insists: no silent fallback."""
         if choice not in choices:
             raise ValueError(f"{what} must be one of {choices}, not {choice!r}")
         if choice == choices[2]:
             return None, "chosen"
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            kernel, why = None, f"the kernel runs float32 on CPU, not {self.dtype} on {self.device}"
-        else:
-            kernel, why = load()
+        kernel, why = load()
         if kernel is None and choice == "kernel":
             raise ValueError(f"{what} 'kernel' is unavailable: {why}")
         return kernel, why
+
+    def _on_cpu_float32(self, load: Callable[[], tuple[K | None, str]]) -> Callable[[], tuple[K | None, str]]:
+        """`load`, for the C kernels: they run float32 on CPU only."""
+
+        def checked() -> tuple[K | None, str]:
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                return None, f"the kernel runs float32 on CPU, not {self.dtype} on {self.device}"
+            return load()
+
+        return checked
+
+    def _attention_loader(self) -> Callable[[], tuple[AttentionKernel | None, str]]:
+        """The device seam of decode attention: the C kernel on CPU, the Triton kernel on CUDA (the same
+        arguments, the same float32-accumulated result, each row alone)."""
+        if self.device.type == "cuda":
+            return lambda: triton_attention.load(self.device.type)
+        return self._on_cpu_float32(paged_kernel.load)
 
     def _pack(self, quantized: dict[str, QuantizedWeight], names: Sequence[str]) -> PackedWeight | None:
         if self._packed_kernel is None:

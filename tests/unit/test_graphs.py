@@ -1,0 +1,140 @@
+"""The decode graph runner on CPU, with a fake capture: buckets, padding, buffer reuse, and logits equal to
+the eager forward. The real capture (torch.cuda.CUDAGraph) runs in bench/gpu.py on a GPU machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, tiny_model
+
+from kvfence.cache.pool import KVPool
+from kvfence.engine.graphs import DecodeBatch, DecodeGraphRunner, Replay, batch_buckets, bucket_for
+from kvfence.model.llama import LlamaModel, StepInputs
+
+PAGE_SIZE, NUM_PAGES, WIDTH = 4, 24, 6
+
+
+class FakeGraphs:
+    """A capture that records what it is given and replays by calling it again: what a CUDA graph does
+    when the function reads only the static buffers."""
+
+    def __init__(self) -> None:
+        self.captured: list[Replay] = []
+        self.replays = 0
+
+    def capture(self, fn: Replay) -> Replay:
+        self.captured.append(fn)
+        fn()  # a capture runs the function once, as the CUDA backend's warm-up does
+
+        def replay() -> torch.Tensor:
+            self.replays += 1
+            return fn()
+
+        return replay
+
+
+def new_pool(seed: int = 0) -> KVPool:
+    pool = KVPool(
+        TINY.num_layers, NUM_PAGES, PAGE_SIZE, TINY.num_kv_heads, TINY.head_dim, torch.float32, "cpu"
+    )
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(seed)))
+    return pool
+
+
+def decode_batch(lengths: list[int], pages: list[list[int]]) -> DecodeBatch:
+    """Rows that feed token (7 * row + 1) at position `lengths[row]`, written into their own pages."""
+    positions = np.array(lengths, dtype=np.int64)
+    slots = np.array(
+        [p[n // PAGE_SIZE] * PAGE_SIZE + n % PAGE_SIZE for p, n in zip(pages, lengths, strict=True)]
+    )
+    starts = np.concatenate([[0], np.cumsum([len(p) for p in pages])]).astype(np.int64)
+    token_ids = np.arange(len(lengths), dtype=np.int64) * 7 + 1
+    return DecodeBatch(token_ids, positions, slots, np.concatenate(pages).astype(np.int64), starts)
+
+
+def eager(model: LlamaModel, pool: KVPool, batch: DecodeBatch) -> torch.Tensor:
+    """The same step through the eager forward, exactly as the runner builds decode inputs."""
+    tables = torch.from_numpy(batch.padded_tables(int(np.diff(batch.starts).max()), 0))
+    rows = torch.arange(batch.rows)
+    inputs = StepInputs(
+        input_ids=torch.from_numpy(batch.token_ids),
+        positions=torch.from_numpy(batch.positions),
+        slot_mapping=torch.from_numpy(batch.slots),
+        decode_rows=rows,
+        decode_block_tables=tables,
+        decode_context_lens=torch.from_numpy(batch.positions + 1),
+        prefills=[],
+        logits_rows=rows,
+    )
+    return model.forward(inputs, pool.kv)
+
+
+def runner(model: LlamaModel, pool: KVPool, graphs: FakeGraphs) -> DecodeGraphRunner:
+    return DecodeGraphRunner(model, pool, max_num_seqs=12, max_pages_per_seq=WIDTH, backend=graphs)
+
+
+BATCH = ([5, 12, 1], [[3, 9], [0, 1, 2, 20], [7]])  # a partial page, a full last page plus one, one token
+
+
+def test_buckets() -> None:
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert batch_buckets(1) == [1]
+    assert [bucket_for(n, batch_buckets(48)) for n in (1, 3, 4, 33, 48, 49)] == [1, 4, 4, 48, 48, None]
+
+
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+def test_real_rows_equal_the_eager_forward_and_padding_touches_only_scratch(attention: str) -> None:
+    model = tiny_model(decode_attention=attention)
+    ours, theirs = new_pool(), new_pool()
+    graphs = runner(model, ours, FakeGraphs())
+    batch = decode_batch(*BATCH)
+    logits = graphs.run(batch)
+    expected = eager(model, theirs, batch)
+    assert logits is not None and logits.shape == expected.shape == (3, TINY.vocab_size)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)  # BLAS rounds by row count
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    # Every page a request can own holds exactly what the eager step left; the padding row wrote only
+    # into the scratch page, past the pool's pages.
+    assert ours.kv.shape[2] == NUM_PAGES + 1 and graphs.scratch_page == NUM_PAGES
+    assert torch.equal(ours.kv[:, :, :NUM_PAGES], theirs.kv)
+    assert not torch.equal(ours.kv[:, :, NUM_PAGES, 0], torch.zeros_like(ours.kv[:, :, NUM_PAGES, 0]))
+
+
+def test_padding_rows_name_only_the_scratch_page(tiny: LlamaModel) -> None:
+    graphs = runner(tiny, new_pool(), FakeGraphs())
+    graphs.run(decode_batch(*BATCH))  # 3 rows in bucket 4
+    scratch = graphs.scratch_page
+    ids, positions, slots, lens = graphs.packed[:, 3].tolist()
+    assert (ids, positions, slots, lens) == (0, 0, scratch * PAGE_SIZE, 1)
+    assert (graphs.tables[3] == scratch).all()
+    assert graphs.tables[0].tolist() == [3, 9] + [scratch] * (WIDTH - 2)  # past its pages: scratch too
+    assert graphs.packed[3, :3].tolist() == [6, 13, 2]
+
+
+def test_buffers_are_reused_and_only_changed_table_rows_copied(tiny: LlamaModel) -> None:
+    fake = FakeGraphs()
+    graphs = runner(tiny, new_pool(), fake)
+    packed, tables = graphs.packed, graphs.tables
+    lengths, pages = BATCH
+    graphs.run(decode_batch(lengths, pages))
+    assert graphs.table_rows_copied == 3  # the real rows; the padding row named the scratch page already
+    graphs.run(decode_batch([n + 1 for n in lengths], pages))  # a steady step: same pages
+    assert graphs.table_rows_copied == 0
+    grown = [pages[0], pages[1], [7, 8]]  # the third row's first page is full: a page was added
+    graphs.run(decode_batch([6, 14, 4], grown))
+    assert graphs.table_rows_copied == 1 and graphs.tables[2, :2].tolist() == [7, 8]
+    assert len(fake.captured) == 1 and fake.replays == 3  # one graph for bucket 4, replayed each step
+    graphs.run(decode_batch([1] * 5, [[p] for p in (10, 11, 12, 13, 14)]))  # bucket 8: a second graph
+    assert len(fake.captured) == 2
+    assert graphs.packed is packed and graphs.tables is tables  # the same buffers throughout
+    assert graphs.packed.data_ptr() == packed.data_ptr() and graphs.tables.data_ptr() == tables.data_ptr()
+
+
+def test_a_batch_no_bucket_holds_runs_eagerly(tiny: LlamaModel) -> None:
+    fake = FakeGraphs()
+    graphs = runner(tiny, new_pool(), fake)
+    assert graphs.run(decode_batch([1] * 13, [[p] for p in range(13)])) is None  # beyond max_num_seqs
+    assert graphs.run(decode_batch([27], [list(range(WIDTH + 1))])) is None  # beyond the table width
+    assert not fake.captured
