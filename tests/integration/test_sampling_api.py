@@ -155,7 +155,7 @@ def test_out_of_range_is_a_400_naming_the_parameter(
 
 # ---- the compatibility matrix: every parameter the openai client can send ------------------------------
 
-# Tested to work (here, test_server.py, test_structured.py, test_parallel_sampling.py).
+# Tested to work (here, test_server.py, test_structured.py, test_parallel_sampling_api.py).
 WORKS = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "stream_options", "n", "logit_bias", "logprobs", "top_logprobs", "presence_penalty",

@@ -83,3 +83,10 @@ def test_trail_and_pins_load_without_torch() -> None:
         "kvfence.units; assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_test_files_have_unique_names() -> None:
+    """Tests import `conftest` from their rootdir (no packages): two test files with one basename, one in
+    tests/unit and one in tests/integration, stop the whole collection."""
+    names = [p.name for p in (ROOT.parent / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
