@@ -16,8 +16,8 @@ WAVE_TWINS and WAVE_SHORTS):
 
 Every 200 under churn must equal its solo answer (text and finish_reason). A kv_integrity_error is no
 mismatch (it is the fence doing its job) and is reported. The verdict depends on what the server declares
-(`declares_batch_invariance`, from GET /v1/audit/info, admin key only): a server that pins
-`batch_invariant` in every pool FAILS on any change, naming the requests (and, with trails, the pages
+(in its GET /v1/models card; with the admin key, `declares_batch_invariance` of /v1/audit/info): a server
+that pins `batch_invariant` FAILS on any change, naming the requests (and, with trails, the pages
 they read: `name_pages`), and PASSES when at least MIN_COMPARED answers were compared and none changed;
 against any other server a change may be its batch-dependent numerics, so the check reports the change
 rate and is INCONCLUSIVE (as it is with fewer than MIN_COMPARED answers to compare).
@@ -93,7 +93,7 @@ MIN_COMPARED = len(REPLAY_PROMPTS)  # answers under load compared with a solo on
 DROP_PROMPT = "Write the numbers from 1 to 300 in words, separated by commas: one, two, three,"
 # What a change means where the server does not pin batch invariance.
 UNDECLARED = (
-    "the server does not declare batch invariance (no admin key, or no `batch_invariant` pin in "
+    "the server does not declare batch invariance (no `batch_invariant` pin in its /v1/models card or "
     "/v1/audit/info): a change can be its batch-dependent numerics as well as another tenant's KV, and "
     "no change does not prove isolation"
 )
