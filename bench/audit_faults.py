@@ -2,6 +2,7 @@
 isolation off and on, on the real model.
 
     .venv/bin/python bench/audit_faults.py [--rate 0.3] [--faults a,b] [--no-admin-key] [--threads 1]
+    .venv/bin/python bench/audit_faults.py --disaggregated      # the incident: placeholder_transfer, PD
 
 Per fault and isolation setting: a fresh engine (SmolLM2, 64 pages, a 512-token window) serving in this
 process with the fault armed at `--rate`, then the whole black-box audit against it, as `kvfence audit`
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from common import load_weights, write_json
 
 from kvfence.audit.cli import add_arguments, run
@@ -28,6 +30,7 @@ from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.cluster import cluster
 from kvfence.harness.tables import print_table
+from kvfence.harness.workers import Spawned
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
@@ -44,47 +47,87 @@ ADMIN = "bench-admin"
 
 
 def audit_once(gguf: GGUFModel, fault: str, rate: float, isolation: bool, admin: bool) -> dict[str, Any]:
+    """One single-node engine in this process, `fault` armed, audited."""
     config = EngineConfig(num_pages=64, max_model_len=512, isolation=isolation, faults={fault: rate})
     engine = LLMEngine(config, LlamaModel.from_gguf(gguf), Tokenizer.from_gguf(gguf), log=lambda _: None)
     engine.model_file = gguf.path
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, cluster(engine, api_keys=KEYS, admin_key=ADMIN) as running:
+    with cluster(engine, api_keys=KEYS, admin_key=ADMIN) as running:
+        result = audit(running.url, admin)
+    return {
+        "fault": fault,
+        "rate": rate,
+        "isolation": isolation,
+        **result,
+        "effects": len(engine.faults.effects),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def audit_incident(rate: float, isolation: bool, admin: bool) -> dict[str, Any]:
+    """The incident's deployment: a prefill worker whose pool (16 pages, a 256-token window) is far smaller
+    than the decode worker's (2048 tokens), `placeholder_transfer` armed on it, worker processes behind a
+    router in this process that, with isolation off, checks only the window."""
+    faults = {"placeholder_transfer": rate}
+    prefill = EngineConfig(num_pages=16, max_model_len=256, isolation=isolation, faults=faults)
+    decode = EngineConfig(num_pages=128, max_model_len=2048, isolation=isolation)
+    started = time.perf_counter()
+    with cluster(
+        prefill=Spawned(prefill), decode=Spawned(decode), api_keys=KEYS, admin_key=ADMIN, isolation=isolation
+    ) as running:
+        result = audit(running.url, admin)
+    return {
+        "fault": "placeholder_transfer (disaggregated)",
+        "rate": rate,
+        "isolation": isolation,
+        **result,
+        "effects": None,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def audit(url: str, admin: bool) -> dict[str, Any]:
+    """`kvfence audit --black-box` against `url`: exit status, each check's verdict, the replay summary."""
+    with tempfile.TemporaryDirectory() as tmp:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         report_file = Path(tmp, "report.json")
-        argv = ["--url", running.url, "--black-box", "--json", str(report_file)]
+        argv = ["--url", url, "--black-box", "--json", str(report_file)]
         argv += [arg for key in KEYS for arg in ("--api-key", key)]
         argv += ["--admin-key", ADMIN] if admin else []
         status = run(parser.parse_args(argv))
         report = json.loads(report_file.read_text(encoding="utf-8"))
     replay = next(c for c in report["checks"] if c["name"] == "replay")["evidence"][0]
-    return {
-        "fault": fault,
-        "rate": rate,
-        "isolation": isolation,
-        "exit": status,
-        "checks": {c["name"]: c["status"] for c in report["checks"]},
-        "replay": replay,
-        "effects": len(engine.faults.effects),
-        "seconds": round(time.perf_counter() - started, 1),
-    }
+    return {"exit": status, "checks": {c["name"]: c["status"] for c in report["checks"]}, "replay": replay}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rate", type=float, default=0.3, help="each fault's rate (default: %(default)s)")
+    parser.add_argument("--rate", type=float, help="each fault's rate (default: 0.3; --disaggregated: 1.0)")
     parser.add_argument("--faults", default=",".join(SINGLE_NODE), help="comma list (default: all five)")
     parser.add_argument("--no-admin-key", action="store_true", help="audit as a tenant only")
+    parser.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="instead: the incident's deployment, placeholder_transfer at --rate (default 1.0 there)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     args = parser.parse_args()
-    gguf = load_weights(args.threads)
-    runs = [
-        audit_once(gguf, fault, args.rate, isolation, not args.no_admin_key)
-        for fault in args.faults.split(",")
-        for isolation in (False, True)
-    ]
+    admin = not args.no_admin_key
+    if args.disaggregated:
+        torch.set_num_threads(args.threads)
+        rate = 1.0 if args.rate is None else args.rate
+        runs = [audit_incident(rate, isolation, admin) for isolation in (False, True)]
+    else:
+        gguf = load_weights(args.threads)
+        rate = 0.3 if args.rate is None else args.rate
+        runs = [
+            audit_once(gguf, fault, rate, isolation, admin)
+            for fault in args.faults.split(",")
+            for isolation in (False, True)
+        ]
     print_table(
         [
             "fault",
@@ -111,7 +154,7 @@ def main() -> None:
             for r in runs
         ],
     )
-    write_json("audit_faults", {"rate": args.rate, "admin_key": not args.no_admin_key, "runs": runs})
+    write_json("audit_faults", {"admin_key": admin, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvfence.disagg.connector import Connector, LinkEvent, Received, ZmqConnector
@@ -55,8 +54,9 @@ from kvfence.disagg.messages import (
     StatsReply,
     accept,
 )
+from kvfence.disagg.placement import Placement, Route, WorkerInfo
 from kvfence.engine.async_engine import STATS_TIMEOUT_S
-from kvfence.engine.engine import AdmissionError, context_refusal
+from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.stats import EngineStats
 from kvfence.model.tokenizer import Tokenizer
@@ -70,37 +70,6 @@ Reply = TypeVar("Reply", bound=Msg)
 ROUTER_TIMEOUT_S = 120.0  # no message from the workers for this long: the router gives up on the request
 
 log = logging.getLogger("kvfence.disagg")
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    role: str
-    capacity_tokens: int
-    max_model_len: int
-    page_size: int
-    isolation: bool
-    info: dict[str, Any]  # the worker's engine_info, for /v1/audit/info
-
-    @classmethod
-    def from_hello(cls, reply: HelloReply) -> WorkerInfo:
-        return cls(
-            reply.role,
-            reply.capacity_tokens,
-            reply.max_model_len,
-            reply.page_size,
-            reply.isolation,
-            reply.info,
-        )
-
-
-@dataclass
-class Route:
-    """One request's pair of workers and the tokens it counts against each until it ends."""
-
-    prefill: str
-    decode: str
-    prefill_tokens: int  # released at decode's first output: by then prefill has sent its pages
-    decode_tokens: int
 
 
 class Router:
@@ -134,9 +103,7 @@ class Router:
         self._listen, self._keys = listen, keys
         self._outbox: queue.Queue[tuple[str, Msg]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Msg]]] = {}
-        self._routes: dict[str, Route] = {}  # requests in flight -> their pair (event loop writes, I/O reads)
-        self._load: Counter[str] = Counter()  # address -> tokens of the requests in flight there
-        self.routed: Counter[str] = Counter()  # worker name -> requests sent to it, since start
+        self.placement = Placement(self.by_role, self.names, isolation)
         # token -> (the worker asked, the reply kind, the future awaiting it); None for a re-hello
         self._replies: dict[str, tuple[str, str, concurrent.futures.Future[Msg] | None]] = {}
         self.rejected: Counter[str] = Counter()  # frames dropped by the I/O thread, by reason
@@ -146,10 +113,6 @@ class Router:
         self._started = threading.Event()  # every pool learnt: reconnections are adopted from now on
         self._ready: concurrent.futures.Future[Connector] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
-        self.workers: dict[str, WorkerInfo] = {}  # by worker name
-        self.max_model_len = 0
-        # Workers whose connection is lost now. Written on the I/O thread, read by callers (a set lookup).
-        self._down: set[str] = set()
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
@@ -162,28 +125,22 @@ class Router:
             reply = self._ask(address, lambda token: Hello(token=token), HelloReply)
             if reply.role != role:
                 raise RuntimeError(f"{address} answers as a {reply.role} worker, not {role}")
-            self.workers[name] = WorkerInfo.from_hello(reply)
-        problem = self._mismatch()
+            self.placement.workers[name] = WorkerInfo.from_hello(reply)
+        problem = self.placement.mismatch()
         if problem is not None:
             raise RuntimeError(problem)
-        self.max_model_len = self._window()
+        self.placement.max_model_len = self.placement.window()
         self._bounds = Bounds(max_tokens=self.max_model_len, vocab_size=self.vocab_size)
         self._started.set()
 
-    def _mismatch(self) -> str | None:
-        sizes = {name: worker.page_size for name, worker in self.workers.items()}
-        if len(set(sizes.values())) > 1:
-            return "page sizes differ: " + ", ".join(f"{name} {size}" for name, size in sizes.items())
-        return None
+    @property
+    def max_model_len(self) -> int:
+        """The advertised window (Placement.window), known once every worker said hello."""
+        return self.placement.max_model_len
 
-    def _window(self) -> int:
-        """The advertised window: every pair must serve it, so the smallest. With isolation off the
-        decode workers' alone, as the incident's deployment did."""
-        roles = ("prefill", "decode") if self.isolation else ("decode",)
-        return min(self._info(a).max_model_len for role in roles for a in self.by_role[role])
-
-    def _info(self, address: str) -> WorkerInfo:
-        return self.workers[self.names[address]]
+    @property
+    def workers(self) -> dict[str, WorkerInfo]:
+        return self.placement.workers
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -197,7 +154,7 @@ class Router:
     @property
     def down(self) -> set[str]:
         """The names of the workers whose link is lost now (until they say hello again)."""
-        return {self.names[address] for address in list(self._down)}
+        return {self.names[address] for address in list(self.placement.down)}
 
     def describe(self) -> str:
         pools = ", ".join(f"{name} pool {w.capacity_tokens} tokens" for name, w in self.workers.items())
@@ -209,7 +166,7 @@ class Router:
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         try:
-            route = self._route(len(prompt_token_ids), params.max_tokens)
+            route = self.placement.choose(len(prompt_token_ids), params.max_tokens)
         except AdmissionError as refusal:
             self.events.emit(request_id, "rejected", reason=refusal.code, tenant=tenant, where="router")
             raise
@@ -224,69 +181,20 @@ class Router:
         )
         stream: asyncio.Queue[Msg] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._take(request_id, route)
+        self.placement.take(request_id, route)
         finished = False
         try:
             await self._handoff(request_id, prompt_token_ids, params, tenant, stream)
             while not finished:
                 output = _output(await self._next(stream, request_id))
-                self._release_prefill(route)
+                self.placement.release_prefill(route)
                 finished = output.finished
                 yield output
         finally:
             self._streams.pop(request_id, None)
-            self._release(request_id, route)
+            self.placement.release(request_id, route)
             if not finished:
                 self._send(route.decode, Abort(request_id=request_id, reason="client_disconnected"))
-
-    def _route(self, prompt: int, budget: int) -> Route:
-        """Invariant 3 across processes: a reachable pair, the window, and (isolation on) that pair's
-        pools, before any reservation; AdmissionError otherwise. With isolation off only the window is
-        checked, as the incident's router did."""
-        for role in ("decode", "prefill"):  # a lost role answers 503 at once, not after its restart
-            if all(address in self._down for address in self.by_role[role]):
-                message = f"The {role} worker is unreachable; retry later."
-                raise AdmissionError(f"{role}_unavailable", message, 503)
-        window = [("This model's maximum context length is", self.max_model_len, prompt + budget)]
-        refusal = context_refusal(prompt, budget, window)
-        if refusal is not None:
-            raise refusal
-        prefill = self._pick("prefill", prompt, budget, prompt)
-        decode = self._pick("decode", prompt, budget, prompt + budget)
-        return Route(prefill, decode, prompt, prompt + budget)
-
-    def _pick(self, role: str, prompt: int, budget: int, need: int) -> str:
-        """The reachable `role` worker whose pool holds `need` tokens with the most headroom (first listed
-        on a tie). A pool is compared alone, never summed: the request's KV lives in one worker."""
-        known = [a for a in self.by_role[role] if self.names[a] in self.workers]
-        fits = [a for a in known if not self.isolation or need <= self._info(a).capacity_tokens]
-        if not fits:
-            largest = max(self._info(a).capacity_tokens for a in known)
-            refusal = context_refusal(prompt, budget, [(f"The {role} KV pool holds", largest, need)])
-            assert refusal is not None
-            raise refusal
-        up = [a for a in fits if a not in self._down]
-        if not up:
-            raise AdmissionError(
-                f"{role}_unavailable", f"The {role} worker is unreachable; retry later.", 503
-            )
-        return max(up, key=lambda a: self._info(a).capacity_tokens - self._load[a])
-
-    def _take(self, request_id: str, route: Route) -> None:
-        self._routes[request_id] = route
-        self._load[route.prefill] += route.prefill_tokens
-        self._load[route.decode] += route.decode_tokens
-        self.routed.update((self.names[route.prefill], self.names[route.decode]))
-
-    def _release_prefill(self, route: Route) -> None:
-        self._load[route.prefill] -= route.prefill_tokens
-        route.prefill_tokens = 0
-
-    def _release(self, request_id: str, route: Route) -> None:
-        self._release_prefill(route)
-        self._load[route.decode] -= route.decode_tokens
-        route.decode_tokens = 0
-        self._routes.pop(request_id, None)
 
     async def _handoff(
         self,
@@ -297,7 +205,7 @@ class Router:
         stream: asyncio.Queue[Msg],
     ) -> None:
         """Reserve on the pair's decode, then start its prefill; AdmissionError when either refuses."""
-        route = self._routes[request_id]
+        route = self.placement.routes[request_id]
         self._send(route.decode, Reserve(request_id, tenant, prompt, dict(params.__dict__), route.prefill))
         reply = await self._next(stream, request_id)
         if isinstance(reply, Rejected):
@@ -331,7 +239,7 @@ class Router:
         """Stop waiting: decode is told to abort (it quarantines whatever may still arrive), and the client
         gets an error naming the request."""
         self.events.emit(request_id, "aborted", reason=reason, where="router")
-        route = self._routes.get(request_id)
+        route = self.placement.routes.get(request_id)
         if route is not None:
             self._send(route.decode, Abort(request_id=request_id, reason=reason))
         return _aborted(request_id, reason)
@@ -350,7 +258,7 @@ class Router:
         router dropped."""
         workers = {}
         for name, address in self.addresses.items():
-            if address not in self._down:
+            if address not in self.placement.down:
                 with contextlib.suppress(TimeoutError):  # a hung worker must not take /metrics with it
                     workers[name] = self.worker_stats(name)
         return {**workers, "router": EngineStats.transport_only(self.rejected)}
@@ -433,7 +341,7 @@ class Router:
             self._answer(item.sender, token, message)
             return
         request_id = getattr(message, "request_id", "")
-        if item.sender not in self._senders(message.KIND, self._routes.get(request_id)):
+        if item.sender not in self._senders(message.KIND, self.placement.routes.get(request_id)):
             self._drop(item.sender, "not_assigned", f"{message.KIND} from a worker not assigned to it")
             return
         target = self._streams.get(request_id)
@@ -468,7 +376,7 @@ class Router:
             self._replies[token] = (event.peer, "hello_reply", None)
             self._send(event.peer, Hello(token=token))
             return
-        self._down.add(event.peer)
+        self.placement.down.add(event.peer)
         if self.roles.get(event.peer) == "decode":
             self._fail_streams_of(event.peer, "decode_lost")
 
@@ -481,19 +389,19 @@ class Router:
         if hello.role != role:
             log.error("router: %s answers as a %s worker, not %s", address, hello.role, role)
             return
-        self.workers[name] = WorkerInfo.from_hello(hello)
-        problem = self._mismatch()
+        self.placement.workers[name] = WorkerInfo.from_hello(hello)
+        problem = self.placement.mismatch()
         if problem is not None:
             log.error("router: %s refused after reconnecting: %s", name, problem)
-            self._down.add(address)
+            self.placement.down.add(address)
             return
-        self.max_model_len = self._window()
-        self._down.discard(address)
+        self.placement.max_model_len = self.placement.window()
+        self.placement.down.discard(address)
 
     def _fail_streams_of(self, decode: str, reason: str) -> None:
         """A decode worker is gone: every request it held ends with an error, none hangs; the other
         workers' requests go on."""
-        for request_id, route in list(self._routes.items()):
+        for request_id, route in list(self.placement.routes.items()):
             target = self._streams.get(request_id)
             if route.decode != decode or target is None:
                 continue

@@ -20,13 +20,11 @@ import signal
 import time
 from collections.abc import Callable
 
-import pytest
 from conftest import make_engine, tiny_model
 
 from kvfence.config import EngineConfig
 from kvfence.disagg.handoff import HandoffEngine
-from kvfence.disagg.router import Router, WorkerInfo
-from kvfence.engine.engine import AdmissionError
+from kvfence.disagg.router import Router
 from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.workers import InThread, Spawned, SpawnedWorker
 from kvfence.model.llama import LlamaModel
@@ -85,56 +83,6 @@ async def wait_drained(running: Cluster, names: list[str]) -> None:
             await asyncio.sleep(0.1)
 
 
-# ---- routing ------------------------------------------------------------------------------------------
-
-
-def router_of(decode_capacities: list[int], prefill_capacity: int = 1000) -> Router:
-    """A router that knows its workers without having asked them (nothing is started)."""
-    decodes = [f"tcp://127.0.0.1:{7000 + i}" for i in range(len(decode_capacities))]
-    router = Router(["tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001"], decodes, None, 256)  # type: ignore[arg-type]
-    capacities = [prefill_capacity, prefill_capacity, *decode_capacities]
-    for (name, _), capacity in zip(router.addresses.items(), capacities, strict=True):
-        router.workers[name] = WorkerInfo(name.partition("-")[0], capacity, 1000, 4, True, {})
-    router.max_model_len = router._window()
-    return router
-
-
-def pair(router: Router, prompt: int, budget: int) -> tuple[str, str]:
-    route = router._route(prompt, budget)
-    router._take(f"r{sum(router.routed.values())}", route)
-    return router.names[route.prefill], router.names[route.decode]
-
-
-def test_the_router_picks_the_pair_with_the_most_headroom() -> None:
-    router = router_of([200, 200])
-    assert pair(router, 10, 90) == ("prefill-0", "decode-0")  # a tie: the first listed
-    assert pair(router, 10, 10) == ("prefill-1", "decode-1")
-    assert pair(router, 10, 10) == ("prefill-0", "decode-1")  # decode-1 has 180 left, decode-0 100
-    route = router._routes["r0"]
-    router._release("r0", route)
-    assert pair(router, 10, 10) == ("prefill-0", "decode-0")  # r0 ended: decode-0 has 200 again
-
-
-def test_a_pool_is_compared_alone_never_summed() -> None:
-    router = router_of([100, 100])
-    with pytest.raises(AdmissionError, match="decode KV pool holds 100 tokens") as refused:
-        router._route(50, 60)  # 110 tokens: less than the two pools together, more than either
-    assert refused.value.code == "context_length_exceeded" and refused.value.status == 400
-    assert router._routes == {} and not router._load  # refused before anything was taken
-    bigger = router_of([100, 300])
-    assert pair(bigger, 50, 60) == ("prefill-0", "decode-1")  # only the pool that holds it
-
-
-def test_a_lost_worker_is_skipped_and_a_lost_role_answers_503() -> None:
-    router = router_of([200, 200])
-    router._down.add(router.addresses["decode-0"])
-    assert pair(router, 10, 10)[1] == "decode-1"
-    router._down.add(router.addresses["decode-1"])
-    with pytest.raises(AdmissionError) as refused:
-        router._route(10, 10)
-    assert (refused.value.code, refused.value.status) == ("decode_unavailable", 503)
-
-
 # ---- 2 x 2 on threads ---------------------------------------------------------------------------------
 
 
@@ -154,7 +102,7 @@ async def _two_by_two(running: Cluster, tiny: LlamaModel) -> None:
     await cancelled.aclose()  # the client hangs up mid-stream: decode aborts it and frees its pages
     for prompt, (status, reason, tokens) in zip(jobs, answers, strict=True):
         assert (status, reason, tokens) == (Status.FINISHED, "length", solo(tiny, prompt, 6))
-    assert all(router.routed[name] >= 2 for name in running.workers), router.routed
+    assert all(router.placement.routed[name] >= 2 for name in running.workers), router.placement.routed
     await wait_drained(running, list(running.workers))
     assert router.down == set() and sorted(router.info()["pools"]) == sorted(running.workers)
 
@@ -175,7 +123,7 @@ async def _kill_one_decode(running: Cluster, tiny: LlamaModel) -> None:
     os.kill(victim.pid, signal.SIGSTOP)  # frozen: what it was given stays in flight until it dies
     tasks = [asyncio.create_task(ask(router, p, 6, f"k{i}")) for i, p in enumerate(jobs)]
     await asyncio.sleep(0)
-    doomed = {rid for rid, route in router._routes.items() if route.decode == victim.address}
+    doomed = {rid for rid, route in router.placement.routes.items() if route.decode == victim.address}
     assert 0 < len(doomed) < len(jobs), "the load was not spread over both decode workers"
     survivors = [t for i, t in enumerate(tasks) if f"k{i}" not in doomed]
     await asyncio.wait_for(asyncio.gather(*survivors), WAIT_S)  # the other worker serves meanwhile
@@ -189,7 +137,7 @@ async def _kill_one_decode(running: Cluster, tiny: LlamaModel) -> None:
     await wait_drained(running, ["prefill", "decode-0"])  # the surviving side holds nothing of it
     await asyncio.to_thread(victim.restart)
     await wait_for(lambda: not router.down, "decode-1 to say hello again")
-    before = router.routed["decode-1"]
+    before = router.placement.routed["decode-1"]
     again = await asyncio.gather(*(ask(router, p, 6, f"a{i}") for i, p in enumerate(jobs[:4])))
     assert [a[2] for a in again] == [solo(tiny, p, 6) for p in jobs[:4]]
-    assert router.routed["decode-1"] > before, "the restarted worker was not used"
+    assert router.placement.routed["decode-1"] > before, "the restarted worker was not used"

@@ -356,7 +356,7 @@ def test_the_router_takes_only_answers_to_its_own_questions(tiny: LlamaModel) ->
     assert router.workers == {} and router.rejected["unsolicited"] == 2
     for header in (b"\xff\xfe", b"{}", b'{"kind": "peer_down", "peer": "decode"}', b"[1, 2]"):
         router._dispatch_safely(Received(DECODE, "decode", header, b""))
-    assert DECODE not in router._down and sum(router.rejected.values()) == 6
+    assert DECODE not in router.placement.down and sum(router.rejected.values()) == 6
 
 
 # ---- start-up ---------------------------------------------------------------------------------------------

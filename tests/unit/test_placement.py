@@ -1,0 +1,58 @@
+"""Where the router sends a request (disagg/placement.py), without a socket: the pair with the most headroom,
+pools compared alone and never summed, lost workers skipped, a lost role a 503 — each refusal before
+anything is taken."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfence.disagg.placement import Placement, WorkerInfo
+from kvfence.engine.engine import AdmissionError
+
+
+def placement_of(decode_capacities: list[int], prefill_capacity: int = 1000) -> Placement:
+    """Two prefill workers and one decode worker per capacity, as their hellos would describe them."""
+    addresses = {"prefill": ["p0", "p1"], "decode": [f"d{i}" for i in range(len(decode_capacities))]}
+    names = {a: f"{role}-{i}" for role, group in addresses.items() for i, a in enumerate(group)}
+    placement = Placement(addresses, names, isolation=True)
+    capacities = [prefill_capacity, prefill_capacity, *decode_capacities]
+    for address, capacity in zip([*addresses["prefill"], *addresses["decode"]], capacities, strict=True):
+        placement.workers[names[address]] = WorkerInfo(
+            names[address].partition("-")[0], capacity, 1000, 4, True, {}
+        )
+    placement.max_model_len = placement.window()
+    return placement
+
+
+def pair(placement: Placement, prompt: int, budget: int) -> tuple[str, str]:
+    route = placement.choose(prompt, budget)
+    placement.take(f"r{sum(placement.routed.values()) // 2}", route)
+    return placement.names[route.prefill], placement.names[route.decode]
+
+
+def test_the_pair_with_the_most_headroom_is_chosen() -> None:
+    placement = placement_of([200, 200])
+    assert pair(placement, 10, 90) == ("prefill-0", "decode-0")  # a tie: the first listed
+    assert pair(placement, 10, 10) == ("prefill-1", "decode-1")
+    assert pair(placement, 10, 10) == ("prefill-0", "decode-1")  # decode-1 has 180 left, decode-0 100
+    placement.release("r0", placement.routes["r0"])
+    assert pair(placement, 10, 10) == ("prefill-0", "decode-0")  # r0 ended: decode-0 has 200 again
+
+
+def test_a_pool_is_compared_alone_never_summed() -> None:
+    placement = placement_of([100, 100])
+    with pytest.raises(AdmissionError, match="decode KV pool holds 100 tokens") as refused:
+        placement.choose(50, 60)  # 110 tokens: less than the two pools together, more than either
+    assert refused.value.code == "context_length_exceeded" and refused.value.status == 400
+    assert placement.routes == {} and not placement.load  # refused before anything was taken
+    assert pair(placement_of([100, 300]), 50, 60) == ("prefill-0", "decode-1")  # only the pool that holds it
+
+
+def test_a_lost_worker_is_skipped_and_a_lost_role_answers_503() -> None:
+    placement = placement_of([200, 200])
+    placement.down.add("d0")
+    assert pair(placement, 10, 10)[1] == "decode-1"
+    placement.down.add("d1")
+    with pytest.raises(AdmissionError) as refused:
+        placement.choose(10, 10)
+    assert (refused.value.code, refused.value.status) == ("decode_unavailable", 503)
