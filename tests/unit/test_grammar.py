@@ -392,3 +392,19 @@ def test_http_tool_choice_must_name_a_tool(client: TestClient) -> None:
     choice = {"type": "function", "function": {"name": "missing"}}
     reply = client.post("/v1/chat/completions", json=request | {"tool_choice": choice})
     assert reply.status_code == 400 and "missing" in reply.json()["error"]["message"]
+
+
+def test_http_strict_tools_need_a_forced_call(client: TestClient) -> None:
+    """`strict` promises schema-valid arguments: only a forced call is generated under the grammar, so with
+    tool_choice auto it is refused rather than silently not enforced."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    request = {
+        "model": "tiny",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [strict],
+    }
+    reply = client.post("/v1/chat/completions", json=request)
+    assert reply.status_code == 400 and "strict tools" in reply.json()["error"]["message"], reply.text
+    forced = client.post("/v1/chat/completions", json=request | {"tool_choice": "required"})
+    assert forced.status_code == 200, forced.text  # forced calls under the grammar: tested above
