@@ -63,14 +63,31 @@ class PoolLayout:
         """Pages of `other` can be written into pages of this pool (same model, page size and dtype)."""
         return (self.layers, self.block_bytes) == (other.layers, other.block_bytes)
 
-    def blocks(self, pages: list[int]) -> np.ndarray:
-        """NIXL descriptors (address, length, device 0), one per (page, layer, K|V), page-major."""
-        page = np.asarray(pages, dtype=np.uint64)[:, None]
+    def blocks(self, runs: list[tuple[int, int]]) -> np.ndarray:
+        """NIXL descriptors (address, length, device 0) for runs of consecutive pages, `runs` =
+        [(first page, count)]: one per run and (layer, K|V), run-major. A run is one descriptor per block
+        because the pool keeps a block's pages next to each other."""
+        first = np.asarray([page for page, _ in runs], dtype=np.uint64)[:, None]
+        count = np.asarray([n for _, n in runs], dtype=np.uint64)[:, None]
         block = np.arange(self.layers * 2, dtype=np.uint64)[None, :]
-        addresses = self.base + (block * self.pages + page) * self.block_bytes
-        rows = np.zeros((addresses.size, 3), dtype=np.uint64)
-        rows[:, 0], rows[:, 1] = addresses.ravel(), self.block_bytes
+        rows = np.zeros((len(runs) * self.layers * 2, 3), dtype=np.uint64)
+        rows[:, 0] = (self.base + (block * self.pages + first) * self.block_bytes).ravel()
+        rows[:, 1] = np.broadcast_to(count * self.block_bytes, (len(runs), self.layers * 2)).ravel()
         return rows
+
+
+def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """[(source, target, count)]: the (source page, target page) pairs in source order, merged where both
+    sides step by one page. UCX pays per descriptor (a few microseconds each, measured in
+    bench/kv_transport.py), and fresh pools hand pages out in runs, so a 16-page request is usually a
+    handful of descriptors per block instead of sixteen."""
+    runs: list[tuple[int, int, int]] = []
+    for source, target in sorted(pairs):
+        if runs and (source, target) == (runs[-1][0] + runs[-1][2], runs[-1][1] + runs[-1][2]):
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((source, target, 1))
+    return runs
 
 
 @dataclass
@@ -110,8 +127,9 @@ class NixlAgent:
 
     def write(self, peer: str, remote: PoolLayout, pairs: list[tuple[int, int]], request_id: str) -> Write:
         """Post a WRITE of local pages into the peer's pages, `pairs` = [(source, target)]."""
-        local = self._agent.get_xfer_descs(self.layout.blocks([s for s, _ in pairs]), "DRAM")
-        targets = self._agent.get_xfer_descs(remote.blocks([t for _, t in pairs]), "DRAM")
+        runs = contiguous_runs(pairs)
+        local = self._agent.get_xfer_descs(self.layout.blocks([(s, n) for s, _, n in runs]), "DRAM")
+        targets = self._agent.get_xfer_descs(remote.blocks([(t, n) for _, t, n in runs]), "DRAM")
         notify = NOTIFY_PREFIX + request_id.encode()
         handle = self._agent.initialize_xfer("WRITE", local, targets, peer, notify)
         write = Write(peer, handle, self._agent.transfer(handle))

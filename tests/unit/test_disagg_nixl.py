@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 from test_disagg_protocol import (
     DECODE,
     PREFILL,
@@ -26,9 +27,9 @@ from test_disagg_protocol import (
     targets,
 )
 
-from kvfence.cache.pool import PageState
+from kvfence.cache.pool import KVPool, PageState
 from kvfence.disagg.messages import MAX_AGENT_BYTES, BadMessage, Bounds, KvAgent, Prefill, accept, encode
-from kvfence.disagg.nixl_transport import NixlAgent, nixl_available
+from kvfence.disagg.nixl_transport import NixlAgent, contiguous_runs, nixl_available
 from kvfence.engine.stats import EngineStats
 from kvfence.model.llama import LlamaModel
 from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF, STALE_WRITE
@@ -251,6 +252,41 @@ def test_a_failed_write_aborts_the_request(
     pipe.run()
     assert pipe.results["r1"] == Result([], "aborted", "transfer_failed")
     assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
+
+
+def test_contiguous_runs_merge_only_where_both_sides_step_by_one() -> None:
+    assert contiguous_runs([(3, 10), (4, 11), (5, 12)]) == [(3, 10, 3)]
+    assert contiguous_runs([(5, 12), (4, 11), (3, 10)]) == [(3, 10, 3)]  # a queue freed tail first
+    assert contiguous_runs([(3, 10), (4, 12), (5, 13), (9, 14)]) == [(3, 10, 1), (4, 12, 2), (9, 14, 1)]
+    assert contiguous_runs([(3, 11), (4, 10)]) == [(3, 11, 1), (4, 10, 1)]  # targets step backwards
+    assert contiguous_runs([]) == []
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [[(p, p + 8) for p in range(8)], [(7 - p, 8 + p) for p in range(8)], [(1, 30), (0, 9), (6, 10), (5, 20)]],
+    ids=["one run", "reversed", "scattered"],
+)
+def test_a_write_lands_exactly_on_its_target_pages(pairs: list[tuple[int, int]]) -> None:
+    """Byte for byte, whatever the runs: each target holds its source page, every other page is untouched."""
+    source, target = (KVPool(3, 32, 4, 2, 8, torch.float32, "cpu") for _ in range(2))
+    source.kv.normal_()
+    target.kv.fill_(7.0)
+    tag = f"{os.getpid()}-{next(_names)}"
+    src, dst = NixlAgent(f"src-{tag}", source.kv), NixlAgent(f"dst-{tag}", target.kv)
+    try:
+        write = src.write(src.add_peer(dst.metadata()), dst.layout, pairs, "r")
+        deadline = time.monotonic() + WAIT_S
+        while src.poll(write) == "PROC":
+            assert time.monotonic() < deadline, "the WRITE did not finish"
+        assert write.state == "DONE"
+    finally:
+        src.close()
+        dst.close()
+    for s, t in pairs:
+        assert torch.equal(target.kv[:, :, t], source.kv[:, :, s])
+    untouched = sorted(set(range(32)) - {t for _, t in pairs})
+    assert (target.kv[:, :, untouched] == 7.0).all()
 
 
 def test_kv_agent_is_bounded_and_only_from_decode() -> None:
