@@ -4,9 +4,10 @@
       ├─ veth ── namespace kvf-p-<pid>  10.231.0.1   kvfence serve --role prefill --listen tcp://10.231.0.1:5601
       └─ veth ── namespace kvf-d-<pid>  10.231.0.2   kvfence serve --role decode  --listen tcp://10.231.0.2:5602
 
-KV pages cross the bridge from one namespace to the other; control messages go between the router and each
-worker. Needs root and iproute2 (skipped otherwise). The fixture's teardown kills the workers and deletes the
-namespaces, the veths and the bridge, whatever happened.
+KV pages cross the bridge from one namespace to the other: with NIXL installed as one-sided WRITEs (UCX held
+to TCP on the namespace's veth, as between two hosts), else as zmq frames; control messages go between the
+router and each worker. Needs root and iproute2 (skipped otherwise). The fixture's teardown kills the workers
+and deletes the namespaces, the veths and the bridge, whatever happened.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 from conftest import real_engine
 from test_disagg_e2e import KEYS, MODEL, chat_ids
 
+from kvfence.disagg.nixl_transport import nixl_available
 from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.workers import Command
 from kvfence.model.gguf import GGUFModel
@@ -36,6 +38,7 @@ BRIDGE = f"kvfbr{PID}"
 ROOT_IP = f"{SUBNET}.254"
 START_TIMEOUT_S = 180.0
 WORKER_OPTIONS = ("--num-pages", "32", "--max-model-len", "512", "--num-threads", "1", "--device", "cpu")
+TRANSPORT = "nixl" if nixl_available() else "zmq"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,13 @@ class Host:
     @property
     def address(self) -> str:
         return f"tcp://{self.ip}:{self.port}"
+
+    @property
+    def exec_prefix(self) -> tuple[str, ...]:
+        """Run inside the namespace; UCX may use only TCP on its veth: on one machine it would otherwise
+        write through cross-memory attach, which no two hosts have."""
+        ucx = ("UCX_TLS=tcp", f"UCX_NET_DEVICES={self.peer}")
+        return ("ip", "netns", "exec", self.namespace, "env", *ucx)
 
 
 HOSTS = (
@@ -133,7 +143,9 @@ def namespaced_cluster() -> Iterator[Cluster]:
         except NetworkUnavailable as exc:
             pytest.skip(f"cannot build the namespaced network: {exc}")
         prefill, decode = (
-            Command(WORKER_OPTIONS, listen=host.address, prefix=("ip", "netns", "exec", host.namespace))
+            Command(
+                (*WORKER_OPTIONS, "--kv-transport", TRANSPORT), listen=host.address, prefix=host.exec_prefix
+            )
             for host in HOSTS
         )
         with cluster(
@@ -165,6 +177,8 @@ def test_answer_across_namespaces_equals_single_node(cluster: Cluster, smollm2: 
     events = cluster.router.audit_events(reply.id)
     where = {(e["where"], e["kind"]) for e in events}
     assert {("router", "admitted"), ("prefill", "transfer_complete"), ("decode", "finished")} <= where
+    started = [e for e in events if (e["where"], e["kind"]) == ("prefill", "transfer_started")]
+    assert [e["transport"] for e in started] == [TRANSPORT]
     received = [e for e in events if (e["where"], e["kind"]) == ("decode", "page_received")]
     assert reply.usage is not None
     page_size = cluster.router.workers["decode"].page_size
