@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from kvfence.model import packed_matmul, paged_kernel, triton_attention
 from kvfence.model.gguf import GGUFModel, LlamaConfig, QuantizedWeight
 from kvfence.model.packed_matmul import PackedWeight
+from kvfence.model.paged_decode import PagedDecode
 
 K = TypeVar("K")
-AttentionKernel = paged_kernel.PagedDecodeKernel | triton_attention.TritonPagedDecode
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can run (C on CPU, Triton on CUDA)
 DECODE_MATMUL = ("auto", "kernel", "dense")  # auto: the kernel where it can run (float32 on CPU, quantized)
 
@@ -166,7 +166,7 @@ class LlamaModel:
 
         return checked
 
-    def _attention_loader(self) -> Callable[[], tuple[AttentionKernel | None, str]]:
+    def _attention_loader(self) -> Callable[[], tuple[PagedDecode | None, str]]:
         """The device seam of decode attention: the C kernel on CPU, the Triton kernel on CUDA (the same
         arguments, the same float32-accumulated result, each row alone)."""
         if self.device.type == "cuda":

@@ -25,8 +25,8 @@ class PagedAttentionError(RuntimeError):
 
 
 class PagedDecodeKernel:
-    """`__call__` computes decode attention for rows of one query token over their pages, in place in the
-    pool: the same result as gathering the pages and running SDPA (float32, CPU tensors only)."""
+    """A `paged_decode.PagedDecode` in C: decode attention for rows of one query token over their pages,
+    in place in the pool; the same result as gathering the pages and running SDPA (float32, CPU only)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.paged_decode_attention

@@ -1,11 +1,11 @@
 """Paged decode attention in Triton: the GPU's counterpart of the C kernel (paged_kernel.py).
 
-Contract: `TritonPagedDecode.__call__(q, k_cache, v_cache, block_tables, context_lens)` takes the same
-arguments and returns the same thing as `PagedDecodeKernel`: for each row of one query token, attention
-over the first `context_lens[row]` slots of the pages `block_tables[row]` names, read in place from the
-pool's layer views [pages, page_size, kv_heads, head_dim] (no gather into a padded copy), softmax and
-weighted sum accumulated in float32 whatever the cache dtype. One program computes one row and one KV
-head alone (all its query heads, GQA), in a fixed order, so a row's result does not depend on the others.
+Contract: `TritonPagedDecode` is a `paged_decode.PagedDecode`, as `PagedDecodeKernel` is: for each row of
+one query token, attention over the first `context_lens[row]` slots of the pages `block_tables[row]`
+names, read in place from the pool's layer views [pages, page_size, kv_heads, head_dim] (no gather into a
+padded copy), softmax and weighted sum accumulated in float32 whatever the cache dtype. One program
+computes one row and one KV head alone (all its query heads, GQA), in a fixed order, so a row's result
+does not depend on the others.
 
 The tables are the ones the fence validated; the kernel still never reads outside them or the pool: it
 walks at most the table's width, and a page id outside [0, pages) contributes nothing (a row left with no
