@@ -21,6 +21,7 @@ from test_disagg_protocol import (
     PROMPTS,
     Pipeline,
     Result,
+    assert_tokens_equal_single_node,
     fill_decode_pool_with_a_secret,
     lifecycle,
     solo,
@@ -92,18 +93,9 @@ def pipes() -> Iterator[Callable[..., NixlPipeline]]:
 
 def test_one_sided_tokens_equal_single_node(tiny: LlamaModel, pipes: Callable[..., NixlPipeline]) -> None:
     pipe = pipes(tiny)
-    lengths = [1, 6, 13, 22, 30]
-    for i, n in enumerate(lengths):
-        pipe.submit(f"r{i}", "t", PROMPTS[n])
-    pipe.run()
-    for i, n in enumerate(lengths):
-        assert pipe.results[f"r{i}"] == Result(solo(tiny, PROMPTS[n]), "finished", "length")
-        assert pipe.trace.foreign_reads(f"r{i}") == []
+    assert_tokens_equal_single_node(pipe, tiny)
     started = [e for e in pipe.prefill.engine.events.for_request("r3") if e["kind"] == "transfer_started"]
     assert started[0]["transport"] == "nixl"
-    assert pipe.decode.engine.pool.refused_writes == 0
-    assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
-    assert pipe.prefill.engine.allocator.num_free_pages == pipe.prefill.engine.pool.num_pages
 
 
 # Decode's abort reason per fault. A dropped page is seen by its checksum here: decode hashes the bytes in
