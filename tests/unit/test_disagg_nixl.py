@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -279,6 +281,29 @@ def test_a_write_lands_exactly_on_its_target_pages(pairs: list[tuple[int, int]])
         assert torch.equal(target.kv[:, :, t], source.kv[:, :, s])
     untouched = sorted(set(range(32)) - {t for _, t in pairs})
     assert (target.kv[:, :, untouched] == 7.0).all()
+
+
+EXIT_SCRIPT = """
+import torch
+from kvfence.cache.pool import KVPool
+from kvfence.disagg.nixl_transport import NixlAgent
+source, target = (KVPool(2, 8, 4, 2, 8, torch.float32, "cpu") for _ in range(2))
+src, dst = NixlAgent("exit-src", source.kv), NixlAgent("exit-dst", target.kv)
+write = src.write(src.add_peer(dst.metadata()), dst.layout, [(0, 1)], "r")
+while src.poll(write) == "PROC":
+    pass
+src.close()
+dst.close()
+print("wrote", write.state)
+"""
+
+
+def test_a_process_that_wrote_with_nixl_exits_cleanly() -> None:
+    """NIXL has been seen to segfault at interpreter exit (with Debian's ibverbs-providers installed): a
+    worker that crashes on its way out loses its exit status and its logs' last lines. Exit as a worker
+    does, after `close`, and demand status 0."""
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.splitlines()[-1:]) == (0, ["wrote DONE"]), done.stderr[-2000:]
 
 
 def test_kv_agent_is_bounded_and_only_from_decode() -> None:
