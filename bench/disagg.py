@@ -35,12 +35,12 @@ flight, received and counted here: GB/s received, median of `--transport-rounds`
 "idle CPU" is what each server process burned, in % of one core, during 3 s with no request in flight.
 Writes bench/results/disagg.json.
 
-`--scale`: instead, N x M workers: `serve --disaggregated` with 1 prefill x 1 decode and with 2 x 2 worker
-processes (1 torch thread each, CURVE), W1 at `--scale-concurrency` (default 16 and 64): output tok/s, TTFT
-p50/p95, the 2x2 / 1x1 ratios, and the CPU each process used during the load (% of one core: on 2 cores,
-four workers compete, so the ratios and the CPU tell more than the absolute rates); then
-bench/kv_transport.py's NIXL vs zmq page transfer (16-page requests) beside it. Writes
-bench/results/disagg_scale.json.
+`--scale`: instead, single node (2 torch threads) beside N x M workers: `serve --disaggregated` with 1
+prefill x 1 decode and with 2 x 2 worker processes (1 torch thread each, CURVE), W1 at `--scale-concurrency`
+(default 16 and 64): output tok/s, TTFT p50/p95, the 2x2 / 1x1 and 1x1 / single ratios, and the CPU each
+process used during the load (% of one core: on 2 cores, four workers compete, so the ratios and the CPU
+tell more than the absolute rates); then bench/kv_transport.py's NIXL vs zmq page transfer (16-page
+requests) beside it. Writes bench/results/disagg_scale.json.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ SYSTEMS = {  # label -> extra `kvfence serve` arguments
     "PD 1x1": ["--disaggregated", "--num-threads", "1"],
     "PD 2x2": ["--disaggregated", "--prefill-workers", "2", "--decode-workers", "2", "--num-threads", "1"],
 }
-SCALE = ("PD 1x1", "PD 2x2")  # --scale: these systems at each --scale-concurrency
+SCALE = ("single node", "PD 1x1", "PD 2x2")  # --scale: these systems at each --scale-concurrency
 TRANSPORTS = {"disaggregated": "CURVE", "disaggregated insecure": "plain"}  # disaggregated label -> transport
 LOG_TRANSPORT = {"CURVE": "CURVE with ephemeral keys", "plain": "INSECURE"}  # in serve's "transport:" line
 CURVE_COST_TARGET = 0.10  # CURVE may cost at most this share of the plain transport's output tok/s
@@ -489,7 +489,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def scale_bench(args: argparse.Namespace, prompts: list[list[int]], warm: list[list[int]]) -> None:
-    """1x1 vs 2x2 workers at each concurrency, then the KV transport microbenchmark beside them."""
+    """Single node, 1x1 and 2x2 workers at each concurrency, then the KV transport microbenchmark."""
     runs = []
     for concurrency in args.scale_concurrency:
         for label in SCALE:
@@ -502,13 +502,14 @@ def scale_bench(args: argparse.Namespace, prompts: list[list[int]], warm: list[l
         cpu = " ".join(f"{name} {v:.0f}" for name, v in (run.load_cpu_pct or {}).items())
         rows.append([r.label, r.concurrency, f"{r.tok_per_s:.1f}", *_ttft_ms(r), f"{r.foreign_cpu:.0%}", cpu])
     for concurrency in args.scale_concurrency:
-        one, two = (
+        single, one, two = (
             next(x.result for x in runs if (x.result.label, x.result.concurrency) == (label, concurrency))
             for label in SCALE
         )
         ratios[concurrency] = {
             "tok_per_s_2x2_over_1x1": two.tok_per_s / one.tok_per_s,
             "ttft_p50_2x2_over_1x1": two.pct("ttft", 50) / one.pct("ttft", 50),
+            "tok_per_s_1x1_over_single": one.tok_per_s / single.tok_per_s,
         }
     headers = [
         "system",
@@ -523,7 +524,8 @@ def scale_bench(args: argparse.Namespace, prompts: list[list[int]], warm: list[l
     for concurrency, ratio in ratios.items():
         print(
             f"concurrency {concurrency}: 2x2/1x1 output tok/s {ratio['tok_per_s_2x2_over_1x1']:.2f}x, "
-            f"TTFT p50 {ratio['ttft_p50_2x2_over_1x1']:.2f}x"
+            f"TTFT p50 {ratio['ttft_p50_2x2_over_1x1']:.2f}x; 1x1/single node output tok/s "
+            f"{ratio['tok_per_s_1x1_over_single']:.2f}x"
         )
     wire = kv_transport.run(16, 20)
     print(kv_transport.table(wire))
