@@ -23,6 +23,7 @@ Two backends: `ZmqConnector` (pyzmq over TCP, for real processes and hosts) and 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
@@ -173,7 +174,9 @@ class ZmqConnector(Connector):
     def recv(self, timeout_s: float) -> Received | LinkEvent | None:
         deadline = time.monotonic() + timeout_s
         while True:
-            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            # Rounded up: truncated, the last fraction of a millisecond became poll(0) in a loop, a spin
+            # that cost an idle router a fifth of a core (5 ms waits, 1 ms of each spent spinning).
+            remaining_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
             ready = dict(self._poller.poll(remaining_ms))
             if self._inbox in ready:
                 received = self._receive()

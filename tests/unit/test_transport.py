@@ -133,6 +133,20 @@ def test_bad_frame_counts_are_dropped_not_raised(keyed: Any) -> None:
 # ---- the parser -----------------------------------------------------------------------------------------
 
 
+def test_waiting_for_a_frame_sleeps() -> None:
+    """An idle worker or router waits on its socket most of its life: that wait must not spin. (A wait cut
+    to whole milliseconds by truncation ended in poll(0) loops: a fifth of a core for 5 ms waits.)"""
+    connector = ZmqConnector("tcp://127.0.0.1:0")
+    try:
+        cpu, wall = time.process_time(), time.monotonic()
+        for _ in range(60):
+            assert connector.recv(0.005) is None
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    finally:
+        connector.close()
+    assert wall >= 0.3 and cpu < 0.1 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s of waiting"
+
+
 def test_link_events_cannot_be_sent() -> None:
     for kind in ("peer_down", "peer_up", "error"):
         with pytest.raises(BadMessage) as err:
