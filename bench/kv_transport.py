@@ -39,6 +39,7 @@ import xxhash
 
 from kvfence.cache.pool import KVPool
 from kvfence.disagg.connector import Received, ZmqConnector
+from kvfence.disagg.decode import NIXL_POLL_S
 from kvfence.disagg.keys import TransportKeys, ephemeral
 from kvfence.disagg.messages import Bounds, Page, decode
 from kvfence.disagg.nixl_transport import NixlAgent, nixl_available
@@ -63,7 +64,11 @@ def decode_side(conn: Connection, transport: str, keys: TransportKeys | None, ad
     agent = NixlAgent("bench-decode", pool.kv) if transport == "nixl" else None
     rx = ZmqConnector(address, keys) if agent is None else None
     conn.send((agent.metadata(), agent.layout) if agent else address)
-    while (message := conn.recv()) is not None:
+    while True:
+        while agent is not None and not conn.poll(NIXL_POLL_S):
+            agent.notified()  # no progress thread: the decode worker polls its agent like this
+        if (message := conn.recv()) is None:
+            break
         if agent is not None:
             targets, sums = message
             conn.send([pool.page_checksum(t) for t in targets] == sums)

@@ -55,6 +55,7 @@ from kvfence.units import cdiv
 TRANSFER_TIMEOUT_S = 30.0  # a transfer with no progress this long is aborted
 SERVER_BUSY = "server_busy"
 RELEASED_GRANTS_KEPT = 4096  # one-sided grants given up, remembered to recognise a late WRITE's notification
+NIXL_POLL_S = 0.001  # the longest wait on the socket while a one-sided grant is live (see `wait_s`)
 
 
 @dataclass
@@ -104,6 +105,14 @@ class DecodeWorker(Worker):
     @property
     def isolation(self) -> bool:
         return self.engine.fence.enabled
+
+    def wait_s(self) -> float:
+        """NIXL runs without its progress thread (that thread spins a core even when idle), so over TCP a
+        WRITE's bytes and every notification land only while this worker polls its agent (`tick`): while
+        a grant is live, poll at least every NIXL_POLL_S instead of sleeping on the socket."""
+        if self.agent is not None and self.inbound:
+            return min(super().wait_s(), NIXL_POLL_S)
+        return super().wait_s()
 
     # ---- from the router --------------------------------------------------------------------------------
 

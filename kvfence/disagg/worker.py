@@ -35,6 +35,8 @@ from kvfence.disagg.nixl_transport import NixlAgent
 from kvfence.engine.info import engine_info
 from kvfence.engine.stats import EngineStats
 
+IDLE_WAIT_S = 0.05  # an idle worker's longest wait on its socket: how soon it ticks (deadlines, NIXL polls)
+
 log = logging.getLogger("kvfence.disagg")
 
 
@@ -53,11 +55,15 @@ class Worker:
 
     def serve_forever(self) -> None:
         while not self.stopped.is_set():
-            self.run_once(timeout_s=0.0 if self.busy() else 0.05)
+            self.run_once(timeout_s=self.wait_s())
 
     def busy(self) -> bool:
         """Work waits that is not a message (a step to run, a transfer to poll): do not sleep on recv."""
         return self.engine.has_unfinished()
+
+    def wait_s(self) -> float:
+        """How long the next receive may wait for a frame: not at all while `busy`."""
+        return 0.0 if self.busy() else IDLE_WAIT_S
 
     def run_once(self, timeout_s: float = 0.0) -> None:
         """Handle every frame waiting (the first may be waited for), then one engine step."""
