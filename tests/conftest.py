@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 
 import gguf
@@ -129,6 +130,17 @@ def make_engine(model: LlamaModel, engine_cls: type[LLMEngine] = LLMEngine, **ov
     }
     settings.update(overrides)
     return engine_cls(EngineConfig(**settings), model, log=lambda _: None)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread in this process for the test: beside worker processes, a load generator or an HTTP
+    server on a 2-core machine, two OpenMP threads spin on each other's barriers and a step can take 10 to
+    40 times longer. Restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

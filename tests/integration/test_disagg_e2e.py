@@ -25,7 +25,7 @@ from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path, file_sha256
 from kvfence.sampling import SamplingParams
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("one_torch_thread")]
 
 ADMIN = "admin-key"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
@@ -197,7 +197,7 @@ def test_incident_leaks_with_isolation_off(smollm2: GGUFModel) -> None:
         writers = {p["last_writer"] for e in events if e["kind"] == "pages_read" for p in e["pages"]}
         assert "tenant-a" in writers, f"B read no page of tenant A: {writers}"
         assert any(e["kind"] == "fault_injected" and e["fault"] == "placeholder_transfer" for e in events)
-        engine = real_engine(smollm2, max_model_len=1024)
-        assert engine.tokenizer is not None
-        solo = engine.generate([chat_ids(engine.tokenizer, LONG_PROMPT)], SamplingParams(max_tokens=16))[0]
-        assert b.parse().choices[0].message.content != solo.output_text
+    engine = real_engine(smollm2, max_model_len=1024)
+    assert engine.tokenizer is not None
+    solo = engine.generate([chat_ids(engine.tokenizer, LONG_PROMPT)], SamplingParams(max_tokens=16))[0]
+    assert b.parse().choices[0].message.content != solo.output_text

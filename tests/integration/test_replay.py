@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from kvfence.model.tokenizer import Tokenizer
 from kvfence.request import Request
 from kvfence.sampling import SamplingParams
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("one_torch_thread")]
 
 ADMIN = "replay-admin"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
@@ -46,16 +45,6 @@ MARGIN = (
     1e-3  # least top-2 logit gap of every greedy step of every replay prompt (measured: 0.016; canaries 3)
 )
 GREEDY = SamplingParams(max_tokens=REPLAY_MAX_TOKENS)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """One torch thread: on a shared 2-core machine two threads spin on each other's barriers (a step can
-    take 40x longer); both sides of every comparison here run with the same setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---- engine level -----------------------------------------------------------------------------------

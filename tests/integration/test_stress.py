@@ -11,10 +11,8 @@ pool after the drain, and /health answering throughout (RunReport.problems: kvfe
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
-import torch
 from conftest import make_engine
 
 from kvfence.harness.judge import RunReport, print_report
@@ -23,16 +21,6 @@ from kvfence.model.gguf import GGUFModel
 from kvfence.model.llama import LlamaModel
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
-
-
-@pytest.fixture
-def one_torch_thread() -> Iterator[None]:
-    """Load generator, HTTP server and engine share this process: spinning OpenMP threads slow a step by
-    up to 10x on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _caught(report: RunReport) -> int:
