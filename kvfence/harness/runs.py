@@ -187,10 +187,12 @@ def disagg_configs(plan: Plan) -> tuple[EngineConfig, EngineConfig]:
     return prefill, decode
 
 
-def run_disaggregated(gguf: GGUFModel, plan: Plan, refs_engine: LLMEngine | None = None) -> RunReport:
-    """The same load through the Router in front of a prefill and a decode worker process."""
+def run_disaggregated(
+    gguf: GGUFModel, plan: Plan, refs_engine: LLMEngine | None = None, workers: tuple[int, int] = (1, 1)
+) -> RunReport:
+    """The same load through the Router in front of `workers` = (prefill, decode) worker processes."""
     tokenizer, tenants, jobs, refs = _workload(gguf, plan, plan.seed + 1, refs_engine)
-    prefill, decode = (Spawned(config) for config in disagg_configs(plan))
+    prefill, decode = ([Spawned(config)] * n for config, n in zip(disagg_configs(plan), workers, strict=True))
     with cluster(
         prefill=prefill, decode=decode, api_keys=tenant_keys(tenants), admin_key=ADMIN_KEY, model_name=MODEL
     ) as running:

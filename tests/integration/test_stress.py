@@ -2,7 +2,8 @@
 
 Single node: 12 clients of 4 tenants, 48 requests of mixed lengths (page edges, exactly at the window,
 just beyond it), 20% hung up mid-stream, single-node faults armed at random. Disaggregated: a smaller run
-through the Router with transfer faults on the prefill worker and page faults in the decode worker.
+through the Router in front of 2 prefill x 2 decode worker processes (KV moved by NIXL where installed),
+with transfer faults on the prefill workers and page faults in the decode workers.
 Each run must show: completed requests equal to their offline references, a clear error for every other
 request, no canary of one tenant in another's output, every fault effect caught (single node), a clean
 pool after the drain, and /health answering throughout (RunReport.problems: kvfence/harness/judge.py).
@@ -63,10 +64,11 @@ def test_disaggregated_load_with_faults(smollm2: GGUFModel, one_torch_thread: No
         time_limit_s=60.0,
         seed=1,
     )
-    report = run_disaggregated(smollm2, plan)
+    report = run_disaggregated(smollm2, plan, workers=(2, 2))
     print_report(report)
     assert report.problems == []
     assert report.counts()["completed"] >= 5, report.counts()
+    assert report.drain["num_pages"] == 4 * plan.num_pages  # four pools, each drained
 
 
 def test_double_allocation_of_a_cached_page_leaves_no_stale_prefix_entry(tiny: LlamaModel) -> None:
