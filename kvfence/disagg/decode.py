@@ -18,7 +18,7 @@ the generation is still the granted one, the bytes now in the pool match the che
 the prompt. A request aborted while a WRITE may be in flight stays QUARANTINED until the prefill's ack
 (sent only once NIXL says done or failed) and, if it wrote, the WRITE's own notification here; or until
 the prefill is gone. A notification for a grant already given up is a late write: the requests now
-holding those pages are aborted.
+holding those pages are aborted, checked between steps and after each forward before its tokens are taken.
 With isolation off every one of those checks is skipped — only the lab and the fault tests do that.
 """
 
@@ -83,6 +83,7 @@ class DecodeWorker(Worker):
     ) -> None:
         super().__init__(engine, connector)
         self.agent = agent  # this pool registered with NIXL: prefill workers may WRITE into granted pages
+        engine.late_write_victims = self.late_write_victims
         self.announced: set[str] = set()  # prefill workers that were sent our NIXL agent
         # One-sided grants given up: any notification for one is a late write; `expected` ones still await
         # the notification of a WRITE that NIXL reported done before they were given up.
@@ -289,9 +290,8 @@ class DecodeWorker(Worker):
             self._send_output(output)
 
     def tick(self, now: float) -> None:
-        if self.agent is not None:
-            for request_id in self.agent.notified():
-                self._on_notified(request_id)
+        for victim in self.late_write_victims():
+            self._abort(victim, STALE_WRITE)
         for request_id, inbound in list(self.inbound.items()):
             request = self.engine.requests.get(request_id)
             if request is not None and now - inbound.last_progress > self.transfer_timeout_s:
@@ -335,27 +335,41 @@ class DecodeWorker(Worker):
             )
         return None
 
-    def _on_notified(self, request_id: str) -> None:
+    def late_write_victims(self) -> list[str]:
+        """Poll NIXL's notifications (between steps, and from the engine after each forward, before its
+        tokens are taken): the live requests a late WRITE hit, for the caller to abort. A victim still
+        waiting for its own transfer is aborted here, through the quarantine its grant needs."""
+        victims: list[str] = []
+        for request_id in self.agent.notified() if self.agent is not None else []:
+            victims += self._on_notified(request_id)
+        waiting = [v for v in victims if self.engine.requests[v].status is Status.TRANSFERRING]
+        for victim in waiting:
+            self._abort(victim, STALE_WRITE)
+        return [v for v in dict.fromkeys(victims) if v not in waiting]
+
+    def _on_notified(self, request_id: str) -> list[str]:
         """A WRITE's bytes landed. For a live grant that is progress (and, after an ack, the drain); for a
-        grant already given up it is a late write: whoever holds those pages now may read its bytes."""
+        grant already given up it is a late write: whoever holds those pages now may read its bytes.
+        Returns those holders."""
         inbound = self.inbound.get(request_id)
         if inbound is not None:
             inbound.notified = True
             if inbound.acked_write:
                 self._drain(request_id, "nixl_notified")
-            return
+            return []
         if request_id in self.expected:  # the due notification of a WRITE NIXL reported done: no alarm
             self._remember(self.released, request_id, self.expected.pop(request_id))
-            return
+            return []
         grant = self.released.pop(request_id, None)
         if grant is None or not self.isolation:
-            return
-        pool = self.engine.pool
+            return []
+        pool, victims = self.engine.pool, []
         for page, generation in grant:
             self._refuse(request_id, page, "one-sided write after its grant was released (late write)")
-            for victim in list(self.engine.requests.values()):
+            for victim in self.engine.requests.values():
                 if page in victim.record.pages and pool.generation[page] != generation:
-                    self._abort(victim.request_id, STALE_WRITE)
+                    victims.append(victim.request_id)
+        return victims
 
     def _drain(self, request_id: str, how: str) -> None:
         """Release a quarantined request (and forget its transfer), remembering a one-sided grant so that a

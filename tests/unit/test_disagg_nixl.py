@@ -31,6 +31,7 @@ from test_disagg_protocol import (
 )
 
 from kvfence.cache.pool import KVPool, PageState
+from kvfence.disagg.connector import LinkEvent, Received
 from kvfence.disagg.messages import MAX_AGENT_BYTES, BadMessage, Bounds, KvAgent, Prefill, accept, encode
 from kvfence.disagg.nixl_transport import NixlAgent, contiguous_runs, nixl_available
 from kvfence.engine.stats import EngineStats
@@ -152,23 +153,30 @@ def test_one_sided_fault_is_caught_with_isolation_on(
     assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
 
 
-def late_one_sided_write(pipe: NixlPipeline) -> None:
+def r1_acked_and_r2_in_its_pages(
+    pipe: NixlPipeline, r2_prompt: int = 22, r2_tokens: int = 2
+) -> Received | LinkEvent:
     """r1 is aborted and acked before prefill wrote it (the fault: the ack goes out, the work goes on); r2
-    gets r1's pages, is written and verified; then r1's WRITE lands in them."""
+    gets r1's pages, is written and verified. Returns r1's `prefill`, held up in the network."""
     reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
     pipe.router.send(PREFILL, Prefill("r1", "A", PROMPTS[22], DECODE, targets(reserved)))
-    held = pipe.hub.mailboxes[PREFILL].pop()  # r1's `prefill` is held up in the network
+    held = pipe.hub.mailboxes[PREFILL].pop()
     pipe.prefill.engine.faults.arm("late_write_after_cancel", times=1)
     pipe.abort("r1")
     pipe.deliver(DECODE)
     pipe.deliver(PREFILL)  # the buggy ack
     pipe.deliver(DECODE)  # with nothing written (wrote=False) the quarantine drains now
-    pipe.submit("r2", "B", PROMPTS[22], max_tokens=2)
+    pipe.submit("r2", "B", PROMPTS[22][:r2_prompt], max_tokens=r2_tokens)
     pipe.wait(lambda: "r2" not in pipe.prefill.transfers and not pipe.prefill.posted)
     pipe.deliver(DECODE)  # r2's complete: verified, resumed
-    pipe.hub.mailboxes[PREFILL].append(held)
+    return held
+
+
+def late_one_sided_write(pipe: NixlPipeline) -> None:
+    """Then r1's `prefill` arrives: r1 is computed and its WRITE lands in the pages r2 now holds."""
+    pipe.hub.mailboxes[PREFILL].append(r1_acked_and_r2_in_its_pages(pipe))
     pipe.deliver(PREFILL)
-    pipe.prefill.run_once()  # r1 computed and written into the pages r2 now holds
+    pipe.prefill.run_once()
     pipe.wait(lambda: not pipe.prefill.posted)
     pipe.wait(lambda: "r1" not in pipe.decode.released or not pipe.decode.isolation)
     pipe.run()
@@ -192,6 +200,35 @@ def test_late_one_sided_write_is_caught_with_isolation_on(
     assert "write_refused" in pipe.decode.engine.events.kinds("r1")
     assert pipe.decode.engine.pool.refused_writes >= 1
     assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
+
+
+@pytest.mark.parametrize("tokens", [4, 2], ids=["mid-answer", "its last token"])
+def test_a_late_write_during_decoding_lets_no_token_read_over_it_leave(
+    tiny: LlamaModel, pipes: Callable[..., NixlPipeline], monkeypatch: pytest.MonkeyPatch, tokens: int
+) -> None:
+    """The late bytes land while r2 decodes and their notification is not seen before r2's next step reads
+    them (held back here). The engine asks for NIXL's notifications after the forward, before the step's
+    tokens are taken, so r2 is aborted with the one token it had before, and the token computed over r1's
+    bytes is never taken, even when it would have been r2's last."""
+    pipe = pipes(tiny, isolation=True, decode_pages=6)
+    held = r1_acked_and_r2_in_its_pages(pipe, r2_prompt=20, r2_tokens=tokens)  # r1's 6 granted pages
+    pipe.decode.run_once()  # r2's first step, over its own verified KV
+    agent, late = pipe.decode.agent, []
+    assert agent is not None
+    receive = agent.notified
+    monkeypatch.setattr(agent, "notified", lambda: late.extend(receive()) or [])  # progress, ids held back
+    pipe.hub.mailboxes[PREFILL].append(held)
+    pipe.deliver(PREFILL)
+    pipe.prefill.run_once()
+    pipe.wait(lambda: not pipe.prefill.posted)  # r1's WRITE is DONE: its bytes are in r2's pages
+    assert late == ["r1"]
+    monkeypatch.setattr(agent, "notified", lambda: [*late, *receive()])
+    pipe.decode.run_once()  # r2's second step reads r1's bytes; then the notification is seen
+    pipe.run()
+    assert pipe.results["r2"] == Result(
+        solo(tiny, PROMPTS[22][:20], max_tokens=4)[:1], "aborted", STALE_WRITE
+    )
+    assert "write_refused" in pipe.decode.engine.events.kinds("r1")
 
 
 def test_a_prefill_after_its_abort_is_refused(tiny: LlamaModel, pipes: Callable[..., NixlPipeline]) -> None:
