@@ -19,7 +19,7 @@ Contracts:
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -182,18 +182,20 @@ class Metrics:
 
     async def observe(self, outputs: _Outputs) -> _Outputs:
         """Pass `outputs` through, recording the request once however it ends (closing this closes
-        `outputs`, which aborts the engine request)."""
-        arrived, first_token_at, last, status = time.monotonic(), None, None, "aborted"
+        `outputs`, which aborts the engine request). With n > 1 the outputs are the forks': tokens are
+        counted over every fork, the prompt once."""
+        arrived, first_token_at, status = time.monotonic(), None, "aborted"
+        last: dict[str, RequestOutput] = {}  # by request id: one per fork with n > 1
         try:
             async with aclosing(outputs):
                 async for output in outputs:
                     if first_token_at is None and output.new_token_ids:
                         first_token_at = time.monotonic()
                         self.ttft.observe(first_token_at - arrived)
-                    last = output
-                    if output.finished:
-                        status = output.status.value
-                        if output.status is Status.FINISHED:  # at its last token, not when the client is done
+                    last[output.request_id] = output
+                    if all(o.finished for o in last.values()):
+                        status = _status(last.values())
+                        if status == Status.FINISHED.value:  # at its last token, not when the client is done
                             self.e2e_latency.observe(time.monotonic() - arrived)
                     yield output
         except AdmissionError as exc:
@@ -201,13 +203,20 @@ class Metrics:
             self.rejections.labels(exc.code).inc()
             raise
         finally:
-            self._record(status, last, first_token_at)
+            self._record(status, list(last.values()), first_token_at)
 
-    def _record(self, status: str, last: RequestOutput | None, first_token_at: float | None) -> None:
+    def _record(self, status: str, last: list[RequestOutput], first_token_at: float | None) -> None:
         self.requests.labels(status).inc()
-        if last is None:
+        if not last:
             return
-        self.prompt_tokens.inc(last.prompt_tokens)
-        self.generation_tokens.inc(last.completion_tokens)
-        if first_token_at is not None and last.completion_tokens > 1:
-            self.tpot.observe((time.monotonic() - first_token_at) / (last.completion_tokens - 1))
+        self.prompt_tokens.inc(last[0].prompt_tokens)
+        self.generation_tokens.inc(sum(o.completion_tokens for o in last))
+        longest = max(o.completion_tokens for o in last)  # forks decode side by side, a token each a step
+        if first_token_at is not None and longest > 1:
+            self.tpot.observe((time.monotonic() - first_token_at) / (longest - 1))
+
+
+def _status(finished: Iterable[RequestOutput]) -> str:
+    """A request's status from its outputs' (its forks'): finished only if every one finished."""
+    statuses = [o.status for o in finished]
+    return next((s for s in statuses if s is not Status.FINISHED), Status.FINISHED).value

@@ -80,6 +80,19 @@ def test_forks_share_the_prompts_pages_on_the_audit_trail(url: str) -> None:
         assert held_pages(trail[:1]) == set(event["pages"]) and not held_pages(trail)
 
 
+def generated_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
+    line = next(x for x in text.splitlines() if x.startswith("kvfence_generation_tokens_total "))
+    return float(line.split()[1])
+
+
+def test_metrics_count_every_choice(url: str) -> None:
+    before = generated_tokens(url)
+    reply = client(url).chat.completions.create(model=MODEL, messages=MESSAGES, **SEEDED)  # type: ignore[call-overload]
+    assert reply.usage is not None
+    assert generated_tokens(url) - before == reply.usage.completion_tokens  # all three choices' tokens
+
+
 def test_n_out_of_range_or_best_of_other_than_n_is_400(url: str) -> None:
     for extra in ({"n": 0}, {"n": 17}, {"n": 2, "best_of": 3}):
         with pytest.raises(openai.BadRequestError) as info:
