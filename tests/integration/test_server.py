@@ -332,7 +332,8 @@ def test_metrics_need_the_admin_key_when_tenants_have_keys(server: Server) -> No
     assert "kvfence_pages_free" in server.http("GET", "/metrics", key=ADMIN_KEY).text
 
 
-def test_metrics_exposition(server: Server) -> None:
+def test_metrics_exposition(server: Server, story: ChatCompletion) -> None:
+    """`story` makes sure one request has finished, whichever tests ran before."""
     text = server.http("GET", "/metrics", key=ADMIN_KEY).text
     for name in [
         "kvfence_prompt_tokens_total",
