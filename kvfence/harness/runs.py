@@ -192,7 +192,8 @@ def run_disaggregated(
 ) -> RunReport:
     """The same load through the Router in front of `workers` = (prefill, decode) worker processes."""
     tokenizer, tenants, jobs, refs = _workload(gguf, plan, plan.seed + 1, refs_engine)
-    prefill, decode = ([Spawned(config)] * n for config, n in zip(disagg_configs(plan), workers, strict=True))
+    configs = zip(disagg_configs(plan), workers, strict=True)
+    prefill, decode = ([Spawned(config) for _ in range(n)] for config, n in configs)
     with cluster(
         prefill=prefill, decode=decode, api_keys=tenant_keys(tenants), admin_key=ADMIN_KEY, model_name=MODEL
     ) as running:
