@@ -22,8 +22,11 @@ Two backends: `ZmqConnector` (pyzmq over TCP, for real processes and hosts) and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
@@ -79,6 +82,10 @@ class Connector(ABC):
 
     def connect(self, peer: str) -> None:  # noqa: B027 - a no-op where there is no connection to open
         """Open (once) the outgoing connection to `peer`, so that its loss is noticed."""
+
+    def wake(self) -> None:  # noqa: B027 - a no-op where `recv` never waits
+        """Make a `recv` waiting in another thread return None now (something else needs the thread).
+        Safe to call from any thread."""
 
     @abstractmethod
     def role_of(self, peer: str) -> str | None:
@@ -148,6 +155,12 @@ class ZmqConnector(Connector):
         self._monitors: dict[zmq.Socket[Any], str] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._inbox, zmq.POLLIN)
+        # `wake` writes a byte here; a pipe, because a ZeroMQ socket may not be shared between threads.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
+        self._poller.register(self._wake_read, zmq.POLLIN)
+        self._wake_lock = threading.Lock()  # no wake-up may write into the pipe's fd once it is closed
+        self._closed = False
 
     def connect(self, peer: str) -> None:
         if peer in self._peers:
@@ -178,6 +191,9 @@ class ZmqConnector(Connector):
             # that cost an idle router a fifth of a core (5 ms waits, 1 ms of each spent spinning).
             remaining_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
             ready = dict(self._poller.poll(remaining_ms))
+            if self._wake_read in ready:
+                os.read(self._wake_read, 4096)  # every wake-up so far is answered by this return
+                return None
             if self._inbox in ready:
                 received = self._receive()
                 if received is not None:
@@ -206,7 +222,16 @@ class ZmqConnector(Connector):
             sender, role = known
         return Received(sender, role, header.bytes, payload.bytes)
 
+    def wake(self) -> None:
+        with self._wake_lock, contextlib.suppress(BlockingIOError):  # full: a wake-up is pending already
+            if not self._closed:
+                os.write(self._wake_write, b"\0")
+
     def close(self) -> None:
+        with self._wake_lock:
+            self._closed = True
+            os.close(self._wake_read)
+            os.close(self._wake_write)
         for socket in self._peers.values():
             socket.disable_monitor()
             socket.close()

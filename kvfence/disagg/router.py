@@ -68,6 +68,7 @@ from kvfence.trail.faults import FaultInjector
 
 Reply = TypeVar("Reply", bound=Msg)
 ROUTER_TIMEOUT_S = 120.0  # no message from the workers for this long: the router gives up on the request
+IO_WAIT_S = 0.05  # the I/O thread's longest wait for a frame (an outgoing message wakes it at once)
 
 log = logging.getLogger("kvfence.disagg")
 
@@ -144,6 +145,8 @@ class Router:
 
     def shutdown(self) -> None:
         self._stopped.set()
+        if self._ready.done() and self._ready.exception() is None:
+            self._ready.result().wake()
         self._thread.join(timeout=10)
 
     @property
@@ -283,6 +286,7 @@ class Router:
 
     def _send(self, peer: str, message: Msg) -> None:
         self._outbox.put((peer, message))
+        self._ready.result().wake()  # the I/O thread sends it now, not when its wait ends
 
     def _ask(self, peer: str, question: Callable[[str], Msg], answer: type[Reply]) -> Reply:
         """A blocking request/reply with a worker (never call it on the event loop): only an `answer`,
@@ -307,7 +311,7 @@ class Router:
             while not self._stopped.is_set():
                 while not self._outbox.empty():
                     connector.send(*self._outbox.get_nowait())
-                received = connector.recv(0.005)
+                received = connector.recv(IO_WAIT_S)
                 if received is not None:
                     self._dispatch_safely(received)
                 self.rejected.update(connector.rejected)

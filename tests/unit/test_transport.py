@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from typing import Any
 
@@ -145,6 +146,21 @@ def test_waiting_for_a_frame_sleeps() -> None:
     finally:
         connector.close()
     assert wall >= 0.3 and cpu < 0.1 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s of waiting"
+
+
+def test_wake_ends_a_wait_from_another_thread() -> None:
+    """The router's I/O thread waits on its socket while messages for the workers queue up in other
+    threads: `wake` hands it the thread at once (it used to poll its queue every 5 ms), and is harmless
+    once the connector is closed (its pipe's fd may then belong to someone else)."""
+    connector = ZmqConnector("tcp://127.0.0.1:0")
+    try:
+        threading.Timer(0.05, connector.wake).start()
+        started = time.monotonic()
+        assert connector.recv(30.0) is None
+        assert time.monotonic() - started < 10.0
+    finally:
+        connector.close()
+    connector.wake()
 
 
 def test_link_events_cannot_be_sent() -> None:
