@@ -32,18 +32,24 @@ from kvfence.cli_checks import (
     fault_spec,
     protection_lines,
 )
-from kvfence.cli_options import add_engine_options, add_http_options, add_transport_options, engine_config
+from kvfence.cli_options import (
+    add_engine_options,
+    add_http_options,
+    add_kv_transport_option,
+    add_scale_options,
+    add_transport_options,
+    address_list,
+    engine_config,
+)
 from kvfence.config import CapacityError, EngineConfig
-from kvfence.disagg.launch import add_kv_transport_option, add_scale_options, address_list
-from kvfence.engine.async_engine import EngineClient
-from kvfence.engine.engine import AdmissionError, LLMEngine, load_engine
-from kvfence.request import Request, Status
-from kvfence.sampling import SamplingParams
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
 
 if TYPE_CHECKING:
     from kvfence.disagg.keys import TransportKeys
+    from kvfence.engine.async_engine import EngineClient
+    from kvfence.engine.engine import LLMEngine
+    from kvfence.request import Request
 
 ROLES = ("prefill", "decode", "router")
 DEFAULT_LISTEN = "tcp://127.0.0.1:5600"  # a worker's address when neither --listen nor its key names one
@@ -55,6 +61,8 @@ def _log(message: str) -> None:
 
 def _load_engine(config: EngineConfig, events: EventLog | None = None) -> LLMEngine | None:
     """The engine, or None after printing why it refused to start (the window does not fit the pool)."""
+    from kvfence.engine.engine import load_engine  # torch: only once a model is to be loaded
+
     try:
         return load_engine(config, events, log=_log)
     except CapacityError as exc:
@@ -71,12 +79,12 @@ def _report(args: argparse.Namespace, front: Front | None) -> None:
 def _serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if args.role != "single":
-        from kvfence.disagg.launch import run_worker
-
         keys = _transport_keys(args, args.role, [args.listen] if args.listen else [])
         check_engine(config)
         _report(args, None)
         listen = args.listen or _own_address(keys) or DEFAULT_LISTEN
+        from kvfence.disagg.launch import run_worker  # the worker's engine: torch, after every check
+
         run_worker(args.role, config, listen, keys=keys, kv_transport=args.kv_transport)
         return 0
     check_engine(config)
@@ -204,6 +212,12 @@ def _keys_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lab(args: argparse.Namespace) -> int:
+    from kvfence.audit import lab  # the lab runs engines: torch
+
+    return lab.run(args)
+
+
 def _faults(specs: list[tuple[str, float]]) -> FaultInjector:
     faults = FaultInjector()
     for name, rate in specs:
@@ -243,6 +257,9 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
         )
+    from kvfence.engine.engine import AdmissionError
+    from kvfence.sampling import SamplingParams
+
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         request = engine.add_request(prompt, params)
@@ -261,6 +278,8 @@ def _stream(engine: LLMEngine, request: Request) -> int:
             if output.request_id == request.request_id and output.new_text:
                 sys.stdout.write(output.new_text)
                 sys.stdout.flush()
+    from kvfence.request import Status
+
     print(flush=True)
     if request.status is not Status.FINISHED:
         _log(f"error: request {request.status.value}: {request.finish_reason}")
@@ -347,16 +366,22 @@ def build_parser() -> argparse.ArgumentParser:
         )
     generate_keys.set_defaults(run=_keys_generate)
 
-    from kvfence.audit import cli as audit_cli
-    from kvfence.audit import lab
+    from kvfence.audit import cli as audit_cli  # HTTP only: no torch
 
     audit_parser = commands.add_parser("audit", help="the five acceptance checks against a running server")
     audit_cli.add_arguments(audit_parser)
     audit_parser.set_defaults(run=audit_cli.run)
 
     lab_parser = commands.add_parser("lab", help="the four-request isolation lab on the real model")
-    lab.add_arguments(lab_parser)
-    lab_parser.set_defaults(run=lab.run)
+    lab_parser.add_argument("--model", type=Path, help="GGUF file (default: the packaged SmolLM2)")
+    lab_parser.add_argument(
+        "--mode",
+        choices=["single", "disaggregated", "both"],
+        default="both",
+        help="which deployment runs the four requests (default: %(default)s)",
+    )
+    lab_parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    lab_parser.set_defaults(run=_lab)
 
     generate = commands.add_parser("generate", help="generate one answer offline and print it")
     add_engine_options(generate)

@@ -24,17 +24,12 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, TypeVar
 
-import torch
-
-from kvfence.config import CapacityError, EngineConfig, check_window
+from kvfence.config import DTYPE_BYTES, CapacityError, EngineConfig, capacity_report, check_window
 from kvfence.sampling import SamplingDefaults
 from kvfence.trail.faults import FAULTS, parse_fault_spec
 from kvfence.units import parse_size
-
-if TYPE_CHECKING:
-    from kvfence.model.llama import LlamaModel
 
 SPARE_FILES = 64  # file descriptors beyond the connection cap: the model, logs, ZeroMQ sockets
 T = TypeVar("T")
@@ -225,6 +220,11 @@ def check_model(path: Path | None) -> ModelShape:
 
 
 def check_device(device: str) -> None:
+    """`auto` and `cpu` need no look: only a named accelerator makes this load torch to find it."""
+    if device in ("auto", "cpu"):
+        return
+    import torch
+
     try:
         parsed = torch.device(device)
     except RuntimeError as exc:
@@ -237,24 +237,13 @@ def check_device(device: str) -> None:
         raise StartupError(f"--device {device}: no such CUDA device on this machine; use --device cpu")
 
 
-@dataclass(frozen=True)
-class _HeaderModel:
-    """What `capacity_report` reads of a model (its config and dtype), known before the weights load."""
-
-    config: ModelShape
-    dtype: torch.dtype
-
-
 def check_engine(config: EngineConfig) -> None:
     """The device, the model file and the pool against the window, before any weight is loaded: the same
-    capacity report and window check the engine runs once it has loaded."""
-    from kvfence.engine.builder import capacity_report
-
+    capacity report and window check the engine runs once it has loaded, from the GGUF header alone."""
     check_device(config.device)
     shape = check_model(config.model)
-    header = cast("LlamaModel", _HeaderModel(shape, getattr(torch, config.dtype)))
     try:
-        check_window(capacity_report(config, header), shape.context_length)
+        check_window(capacity_report(config, shape, DTYPE_BYTES[config.dtype]), shape.context_length)
     except CapacityError as exc:
         raise StartupError(str(exc)) from exc
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 from kvfence.cli_checks import (
     fault_spec,
@@ -23,14 +21,12 @@ from kvfence.cli_checks import (
     temperature,
     top_p,
 )
-from kvfence.config import EngineConfig
-from kvfence.model.llama import DECODE_ATTENTION, DECODE_MATMUL
+from kvfence.config import DECODE_ATTENTION, DECODE_MATMUL, EngineConfig
 from kvfence.trail.faults import FAULTS
 from kvfence.units import format_size
 
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+KV_TRANSPORTS = ("auto", "nixl", "zmq")
+MAX_WORKERS_PER_ROLE = 64  # --prefill-workers/--decode-workers: processes on one host, not a fleet
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -46,8 +42,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--device",
-        default=default_device(),
-        help="torch device (default: cuda if available, else cpu; here: %(default)s)",
+        default="auto",
+        help="torch device, e.g. cpu, cuda, cuda:1 (default: %(default)s: cuda if available, else cpu)",
     )
     g.add_argument(
         "--page-size",
@@ -225,3 +221,41 @@ def add_transport_options(parser: argparse.ArgumentParser) -> None:
         help="allow a non-loopback address without keys (any process that reaches it may send: trusted "
         "networks only; shown in /v1/audit/info and failed by kvfence audit)",
     )
+
+
+def add_kv_transport_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-transport",
+        choices=KV_TRANSPORTS,
+        default="auto",
+        help="how a PD worker moves KV pages: one-sided NIXL writes, or ZeroMQ frames; auto: nixl where "
+        "installed and the pool is in host memory (default: %(default)s)",
+    )
+
+
+def add_scale_options(parser: argparse.ArgumentParser) -> None:
+    """`serve --disaggregated`: how many workers of each role to start on this host."""
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-workers",
+            type=_worker_count,
+            default=1,
+            metavar="N",
+            help=f"with --disaggregated: {role} worker processes to start (default: %(default)s)",
+        )
+
+
+def _worker_count(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_WORKERS_PER_ROLE:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a whole number from 1 to {MAX_WORKERS_PER_ROLE}"
+        )
+    return int(text)
+
+
+def address_list(text: str) -> list[str]:
+    """`A,B,...`: one worker address or several (`kvfence router --prefill`, `kvfence keys generate`)."""
+    addresses = [a.strip() for a in text.split(",")]
+    if not all(addresses) or len(set(addresses)) != len(addresses):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ADDRESS[,ADDRESS...], each once")
+    return addresses

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+# Bytes per element of each --dtype: the pool's size is known before torch (or the model) loads.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can run (C on CPU, Triton on CUDA)
+DECODE_MATMUL = ("auto", "kernel", "dense")  # auto: the kernel where it can run (float32 on CPU, quantized)
 
 
 @dataclass
@@ -16,7 +22,7 @@ class EngineConfig:
 
     model: Path | None = None
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "cpu"  # the CLI's default is "auto": cuda if available, resolved when the model loads
     page_size: int = 16
     num_pages: int | None = None  # wins over kv_cache_memory when set
     kv_cache_memory: int = 512 * 2**20  # SmolLM2 float32: 11,648 tokens, the 8,192 window fits
@@ -27,8 +33,8 @@ class EngineConfig:
     isolation: bool = True
     faults: dict[str, float] = field(default_factory=dict)
     num_threads: int | None = None
-    decode_attention: str = "auto"  # auto | kernel | sdpa (see kvfence.model.llama.DECODE_ATTENTION)
-    decode_matmul: str = "auto"  # auto | kernel | dense (see kvfence.model.llama.DECODE_MATMUL)
+    decode_attention: str = "auto"  # auto | kernel | sdpa (see DECODE_ATTENTION)
+    decode_matmul: str = "auto"  # auto | kernel | dense (see DECODE_MATMUL)
     trace_pages: bool = False  # audit `pages_read` events: which pages each request reads, whose data
     # Per-tenant limits (None: only the engine's own). Waiting requests beyond the queue limit are refused
     # with 429; the running and page limits keep a tenant's further requests waiting.
@@ -64,6 +70,32 @@ class CapacityReport:
             f"KV pool: {self.num_pages} pages x {self.page_size} tokens = {self.capacity_tokens} tokens "
             f"({self.pool_bytes / 2**20:.1f} MiB); context window: {self.context_window} tokens"
         )
+
+
+class KVShape(Protocol):
+    """What a pool's size and the window depend on: the model's config, or its GGUF header alone."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+
+
+def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """One page's K and V over every layer."""
+    return num_layers * 2 * page_size * num_kv_heads * head_dim * dtype_bytes
+
+
+def capacity_report(config: EngineConfig, shape: KVShape, dtype_bytes: int) -> CapacityReport:
+    """The pool `config` asks for, in pages and bytes, next to the context window it must hold."""
+    per_page = page_bytes(shape.num_layers, config.page_size, shape.num_kv_heads, shape.head_dim, dtype_bytes)
+    num_pages = config.num_pages or config.kv_cache_memory // per_page
+    return CapacityReport(
+        num_pages=num_pages,
+        page_size=config.page_size,
+        pool_bytes=num_pages * per_page,
+        context_window=config.max_model_len or shape.context_length,
+    )
 
 
 class CapacityError(RuntimeError):

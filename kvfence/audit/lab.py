@@ -23,7 +23,6 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -309,17 +308,6 @@ def format_table(rows: list[Row]) -> str:
     ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, help="GGUF file (default: the packaged SmolLM2)")
-    parser.add_argument(
-        "--mode",
-        choices=["single", "disaggregated", "both"],
-        default="both",
-        help="which deployment runs the four requests (default: %(default)s)",
-    )
-    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:

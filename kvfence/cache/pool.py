@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import xxhash
 
+from kvfence.config import page_bytes
+
 NO_OWNER = -1
 
 
@@ -58,9 +60,7 @@ class KVPool:
     def bytes_per_page(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        return (
-            num_layers * 2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        )
+        return page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype.itemsize)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [pages, page_size, kv_heads, head_dim] of one layer's K and V."""

@@ -10,7 +10,6 @@ the first that can run here. Either way every control message stays on the authe
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import multiprocessing as mp
 import os
@@ -33,48 +32,8 @@ WORKERS: dict[str, type[Worker]] = {"prefill": PrefillWorker, "decode": DecodeWo
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0  # how long a worker may take to stop after SIGTERM before it is killed
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:0"
-KV_TRANSPORTS = ("auto", "nixl", "zmq")
 # Builds a worker's engine in the worker process: a module-level function (spawn pickles it by name).
 EngineFactory = Callable[[EngineConfig], HandoffEngine]
-MAX_WORKERS_PER_ROLE = 64  # --prefill-workers/--decode-workers: processes on one host, not a fleet
-
-
-def add_kv_transport_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kv-transport",
-        choices=KV_TRANSPORTS,
-        default="auto",
-        help="how a PD worker moves KV pages: one-sided NIXL writes, or ZeroMQ frames; auto: nixl where "
-        "installed and the pool is in host memory (default: %(default)s)",
-    )
-
-
-def add_scale_options(parser: argparse.ArgumentParser) -> None:
-    """`serve --disaggregated`: how many workers of each role to start on this host."""
-    for role in ("prefill", "decode"):
-        parser.add_argument(
-            f"--{role}-workers",
-            type=_worker_count,
-            default=1,
-            metavar="N",
-            help=f"with --disaggregated: {role} worker processes to start (default: %(default)s)",
-        )
-
-
-def _worker_count(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= MAX_WORKERS_PER_ROLE:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a whole number from 1 to {MAX_WORKERS_PER_ROLE}"
-        )
-    return int(text)
-
-
-def address_list(text: str) -> list[str]:
-    """`A,B,...`: one worker address or several (`kvfence router --prefill`, `kvfence keys generate`)."""
-    addresses = [a.strip() for a in text.split(",")]
-    if not all(addresses) or len(set(addresses)) != len(addresses):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ADDRESS[,ADDRESS...], each once")
-    return addresses
 
 
 def kv_agent(role: str, engine: HandoffEngine, kv_transport: str) -> NixlAgent | None:

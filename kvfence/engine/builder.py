@@ -15,7 +15,7 @@ from kvfence.cache.fence import Fence
 from kvfence.cache.manager import KVCacheManager
 from kvfence.cache.pool import KVPool
 from kvfence.cache.prefix import PrefixCache
-from kvfence.config import CapacityReport, EngineConfig, check_window
+from kvfence.config import CapacityReport, EngineConfig, capacity_report, check_window
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.scheduler import Scheduler, TenantLimits
 from kvfence.engine.trace import PageTrace
@@ -38,25 +38,10 @@ class EngineParts:
     runner: ModelRunner
 
 
-def capacity_report(config: EngineConfig, model: LlamaModel) -> CapacityReport:
-    """The pool `config` asks for, in pages and bytes, next to the context window it must hold."""
-    mc = model.config
-    page_bytes = KVPool.bytes_per_page(
-        mc.num_layers, config.page_size, mc.num_kv_heads, mc.head_dim, model.dtype
-    )
-    num_pages = config.num_pages or config.kv_cache_memory // page_bytes
-    return CapacityReport(
-        num_pages=num_pages,
-        page_size=config.page_size,
-        pool_bytes=num_pages * page_bytes,
-        context_window=config.max_model_len or mc.context_length,
-    )
-
-
 def check_start(config: EngineConfig, model: LlamaModel, log: Callable[[str], None]) -> CapacityReport:
     """Say what will serve (pool vs window, decode paths, isolation) and refuse a window that cannot be
     served: longer than the pool holds or than the model's own window (CapacityError)."""
-    capacity = capacity_report(config, model)
+    capacity = capacity_report(config, model.config, model.dtype.itemsize)
     log(capacity.describe())
     for part, path, note in (
         ("attention", model.decode_attention, model.decode_attention_note),

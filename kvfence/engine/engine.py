@@ -22,12 +22,13 @@ from kvfence.config import EngineConfig
 from kvfence.engine.builder import build_parts
 from kvfence.engine.output import OutputProcessor, RequestOutput
 from kvfence.engine.runner import StepResult
+from kvfence.engine.sampler import make_generator
 from kvfence.engine.scheduler import Batch
 from kvfence.grammar.compiler import RequestGrammar
 from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.request import Request, Status, fork_id
-from kvfence.sampling import SamplingParams, TokenLogprobs, make_generator
+from kvfence.sampling import SamplingParams, TokenLogprobs
 from kvfence.trail.events import EventLog
 from kvfence.trail.reasons import INTEGRITY_REASONS
 from kvfence.units import cdiv
@@ -359,6 +360,7 @@ def load_engine(
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     path = config.model or default_model_path()
-    gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=config.device, progress=log)
+    device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=device, progress=log)
     model = LlamaModel.from_gguf(gguf, config.decode_attention, config.decode_matmul)
     return engine_cls(config, model, Tokenizer.from_gguf(gguf), events, log, model_file=gguf.path)

@@ -16,10 +16,11 @@ import torch
 
 from kvfence.cache.fence import Fence, StepLayout
 from kvfence.cache.pool import KVPool
+from kvfence.engine.sampler import raw_logprobs, sample, token_logprobs
 from kvfence.grammar import mask as grammar_mask
 from kvfence.model.llama import LlamaModel, PrefillSeq, StepInputs
 from kvfence.request import Request
-from kvfence.sampling import TokenLogprobs, raw_logprobs, sample, token_logprobs
+from kvfence.sampling import TokenLogprobs
 from kvfence.trail.faults import FaultInjector
 from kvfence.units import cdiv
 

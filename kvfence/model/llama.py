@@ -20,14 +20,13 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
+from kvfence.config import DECODE_ATTENTION, DECODE_MATMUL
 from kvfence.model import packed_matmul, paged_kernel, triton_attention
 from kvfence.model.gguf import GGUFModel, LlamaConfig, QuantizedWeight
 from kvfence.model.packed_matmul import PackedWeight
 from kvfence.model.paged_decode import PagedDecode
 
 K = TypeVar("K")
-DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can run (C on CPU, Triton on CUDA)
-DECODE_MATMUL = ("auto", "kernel", "dense")  # auto: the kernel where it can run (float32 on CPU, quantized)
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

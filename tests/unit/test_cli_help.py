@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,22 @@ def test_every_default_is_in_the_help(name: str) -> None:
 def test_sizes_are_shown_in_human_units() -> None:
     text = subcommand("serve").format_help()
     assert "(default: 512 MiB)" in text and "536870912" not in text
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["audit", "--help"], ["router", "--help"]])
+def test_help_loads_no_torch(argv: list[str]) -> None:
+    """`kvfence ... --help` answers at once: in a fresh interpreter, building the parser and printing the
+    help leave torch (and the engine) out of sys.modules."""
+    code = (
+        "import sys\n"
+        "from kvfence.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0, exit.code\n"
+        "heavy = ('torch', 'kvfence.engine', 'kvfence.model', 'kvfence.cache')\n"
+        "assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "usage: kvfence" in done.stdout

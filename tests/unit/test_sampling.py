@@ -10,11 +10,7 @@ import torch
 from conftest import LogitsRecorder, make_engine
 
 from kvfence.engine.output import RequestOutput
-from kvfence.model.llama import LlamaModel
-from kvfence.request import Status
-from kvfence.sampling import (
-    SamplingDefaults,
-    SamplingParams,
+from kvfence.engine.sampler import (
     adjusted_rows,
     make_generator,
     probabilities,
@@ -22,6 +18,9 @@ from kvfence.sampling import (
     sample,
     token_logprobs,
 )
+from kvfence.model.llama import LlamaModel
+from kvfence.request import Status
+from kvfence.sampling import SamplingDefaults, SamplingParams
 
 VOCAB = 40
 
