@@ -43,11 +43,24 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        scratch_page: bool = False,
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
+        # The scratch page (captured decode graphs pad their buckets with rows that write only there) is
+        # allocated with the pool, past `num_pages`: no metadata, so no allocator hands it out and the fence
+        # never validates a read of it; allocated here, not appended later, so nothing registered on `kv`
+        # is orphaned and the pool's memory is never briefly doubled.
+        self.scratch_page = num_pages if scratch_page else None
         self.kv = torch.zeros(
-            num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            num_layers,
+            2,
+            num_pages + scratch_page,
+            page_size,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            device=device,
         )
         self.generation = np.zeros(num_pages, dtype=np.int64)
         self.owner = np.full(num_pages, NO_OWNER, dtype=np.int64)

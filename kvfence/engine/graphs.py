@@ -11,7 +11,7 @@ model's own forward, so the numbers are the eager path's for the same padded bat
   host->device copy per step; a block table row is copied only when it changed (a page was added, or
   another request took the row), against a host mirror, so a steady decode step copies no table at all.
 - Padding rows (bucket minus batch) read and write only the scratch page: a page of the KV tensor beyond
-  the pool's `num_pages`, which no allocator hands out (`add_scratch_page`). So a padding row touches
+  the pool's `num_pages`, which no allocator hands out (`KVPool(scratch_page=True)`). So a padding row touches
   nothing any request owns, and the fence's guarantee is untouched: the real rows read exactly the pages
   the fence validated, as in the eager path.
 - The device seam is `GraphBackend.capture(fn) -> replay`: `CudaGraphBackend` records `fn` into a
@@ -44,15 +44,6 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 def bucket_for(rows: int, buckets: list[int]) -> int | None:
     """The smallest bucket holding `rows`, None when none does."""
     return next((b for b in buckets if b >= rows), None)
-
-
-def add_scratch_page(pool: KVPool) -> int:
-    """Give the pool's KV tensor one page past `num_pages` (the page metadata, and so every allocator and
-    the fence, still range over `num_pages` only) and return its index: the page padding rows use."""
-    kv = pool.kv
-    if kv.shape[2] == pool.num_pages:
-        pool.kv = torch.cat([kv, torch.zeros_like(kv[:, :, :1])], dim=2)
-    return pool.num_pages
 
 
 @dataclass
@@ -128,7 +119,11 @@ class DecodeGraphRunner:
         backend: GraphBackend,
     ) -> None:
         self.model, self.pool, self.backend = model, pool, backend
-        self.scratch_page = add_scratch_page(pool)
+        if pool.scratch_page is None:
+            raise ValueError(
+                "captured decode pads into a scratch page: build the pool with scratch_page=True"
+            )
+        self.scratch_page = pool.scratch_page
         self.buckets = batch_buckets(max_num_seqs)
         size, device = self.buckets[-1], model.device
         self.width = max_pages_per_seq
@@ -136,7 +131,8 @@ class DecodeGraphRunner:
         self.packed_host = torch.zeros(4, size, dtype=torch.long)
         self.packed = torch.zeros(4, size, dtype=torch.long, device=device)
         self.tables_host = np.full((size, self.width), self.scratch_page, dtype=np.int64)
-        self.tables = torch.from_numpy(self.tables_host).to(device)
+        # A copy even on CPU (`.to("cpu")` would alias the mirror, and a missing device copy would go unseen).
+        self.tables = torch.from_numpy(self.tables_host).to(device, copy=True)
         self.table_rows_copied = 0  # block-table rows sent to the device in the last step
         self._graphs: dict[int, Replay] = {}
 

@@ -36,7 +36,7 @@ class FakeGraphs:
 
 def new_pool(seed: int = 0) -> KVPool:
     pool = KVPool(
-        TINY.num_layers, NUM_PAGES, PAGE_SIZE, TINY.num_kv_heads, TINY.head_dim, torch.float32, "cpu"
+        TINY.num_layers, NUM_PAGES, PAGE_SIZE, TINY.num_kv_heads, TINY.head_dim, torch.float32, "cpu", True
     )
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(seed)))
     return pool
@@ -93,12 +93,21 @@ def test_real_rows_equal_the_eager_forward_and_padding_touches_only_scratch(atte
     logits = graphs.run(batch)
     expected = eager(model, theirs, batch)
     assert logits is not None and logits.shape == expected.shape == (3, TINY.vocab_size)
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)  # BLAS rounds by row count
+    # BLAS rounds by row count (1.5e-5 seen on an AVX-512 EPYC): close, and the same greedy tokens
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
-    # Every page a request can own holds exactly what the eager step left; the padding row wrote only
-    # into the scratch page, past the pool's pages.
+    # Every slot the step did not write holds exactly what it held (the padding row wrote only into the
+    # scratch page, past the pool's pages); the slots the real rows wrote hold the eager step's K/V up to
+    # BLAS rounding: the projections of a 4-row and a 3-row batch round differently on some CPUs (2.6e-6
+    # seen on an AVX-512 EPYC). Only the decode kernels pin batch invariance, not these GEMMs.
     assert ours.kv.shape[2] == NUM_PAGES + 1 and graphs.scratch_page == NUM_PAGES
-    assert torch.equal(ours.kv[:, :, :NUM_PAGES], theirs.kv)
+    mine, eager_kv = ours.kv[:, :, :NUM_PAGES].flatten(2, 3), theirs.kv[:, :, :NUM_PAGES].flatten(2, 3)
+    written = torch.from_numpy(batch.slots)
+    untouched = torch.ones(NUM_PAGES * PAGE_SIZE, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(mine[:, :, untouched], eager_kv[:, :, untouched])
+    torch.testing.assert_close(mine[:, :, written], eager_kv[:, :, written], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(mine[:, :, written], new_pool().kv[:, :, :NUM_PAGES].flatten(2, 3)[:, :, written])
     assert not torch.equal(ours.kv[:, :, NUM_PAGES, 0], torch.zeros_like(ours.kv[:, :, NUM_PAGES, 0]))
 
 
