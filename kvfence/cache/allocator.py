@@ -27,9 +27,13 @@ class PageAllocator:
         self.prefix = prefix
         self.faults = faults
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(pool.num_pages))
-        self.refcount = np.zeros(pool.num_pages, dtype=np.int64)
         self._tenant_ids: dict[str, int] = {}
         self.stale_releases = 0  # references a record no longer held when it was released
+
+    @property
+    def refcount(self) -> np.ndarray:
+        """References per page: the pool's `holders`, which only this allocator edits."""
+        return self.pool.holders
 
     def tenant_id(self, tenant: str) -> int:
         """A stable small integer per tenant name (the pool's `owner` values)."""

@@ -138,7 +138,10 @@ class Fence:
         if layout.write_pages.size == 0:
             return {}
         allowed = self.pool.authorize_writes(
-            layout.write_pages, layout.write_generations, layout.tenants[layout.write_rows]
+            layout.write_pages,
+            layout.write_generations,
+            layout.tenants[layout.write_rows],
+            layout.write_offsets,
         )
         return _first_reason_per_row(layout.write_rows, ((STALE_WRITE, ~allowed),))
 

@@ -10,6 +10,9 @@ Metadata (README: "How the fence works") is host-side numpy, one entry per page:
   written     slots written at this generation      (the KV writer only; reset to 0 on allocation)
   state       FREE / OWNED / QUARANTINED            (allocator only)
   last_writer tenant whose data the page holds      (the KV writer; survives reallocation, for tracing)
+  holders     requests that map the page            (allocator only: its reference counts)
+Writes are append-only and exclusive: a write into slot s needs s >= written (a written slot is never
+rewritten, whoever asks) and at most one holder (a page another request can read is never written).
 Bookkeeping lives on the host because the scheduler that edits it runs there, and so the fence check
 never has to synchronise with the device.
 """
@@ -67,6 +70,7 @@ class KVPool:
         self.written = np.zeros(num_pages, dtype=np.int64)
         self.state = np.full(num_pages, PageState.FREE, dtype=np.int8)
         self.last_writer = np.full(num_pages, NO_OWNER, dtype=np.int64)
+        self.holders = np.zeros(num_pages, dtype=np.int64)
         self.refused_writes = 0
 
     @staticmethod
@@ -100,13 +104,19 @@ class KVPool:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv.dtype)
         self.kv[:, :, page].copy_(data.view(self.kv[:, :, page].shape))
 
-    def authorize_writes(self, pages: np.ndarray, generations: np.ndarray, tenants: np.ndarray) -> np.ndarray:
-        """Fenced writes (invariant 2): a write is allowed only into a page that is OWNED by the writer's
-        tenant at the generation the writer names. Returns the allowed mask; refusals are counted."""
+    def authorize_writes(
+        self, pages: np.ndarray, generations: np.ndarray, tenants: np.ndarray, offsets: np.ndarray
+    ) -> np.ndarray:
+        """Fenced writes (invariant 2): a write of slot `offsets[i]` is allowed only into a page that is
+        OWNED by the writer's tenant at the generation the writer names, past every slot already written
+        (append-only) and mapped by at most one request (exclusive). Returns the allowed mask; refusals are
+        counted."""
         allowed = (
             (self.generation[pages] == generations)
             & (self.owner[pages] == tenants)
             & (self.state[pages] == PageState.OWNED)
+            & (offsets >= self.written[pages])
+            & (self.holders[pages] <= 1)
         )
         self.refused_writes += int(allowed.size - np.count_nonzero(allowed))
         return allowed
@@ -125,6 +135,7 @@ class KVPool:
             np.array([dst], dtype=np.int64),
             np.array([dst_generation], dtype=np.int64),
             np.array([tenant], dtype=np.int64),
+            np.zeros(1, dtype=np.int64),
         )
         if not allowed[0]:
             return False

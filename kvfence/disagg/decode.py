@@ -219,7 +219,8 @@ class DecodeWorker(Worker):
             self._abort(request_id, CHECKSUM_MISMATCH)
             return
         one = np.array([page])
-        if not self.engine.pool.authorize_writes(one, np.array([generation]), np.array([record.tenant]))[0]:
+        tenant = np.array([record.tenant])
+        if not self.engine.pool.authorize_writes(one, np.array([generation]), tenant, np.zeros(1, int))[0]:
             self.engine.events.emit(request_id, "write_refused", page=page, why="stale generation or owner")
             self._abort(request_id, STALE_WRITE)
             return
@@ -321,7 +322,8 @@ class DecodeWorker(Worker):
             return INCOMPLETE_HANDOFF
         pages = np.array(record.pages[:needed])
         tenants = np.full(needed, record.tenant)
-        if not pool.authorize_writes(pages, np.array(record.generations[:needed]), tenants).all():
+        generations, first_slots = np.array(record.generations[:needed]), np.zeros(needed, dtype=np.int64)
+        if not pool.authorize_writes(pages, generations, tenants, first_slots).all():
             self.engine.events.emit(request_id, "write_refused", why="stale generation or owner")
             return STALE_WRITE
         for logical, (page, checksum) in enumerate(zip(pages.tolist(), checksums, strict=True)):
