@@ -395,10 +395,39 @@ def run_cells(result: RunResult) -> list[object]:
     ]
 
 
+class Verdicts:
+    """The verdicts a script has given. A missed target must fail the script, not only read FAIL in its
+    output: the script's main returns `exit_status()`, which is 1 once any verdict failed."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def record(self, name: str, passed: bool) -> str:
+        """'PASS' or 'FAIL' for the check `name`; a failure is kept for the exit status."""
+        if not passed:
+            self.failed.append(name)
+        return "PASS" if passed else "FAIL"
+
+    def exit_status(self) -> int:
+        """0 when every verdict passed; else 1, after naming the failed ones (the last line of the run)."""
+        if self.failed:
+            print(f"FAILED {len(self.failed)} verdict(s): {'; '.join(self.failed)}")
+        return 1 if self.failed else 0
+
+
+VERDICTS = Verdicts()  # the script's own: one process, one script
+
+
 def verdict(name: str, passed: bool, detail: str) -> str:
-    line = f"{'PASS' if passed else 'MISS'}  {name}: {detail}"
+    """Print and return the verdict's line; a FAIL makes `exit_status()` non-zero."""
+    line = f"{VERDICTS.record(name, passed)}  {name}: {detail}"
     print(line)
     return line
+
+
+def exit_status() -> int:
+    """What a bench script exits with (`sys.exit(main())`): non-zero when any of its verdicts failed."""
+    return VERDICTS.exit_status()
 
 
 def write_json(name: str, payload: dict[str, Any]) -> Path:

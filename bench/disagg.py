@@ -50,6 +50,7 @@ import asyncio
 import itertools
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,10 +64,12 @@ import xxhash
 from common import (
     CONTENDED,
     RUN_HEADERS,
+    VERDICTS,
     W1,
     ForeignCpu,
     RequestTiming,
     RunResult,
+    exit_status,
     make_prompts,
     run_cells,
     wait_for_quiet,
@@ -657,7 +660,9 @@ def report(
         ],
     )
     ratio = versus["transfer_gb_per_s_curve_over_plain"]
-    tag = "NOISY" if versus["contended"] else "PASS" if versus["passed"] else "MISS"
+    # A contended run's verdict is noise: it reads NOISY, but a miss still fails the exit status.
+    result = VERDICTS.record("CURVE cost", versus["passed"])
+    tag = "NOISY" if versus["contended"] else result
     print(
         f"{tag}  CURVE costs {versus['curve_cost_pct']:.1f}% of PD output "
         f"tok/s (target <= {versus['target_pct']:.0f}%)"
@@ -669,7 +674,7 @@ def report(
     if versus["contended"]:
         print(
             f"      (contended: others used > {CONTENDED * 100:.0f}% of the CPUs during a run: the verdict"
-            f" is noise; it would read {'PASS' if versus['passed'] else 'MISS'})"
+            f" is noise; it would read {result})"
         )
     first = checksums[0]
     print(
@@ -703,7 +708,7 @@ def report(
     print(f"      CURVE / plain: {wire['curve_over_plain']:.2f}")
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     config, metadata = read_header(default_model_path())
     tokenizer = Tokenizer(metadata)
@@ -711,7 +716,7 @@ def main() -> None:
     warm = make_prompts(tokenizer, 2, 48, salt=-1)
     if args.scale:
         scale_bench(args, prompts, warm)
-        return
+        return exit_status()
     print(f"checksum microbenchmark over {args.pages} pages, CURVE and plain", flush=True)
     checksums = [checksum_microbench(config, args.pages, transport) for transport in ("CURVE", "plain")]
     print(f"transport microbenchmark: {args.transport_rounds} x {args.transport_pages} pages", flush=True)
@@ -752,7 +757,8 @@ def main() -> None:
             "transport_microbench": wire,
         },
     )
+    return exit_status()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,6 +20,7 @@ Writes bench/results/fence_overhead.json.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from common import (
     RunResult,
     Workload,
     build_engine,
+    exit_status,
     load_weights,
     make_prompts,
     median_min_max,
@@ -185,7 +187,7 @@ def verdicts(s: dict[str, Any]) -> list[str]:
     ]
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     pairs = 2 if args.quick and args.pairs == 5 else args.pairs
     base = Workload(W1.name, W1.num_requests, W1.prompt_len, 32 if args.quick else W1.max_tokens)
@@ -208,7 +210,8 @@ def main() -> None:
     write_json(
         "fence_overhead", {"quick": args.quick, "workload": base, "summaries": summaries, "verdicts": lines}
     )
+    return exit_status()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,16 +10,24 @@ One table, and bench/results/gpu.json:
   faults      each single-node fault: isolation off leaks (the victim's tokens change), on aborts exactly
               the culprit with its reason while the others keep their solo tokens (the scenarios of
               tests/unit/test_fence_faults.py, on the real model)
-  graphs      a decode step replayed from a captured graph (CUDA; an eager stand-in on CPU) vs the eager
-              forward: greedy tokens equal, logits max diff, ms per step; the decode attention in use
+  graphs      a decode step of one row fewer than its bucket (so a padding row runs, in the scratch page)
+              replayed from a captured graph (CUDA; an eager stand-in on CPU: no capture, so there the row
+              checks padding and the fence only) vs the eager forward: the fence validates the step's layout,
+              the graph's static buffers name exactly that layout (padding: the scratch page only), greedy
+              tokens equal; logits max diff, ms per step; the decode attention in use
   W1          256 requests, 64 prompt / 128 output tokens, greedy, ignore_eos, at concurrency 64 and 256,
               and HF generate() at the same batch sizes in the same run; fence share of step time
-  server      TPOT through the HTTP server: skipped (fastapi missing, or not measured by this script)
+  server      TPOT p50/p95 through a `kvfence serve` process on the device, W1 prompts streamed by 16 and
+              64 clients; skipped, with the reason, when the server cannot start
+Every PASS/FAIL row is a verdict, and a section that raised is one that failed: the script exits 1 when
+any failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import importlib.util
 import sys
 import time
@@ -28,20 +36,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from common import W1, build_engine, load_hf_model, load_weights, make_prompts, run_kvfence, write_json
+from common import (
+    VERDICTS,
+    W1,
+    RunResult,
+    build_engine,
+    exit_status,
+    load_hf_model,
+    load_weights,
+    make_prompts,
+    run_kvfence,
+    write_json,
+)
 
+from kvfence.cache.fence import Fence, StepLayout
 from kvfence.engine.engine import LLMEngine
-from kvfence.engine.graphs import CudaGraphBackend, DecodeBatch, DecodeGraphRunner, Replay
+from kvfence.engine.graphs import CudaGraphBackend, DecodeBatch, DecodeGraphRunner, Replay, bucket_for
 from kvfence.engine.runner import build_layout
+from kvfence.engine.scheduler import Batch
 from kvfence.harness.tables import print_table
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.llama import LlamaModel
+from kvfence.model.tokenizer import Tokenizer
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv
 
 REPO = Path(__file__).resolve().parent.parent
+SERVER_CLIENTS = (16, 64)
 GOLDEN = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
 Row = tuple[str, str, str]  # check, result, detail
 
@@ -97,14 +121,15 @@ def golden_rows(
     same_solo = sum(a == b for a, b in zip(ours, solo, strict=True))
     n = len(prompts)
     return [
-        ("golden tokens == CPU path", verdict(same_cpu == n), f"{same_cpu}/{n} prompts, {tokens} tokens"),
-        ("golden tokens == HF on device", verdict(same_hf == n), f"{same_hf}/{n} prompts, up to EOS"),
-        ("batched == solo", verdict(same_solo == n), f"{same_solo}/{n} prompts"),
+        checked("golden tokens == CPU path", same_cpu == n, f"{same_cpu}/{n} prompts, {tokens} tokens"),
+        checked("golden tokens == HF on device", same_hf == n, f"{same_hf}/{n} prompts, up to EOS"),
+        checked("batched == solo", same_solo == n, f"{same_solo}/{n} prompts"),
     ]
 
 
-def verdict(passed: bool) -> str:
-    return "PASS" if passed else "FAIL"
+def checked(name: str, passed: bool, detail: str) -> Row:
+    """A verdict row: PASS or FAIL, and a FAIL fails the script's exit status."""
+    return name, VERDICTS.record(name, passed), detail
 
 
 def fault_cases(model: LlamaModel) -> types.ModuleType:
@@ -150,12 +175,13 @@ def fault_rows(model: LlamaModel) -> list[Row]:
         detail = (
             f"off: {'leaked' if leaked else 'no change'}; on: {culprit.finish_reason}, others solo {others}"
         )
-        rows.append((f"fault {name}", verdict(passed), detail))
+        rows.append(checked(f"fault {name}", passed, detail))
     return rows
 
 
 class EagerBackend:
-    """The graph seam on CPU: no capture, the forward runs again on every replay."""
+    """The graph seam on CPU: no capture, the forward runs again on every replay. So on CPU the graph row
+    checks the runner's padding and buffers and the fence, not what a capture adds (frozen addresses)."""
 
     def capture(self, fn: Replay) -> Replay:
         return fn
@@ -172,43 +198,105 @@ def timed(fn: Callable[[], object], device: str, repeat: int) -> float:
     return (time.perf_counter() - started) / repeat
 
 
-def graph_rows(gguf: GGUFModel, model: LlamaModel, device: str, rows: int) -> list[Row]:
-    """One decode step of `rows` requests: the graph replay against the eager forward."""
-    engine = engine_on(gguf, model, max_num_seqs=rows, num_pages=rows * 6 + 8, max_model_len=80)
+def mid_decode(gguf: GGUFModel, model: LlamaModel, rows: int) -> tuple[LLMEngine, Batch, StepLayout]:
+    """An engine (its pool with the scratch page) decoding `rows - 1` requests, its next step's batch and
+    that step's layout."""
+    engine = engine_on(
+        gguf, model, max_num_seqs=rows, num_pages=rows * 6 + 8, max_model_len=80, decode_graphs=True
+    )
     assert engine.tokenizer is not None
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    for prompt in make_prompts(engine.tokenizer, rows, 40, salt=3):
-        engine.add_request(prompt, params)
+    # A tenant per row: a buffer naming another row's page is then a foreign read, which the fence names.
+    for index, prompt in enumerate(make_prompts(engine.tokenizer, rows - 1, 40, salt=3)):
+        engine.add_request(prompt, params, f"tenant-{index}")
     for _ in range(3):  # prefill, then decode steps
         engine.step()
+    batch = engine.scheduler.schedule()
+    return engine, batch, build_layout(batch.requests, batch.num_new_tokens, engine.pool.page_size)
+
+
+def graph_rows(gguf: GGUFModel, model: LlamaModel, device: str, rows: int) -> list[Row]:
+    """One decode step of `rows - 1` requests in the `rows` bucket, so a padding row runs (a bucket-sized
+    batch would never touch the scratch page): the graph replay against the eager forward, and the step the
+    graph's buffers describe validated by the fence, as the runner validates a layout before a forward."""
+    engine, batch, layout = mid_decode(gguf, model, rows)
     backend = CudaGraphBackend() if device == "cuda" else EagerBackend()
     graphs = DecodeGraphRunner(model, engine.pool, rows, max_pages_per_seq=8, backend=backend)
-    batch = engine.scheduler.schedule()
-    layout = build_layout(batch.requests, batch.num_new_tokens, engine.pool.page_size)
     tokens = torch.tensor([r.all_token_ids[r.num_computed_tokens] for r in batch.requests]).numpy()
     decode = DecodeBatch.from_layout(layout, tokens, engine.pool.page_size)
     inputs, _ = engine.runner._model_inputs(batch.requests, batch.num_new_tokens, layout)
     eager = model.forward(inputs, engine.pool.kv).clone()
     replayed = graphs.run(decode)
     assert replayed is not None
+    bucket = bucket_for(decode.rows, graphs.buckets)
+    assert bucket is not None
+    violations = fence_on_replay(engine.fence, graphs, layout)
+    padding = padding_in_scratch(graphs, decode.rows, bucket)
     diff = (replayed - eager).abs().max().item()
     same = bool(torch.equal(replayed.argmax(-1), eager.argmax(-1)))
     eager_s = timed(lambda: model.forward(inputs, engine.pool.kv), device, 10)
     graph_s = timed(lambda: graphs.run(decode), device, 10)
-    kind = "CUDA graph" if device == "cuda" else "eager stand-in"
+    kind = "CUDA graph" if device == "cuda" else "eager stand-in: padding and fence only, no capture"
     note = f"({model.decode_attention_note})" if model.decode_attention_note else ""
     return [
-        (
-            f"graph replay ({kind}), {rows} rows",
-            verdict(same),
-            f"argmax equal {same}, max |logit diff| {diff:.1e}",
+        checked(
+            f"graph replay ({kind}), {decode.rows} rows in bucket {bucket}",
+            not violations and padding and same,
+            f"fence on the replayed layout: {violations or 'clean'}; {bucket - decode.rows} padding row(s) "
+            f"in the scratch page only {padding}; argmax equal {same}, max |logit diff| {diff:.1e}",
         ),
         (
-            f"decode forward {rows} rows",
+            f"decode forward {decode.rows} rows",
             f"{graph_s * 1e3:.2f} ms replayed",
             f"{eager_s * 1e3:.2f} ms eager; decode attention {model.decode_attention} {note}",
         ),
     ]
+
+
+def fence_on_replay(fence: Fence, graphs: DecodeGraphRunner, layout: StepLayout) -> str:
+    """What the fence finds in the step the graph replayed ('' when it validates), with the validation the
+    runner runs on a layout before every forward."""
+    replayed = replayed_layout(graphs, layout)
+    if replayed is None:
+        return "the buffers name other pages than the step's records"
+    return ", ".join(f"row {row}: {reason}" for row, reason in fence.validate_step(replayed).items())
+
+
+def replayed_layout(graphs: DecodeGraphRunner, layout: StepLayout) -> StepLayout | None:
+    """The step the graph's static buffers (the device copies it read) describe for the real rows: the
+    pages each row attends over, up to its context length, and each write's slot. Tenants and generations
+    are not in the buffers: they are the records' (`layout`), page by page. None when the buffers read or
+    write other pages than the records: the fence tells one tenant's pages from another's (mid_decode gives
+    each row its own), not one row's pages in another order."""
+    rows, page_size = layout.tenants.size, graphs.pool.page_size
+    _, positions, slots, lens = graphs.packed[:, :rows].cpu().numpy()
+    tables = graphs.tables[:rows].cpu().numpy()
+    counts = cdiv(lens, page_size)
+    pages = np.concatenate([tables[row, :count] for row, count in enumerate(counts)])
+    same = np.array_equal(pages, layout.pages) and np.array_equal(slots // page_size, layout.write_pages)
+    if not same:
+        return None
+    return StepLayout(
+        tenants=layout.tenants,
+        num_cached=lens - 1,  # a decode row attends over its cached tokens and the one it feeds
+        starts=np.concatenate([[0], np.cumsum(counts)]),
+        pages=pages,
+        generations=layout.generations,
+        write_rows=np.arange(rows),
+        write_pages=slots // page_size,
+        write_generations=layout.write_generations,
+        write_offsets=slots % page_size,
+        write_positions=positions,
+    )
+
+
+def padding_in_scratch(graphs: DecodeGraphRunner, rows: int, bucket: int) -> bool:
+    """At least one padding row, and the padding rows' table and write slot name only the scratch page (no
+    metadata, so the fence cannot speak for it)."""
+    scratch, page_size = graphs.scratch_page, graphs.pool.page_size
+    tables = graphs.tables[rows:bucket].cpu().numpy()
+    slots = graphs.packed[2, rows:bucket].cpu().numpy()
+    return bucket > rows and bool((tables == scratch).all() and (slots // page_size == scratch).all())
 
 
 def hf_tok_s(
@@ -247,32 +335,64 @@ def w1_rows(gguf: GGUFModel, model: LlamaModel, hf: torch.nn.Module, device: str
     return rows
 
 
-def server_rows() -> list[Row]:
+def server_rows(device: str, tokenizer: Tokenizer, quick: bool) -> list[Row]:
+    """TPOT through a `kvfence serve` process on `device`: W1 prompts streamed at each of SERVER_CLIENTS
+    concurrent clients (bench/disagg.py's client: TPOT = (last chunk - first text chunk) / (tokens - 1))."""
     if importlib.util.find_spec("fastapi") is None:
-        return [("server TPOT", "skipped", "fastapi missing")]
-    return [("server TPOT", "skipped", "not measured by this script yet (fastapi present)")]
+        return [("server TPOT", "skipped", "fastapi missing: `kvfence serve` cannot start")]
+    from kvfence.harness.cluster import cluster  # needs fastapi
+
+    waves, max_tokens = (1, 16) if quick else (4, W1.max_tokens)
+    window = W1.prompt_len + max_tokens
+    args = ["--device", device, "--max-num-seqs", str(max(SERVER_CLIENTS)), "--max-model-len", str(window)]
+    stack = contextlib.ExitStack()
+    try:
+        url = stack.enter_context(cluster(serve_args=args)).url
+    except RuntimeError as error:  # it exited or never answered /health: what happened, its last line why
+        lines = str(error).strip().splitlines()
+        why = " ".join(dict.fromkeys((lines[0], lines[-1].strip())))
+        return [("server TPOT", "skipped", f"`kvfence serve` did not start: {why}")]
+    with stack:
+        tpot_row(url, tokenizer, 4, 4, 4)  # a warm-up: the server's one-off allocations are not measured
+        return [tpot_row(url, tokenizer, clients, clients * waves, max_tokens) for clients in SERVER_CLIENTS]
 
 
-def main() -> None:
+def tpot_row(url: str, tokenizer: Tokenizer, clients: int, requests: int, max_tokens: int) -> Row:
+    """`requests` fresh W1 prompts streamed by `clients` concurrent clients: TPOT p50 and p95."""
+    from disagg import drive  # needs fastapi, through the harness's cluster
+
+    prompts = make_prompts(tokenizer, requests, W1.prompt_len, salt=100 + clients)
+    _, timings, wall = asyncio.run(drive(url, prompts, max_tokens, clients))
+    result = RunResult("server", clients, len(timings), wall, len(timings) * max_tokens, timings)
+    return (
+        f"server TPOT c{clients} ({requests} req, {max_tokens} out)",
+        f"p50 {result.pct('tpot', 50) * 1e3:.2f} ms",
+        f"p95 {result.pct('tpot', 95) * 1e3:.2f} ms; {result.tok_per_s:,.0f} out tok/s",
+    )
+
+
+def main() -> int:
     args = parse_args()
     started = time.perf_counter()
     gguf = load_weights()
     device_gguf = gguf if args.device == "cpu" else load_gguf_on(gguf, args.device)
     model = LlamaModel.from_gguf(device_gguf)
     hf = load_hf_model(gguf).to(args.device)
+    tokenizer = Tokenizer.from_gguf(gguf)
     rows: list[Row] = []
     sections: list[tuple[str, Callable[[], list[Row]]]] = [
         ("golden", lambda: golden_rows(device_gguf, model, hf, args.device, 8 if args.quick else 24)),
         ("faults", lambda: fault_rows(model)),
         ("graphs", lambda: graph_rows(device_gguf, model, args.device, 4 if args.quick else 64)),
         ("W1", lambda: w1_rows(device_gguf, model, hf, args.device, args.quick)),
-        ("server", server_rows),
+        ("server", lambda: server_rows(args.device, tokenizer, args.quick)),
     ]
     for name, section in sections:
         section_started = time.perf_counter()
         try:
             rows += section()
         except Exception as error:  # one broken section must not hide the others' results
+            VERDICTS.record(f"{name} section", False)
             rows.append((name, "ERROR", f"{type(error).__name__}: {error}"))
         print(f"{name}: {time.perf_counter() - section_started:.1f}s", flush=True)
     print_table(("check", "result", "detail"), rows)
@@ -282,6 +402,7 @@ def main() -> None:
     if torch.cuda.is_available():
         payload["gpu"] = torch.cuda.get_device_name()
     write_json("gpu", payload)
+    return exit_status()
 
 
 def load_gguf_on(gguf: GGUFModel, device: str) -> GGUFModel:
@@ -291,4 +412,4 @@ def load_gguf_on(gguf: GGUFModel, device: str) -> GGUFModel:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from common import DEFAULT_THREADS, THREADS_HELP, build_engine, load_weights, verdict, write_json
+from common import DEFAULT_THREADS, THREADS_HELP, build_engine, exit_status, load_weights, verdict, write_json
 
 from kvfence.engine.engine import LLMEngine
 from kvfence.grammar import mask as grammar_mask
@@ -181,7 +182,7 @@ def measure(
     return rows, records, medians
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -209,7 +210,8 @@ def main() -> None:
     worst = min(medians)
     verdict("grammar tokens/s", worst >= TARGET, f"worst median ratio {worst:.3f} (target >= {TARGET})")
     write_json("structured", {"args": vars(args), "target": TARGET, "cells": records})
+    return exit_status()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

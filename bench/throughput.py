@@ -17,6 +17,7 @@ Writes bench/results/throughput.json.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,7 @@ from common import (
     Workload,
     build_engine,
     contention_threshold,
+    exit_status,
     load_hf_model,
     load_weights,
     make_prompts,
@@ -118,7 +120,7 @@ def c16_ratio(results: list[RunResult]) -> float:
     return find("kvfence").tok_per_s / find("hf").tok_per_s
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     bench = Bench(args.threads)
     count = args.requests or (4 if args.quick else None)
@@ -162,7 +164,8 @@ def main() -> None:
         for name, ratio in ratios.items()
     ]
     write_json("throughput", payload)
+    return exit_status()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

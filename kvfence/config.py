@@ -35,6 +35,7 @@ class EngineConfig:
     num_threads: int | None = None
     decode_attention: str = "auto"  # auto | kernel | sdpa (see DECODE_ATTENTION)
     decode_matmul: str = "auto"  # auto | kernel | dense (see DECODE_MATMUL)
+    decode_graphs: bool = False  # a scratch page in the pool for captured decode graphs' padding rows
     trace_pages: bool = False  # audit `pages_read` events: which pages each request reads, whose data
     # Per-tenant limits (None: only the engine's own). Waiting requests beyond the queue limit are refused
     # with 429; the running and page limits keep a tenant's further requests waiting.

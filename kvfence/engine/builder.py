@@ -73,6 +73,7 @@ def build_parts(
         mc.head_dim,
         model.dtype,
         model.device,
+        scratch_page=config.decode_graphs,
     )
     prefix = PrefixCache(pool, faults) if config.enable_prefix_caching else None
     allocator = PageAllocator(pool, prefix, faults)
