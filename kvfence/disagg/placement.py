@@ -4,9 +4,19 @@ which workers are down, and the tokens it has in flight on each.
 Contract: `choose` is invariant 3 across processes. It refuses (AdmissionError) before anything is
 reserved unless a reachable pair exists, the request fits the window and, isolation on, the chosen pair's
 pools, each compared alone, never summed: a request's KV lives in one prefill and one decode worker. Of
-the workers that fit, each role's pick is the one with the most headroom (capacity minus the tokens of the
-requests in flight there), the first listed on a tie, so the choice is deterministic. `take` and
-`release` keep those tokens; nothing here sends a message.
+the workers that fit, each role's pick is the one with room for the request now (headroom: capacity minus
+the tokens of the requests in flight there, at least what the request needs) and, among those, the least
+loaded by the router's own count of tokens in flight; when none has room, the one with the most headroom.
+The first listed wins a tie, so the choice is deterministic. `take` and `release` keep those tokens;
+nothing here sends a message.
+
+Why headroom counts only up to the request's need: a capacity is the worker's own claim (`replies.worker`
+caps it, but cannot know the real pool). Ranked by raw headroom, a worker claiming a pool far larger than
+the others' would take every request until its claim was spent, other tenants' prompts included. Capped,
+a claim buys nothing beyond "this request fits": requests spread by what the router itself sent, and a
+larger claim only draws what the honest workers cannot hold now. The price: an honest larger pool is no
+longer preferred while a smaller one still has room (tokens in flight even out, then the larger pool
+takes what the smaller cannot hold).
 """
 
 from __future__ import annotations
@@ -15,31 +25,19 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from kvfence.disagg.messages import HelloReply
 from kvfence.engine.engine import AdmissionError, context_refusal
 
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """A worker as its hello (over the authenticated channel) describes it."""
+    """A worker as its hello (over the authenticated channel) describes it, checked by `replies.worker`."""
 
     role: str
     capacity_tokens: int
     max_model_len: int
     page_size: int
     isolation: bool
-    info: dict[str, Any]  # the worker's engine_info, for /v1/audit/info
-
-    @classmethod
-    def from_hello(cls, reply: HelloReply) -> WorkerInfo:
-        return cls(
-            reply.role,
-            reply.capacity_tokens,
-            reply.max_model_len,
-            reply.page_size,
-            reply.isolation,
-            reply.info,
-        )
+    info: dict[str, Any]  # the worker's engine_info (bounded pins), for /v1/audit/info
 
 
 @dataclass
@@ -99,8 +97,9 @@ class Placement:
         return Route(prefill, decode, prompt, prompt + budget)
 
     def _pick(self, role: str, prompt: int, budget: int, need: int) -> str:
-        """The reachable `role` worker whose pool holds `need` tokens with the most headroom (first listed
-        on a tie). A pool is compared alone, never summed: the request's KV lives in one worker."""
+        """The reachable `role` worker whose pool holds `need` tokens: of those with room for it now the
+        least loaded, else the one with the most headroom (first listed on a tie). A pool is compared
+        alone, never summed: the request's KV lives in one worker."""
         known = [a for a in self.by_role[role] if self.names[a] in self.workers]
         fits = [a for a in known if not self.isolation or need <= self.info(a).capacity_tokens]
         if not fits:
@@ -113,7 +112,8 @@ class Placement:
             raise AdmissionError(
                 f"{role}_unavailable", f"The {role} worker is unreachable; retry later.", 503
             )
-        return max(up, key=lambda a: self.info(a).capacity_tokens - self.load[a])
+        # Headroom beyond `need` is only claimed: it ranks no worker above another (module docstring).
+        return max(up, key=lambda a: (min(self.info(a).capacity_tokens - self.load[a], need), -self.load[a]))
 
     def take(self, request_id: str, route: Route) -> None:
         self.routes[request_id] = route

@@ -2,8 +2,8 @@
 
 It implements the server's EngineClient, so the HTTP layer (auth, errors, SSE) is the single-node one.
 Per request: choose a pair (the reachable prefill and decode worker whose pools fit the request, each
-with the most headroom: capacity minus the tokens of the requests the router has in flight there; ties
-go to the first listed, so the choice is deterministic), fail-closed admission against the window and
+of those with room for it the least loaded by the tokens the router has in flight there, `placement.py`;
+ties go to the first listed, so the choice is deterministic), fail-closed admission against the window and
 THAT pair's pools (before anything is reserved), then decode `reserve` -> prefill `prefill` (with decode's
 targets) -> decode's outputs streamed back. Leaving early (client gone, router timeout) sends the pair's
 decode `abort`; decode then quarantines and drains. A worker whose link drops takes only its own
@@ -18,7 +18,9 @@ All sockets live on one I/O thread; asyncio callers talk to it through a queue a
 trusts nothing it receives: a frame is parsed into its declared type, its authenticated sender must have
 the role that may send that kind, a reply must answer a question this router asked that very worker, and
 a request's messages must come from the worker it was sent to. Everything else is dropped and counted;
-no frame can end the thread (`alive` says whether it runs, and /health with it).
+no frame can end the thread (`alive` says whether it runs, and /health with it). What a reply says is
+untrusted too (a worker's key may be stolen): its stats, audit events, pool and pins go through
+`replies.py` before anything uses them, and what it drops or caps is counted as `bad_reply`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
+from kvfence.disagg import replies
 from kvfence.disagg.connector import Connector, LinkEvent, Received, ZmqConnector
 from kvfence.disagg.keys import TransportKeys, worker_names
 from kvfence.disagg.messages import (
@@ -69,8 +72,17 @@ from kvfence.trail.faults import FaultInjector
 Reply = TypeVar("Reply", bound=Msg)
 ROUTER_TIMEOUT_S = 120.0  # no message from the workers for this long: the router gives up on the request
 IO_WAIT_S = 0.05  # the I/O thread's longest wait for a frame (an outgoing message wakes it at once)
+POOLS_NOTE = (
+    "each pool's pins are its worker's own claim (its hello, over the authenticated channel), typed and "
+    "bounded by the router but not verified; capacity_tokens, max_model_len, page_size and isolation are "
+    "the values the router uses, the capacity capped"
+)
 
 log = logging.getLogger("kvfence.disagg")
+
+
+class BadReply(RuntimeError):
+    """A worker answered, but nothing of its answer can be used (dropped, counted as `bad_reply`)."""
 
 
 class Router:
@@ -86,7 +98,10 @@ class Router:
         faults: FaultInjector | None = None,
         timeout_s: float = ROUTER_TIMEOUT_S,
         keys: TransportKeys | None = None,
+        max_capacity_tokens: int = replies.MAX_CAPACITY_TOKENS,
     ) -> None:
+        """`max_capacity_tokens`: the largest pool the router believes a worker has; a larger claim is
+        capped (`replies.worker`)."""
         prefills = [prefill] if isinstance(prefill, str) else list(prefill)
         decodes = [decode] if isinstance(decode, str) else list(decode)
         if not prefills or not decodes or len(set(prefills + decodes)) != len(prefills) + len(decodes):
@@ -101,6 +116,7 @@ class Router:
         self.events = events or EventLog()
         self.faults = faults or FaultInjector()
         self.timeout_s = timeout_s
+        self.max_capacity_tokens = max_capacity_tokens
         self._listen, self._keys = listen, keys
         self._outbox: queue.Queue[tuple[str, Msg]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Msg]]] = {}
@@ -108,6 +124,9 @@ class Router:
         # token -> (the worker asked, the reply kind, the future awaiting it); None for a re-hello
         self._replies: dict[str, tuple[str, str, concurrent.futures.Future[Msg] | None]] = {}
         self.rejected: Counter[str] = Counter()  # frames dropped by the I/O thread, by reason
+        # `bad_reply` is counted by callers' threads too (stats, audit); every other reason by the I/O
+        # thread alone, so this lock guards that one count.
+        self._bad_reply_lock = threading.Lock()
         self._bounds = Bounds(max_tokens=1 << 20, vocab_size=vocab_size)
         self._tokens = itertools.count()
         self._stopped = threading.Event()
@@ -126,7 +145,11 @@ class Router:
             reply = self._ask(address, lambda token: Hello(token=token), HelloReply)
             if reply.role != role:
                 raise RuntimeError(f"{address} answers as a {reply.role} worker, not {role}")
-            self.placement.workers[name] = WorkerInfo.from_hello(reply)
+            worker, problems = replies.worker(reply, None, self.max_capacity_tokens)  # mismatch() compares
+            self._drop_items(address, problems)
+            if worker is None:
+                raise RuntimeError(f"{address}: {problems[-1]}")
+            self.placement.workers[name] = worker
         problem = self.placement.mismatch()
         if problem is not None:
             raise RuntimeError(problem)
@@ -254,32 +277,42 @@ class Router:
             "max_model_len": self.max_model_len,
             "router": code_info(),
             "pools": {name: worker.info for name, worker in self.workers.items()},
+            "pools_note": POOLS_NOTE,
         }
 
     def stats(self) -> dict[str, EngineStats]:
-        """Each reachable worker's pool (a lost one has no series until it is back), and the frames this
-        router dropped."""
+        """Each reachable worker's pool (a lost one, or one whose answer is dropped, has no series until
+        it answers again), and the frames and reply items this router dropped."""
         workers = {}
         for name, address in self.addresses.items():
             if address not in self.placement.down:
-                with contextlib.suppress(TimeoutError):  # a hung worker must not take /metrics with it
+                # Neither a hung worker nor a lying one may take /metrics with it.
+                with contextlib.suppress(TimeoutError, BadReply):
                     workers[name] = self.worker_stats(name)
         return {**workers, "router": EngineStats.transport_only(self.rejected)}
 
     def worker_stats(self, name: str) -> EngineStats:
-        """One worker's pool and fence counters, and the frames it dropped (blocking)."""
+        """One worker's pool and fence counters, and the frames it dropped (blocking); BadReply when its
+        answer is not EngineStats within bounds."""
         address = self.addresses[name]
-        return EngineStats.from_dict(self._ask(address, lambda t: Stats(token=t), StatsReply).stats)
+        stats, problems = replies.stats(self._ask(address, lambda t: Stats(token=t), StatsReply).stats)
+        self._drop_items(address, problems)
+        if stats is None:
+            raise BadReply(f"{name}: {problems[-1]}")
+        return stats
 
     def audit_events(self, request_id: str) -> list[dict[str, Any]]:
         """The request's trail across the router and every worker that answers, in time order; each
         worker's events are tagged with its name (`where`). A worker that does not answer in time (lost)
-        adds nothing rather than failing the whole trail."""
+        adds nothing rather than failing the whole trail, and an event that is not sane (no `ts` to sort
+        on, another request's, unbounded) is left out, the others kept."""
         events = [{**e, "where": "router"} for e in self.events.for_request(request_id)]
         for name, address in self.addresses.items():
             with contextlib.suppress(TimeoutError):
                 reply = self._ask(address, lambda t: Audit(token=t, request_id=request_id), AuditReply)
-                events += [{**e, "where": name} for e in reply.events]
+                kept, problems = replies.events(reply.events, request_id)
+                self._drop_items(address, problems)
+                events += [{**e, "where": name} for e in kept]
         return sorted(events, key=lambda e: e["ts"])
 
     # ---- the I/O thread ---------------------------------------------------------------------------------
@@ -333,6 +366,18 @@ class Router:
     def _drop(self, sender: str, reason: str, detail: str) -> None:
         self.rejected[reason] += 1
         log.warning("router: dropped a frame from %s (%s): %s", sender, reason, detail)
+
+    def _drop_items(self, sender: str, problems: list[str]) -> None:
+        """Count each item of a reply that `replies` dropped or capped, and log them once per reply (a
+        reply may carry thousands of bad events)."""
+        if not problems:
+            return
+        with self._bad_reply_lock:
+            self.rejected["bad_reply"] += len(problems)
+        shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
+        log.warning(
+            "router: %d item(s) of a reply from %s not taken (bad_reply): %s", len(problems), sender, shown
+        )
 
     def _dispatch(self, item: Received) -> None:
         try:
@@ -391,14 +436,16 @@ class Router:
             return
         role, name = self.roles[address], self.names[address]
         if hello.role != role:
-            log.error("router: %s answers as a %s worker, not %s", address, hello.role, role)
+            self._drop_items(address, [f"hello as a {hello.role} worker, not {role}"])
             return
-        self.placement.workers[name] = WorkerInfo.from_hello(hello)
-        problem = self.placement.mismatch()
-        if problem is not None:
-            log.error("router: %s refused after reconnecting: %s", name, problem)
+        agreed = self.placement.workers[name].page_size  # start() made every worker agree on one
+        worker, problems = replies.worker(hello, agreed, self.max_capacity_tokens)
+        self._drop_items(address, problems)
+        if worker is None:
+            log.error("router: %s refused after reconnecting: %s", name, problems[-1])
             self.placement.down.add(address)
             return
+        self.placement.workers[name] = worker
         self.placement.max_model_len = self.placement.window()
         self.placement.down.discard(address)
 
