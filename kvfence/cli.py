@@ -203,9 +203,14 @@ def _run_router(
 
 
 def _keys_generate(args: argparse.Namespace) -> int:
-    from kvfence.disagg.keys import generate, named
+    from kvfence.disagg.keys import KeyConfigError, generate, named
 
-    book = generate(args.directory, [spec for role in ROLES for spec in named(role, getattr(args, role))])
+    specs = [spec for role in ROLES for spec in named(role, getattr(args, role))]
+    try:
+        book = generate(args.directory, specs, force=args.force)
+    except KeyConfigError as exc:  # keys already there, or a directory others could write: one line
+        _log(f"error: {exc}")
+        return 2
     _log(f"wrote {args.directory}/peers and one .secret per process (mode 0600):")
     for peer in book:
         _log(f"  {peer.name:9} {peer.address}: copy {peer.name}.secret and peers to that host only")
@@ -364,6 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"where the {role} listens"
             + ("" if role == "router" else f" (several: named {role}-0, {role}-1... by position)"),
         )
+    generate_keys.add_argument(
+        "--force",
+        action="store_true",
+        help="replace keys already in DIR (every host must then get its new ones)",
+    )
     generate_keys.set_defaults(run=_keys_generate)
 
     from kvfence.audit import cli as audit_cli  # HTTP only: no torch

@@ -1,8 +1,9 @@
 """Acceptance checks 2 to 5 and tenant_pages, white-box: read from the probe requests' audit trails
 (`GET /v1/audit/requests/{id}`) and the pool on /metrics (check 1, pinned_versions, is pinned.py).
 
-2. capacity               pool capacity (pages from /metrics x page size) vs the advertised window and
-                          the window measured by the boundary probe: the window must fit the pool;
+2. capacity               each pool alone (pages x page size, from /v1/audit/info, else /metrics) vs the
+                          advertised window and the one the boundary probe measured: every pool must
+                          hold the window, never the pools summed, and the two windows must agree;
 3. rejection_terminates   inside/at the boundary answered; beyond it refused with a 4xx whose trail holds
                           `rejected` and no allocation, transfer, read or step event;
 4. complete_handoff       a request whose KV was not complete (a fault fired, an integrity abort) ends in an
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvfence.audit.client import Exchange
@@ -59,53 +61,92 @@ FORBIDDEN_AFTER_ABORT = frozenset({"step", "validated", "page_received", "transf
 # ---- 2. capacity ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PoolCapacity:
+    """One pool's KV capacity."""
+
+    pages: int
+    page_size: int
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.page_size
+
+
+def pool_capacities(
+    server: dict[str, Any] | None, pool: PoolState, page_size: int
+) -> dict[str, PoolCapacity]:
+    """Each pool by name (`single`, `prefill`, `decode-1`...): the server's own numbers from
+    /v1/audit/info, else its pages on /metrics (one series per role) x the auditor's page size."""
+    if server is not None:
+        pools = server["pools"].items()
+        return {name: PoolCapacity(int(p["num_pages"]), int(p["page_size"])) for name, p in pools}
+    return {name: PoolCapacity(pages, page_size) for name, pages in pool.pages_by_pool.items()}
+
+
 def check_capacity(
-    pool: PoolState, boundary: Boundary | None, advertised: int | None, page_size: int, disaggregated: bool
+    server: dict[str, Any] | None,
+    pool: PoolState,
+    boundary: Boundary | None,
+    advertised: int | None,
+    page_size: int,
 ) -> CheckResult:
-    """The measured window (largest prompt+max_tokens answered) and the advertised one must agree and
-    fit the pool (pages summed over /metrics states x page size)."""
-    pool_tokens = pool.total_pages * page_size
-    facts: dict[str, Any] = {
-        "pool_pages": pool.total_pages,
-        "page_size": page_size,
-        "pool_tokens": pool_tokens,
-        "advertised_window": advertised,
-        "measured": boundary.to_dict() if boundary else None,
-        "note": "pages summed over prefill and decode pools" if disaggregated else "single pool",
-    }
-    problems = []
-    if pool.total_pages == 0:
-        problems.append({"problem": "/metrics shows no kvfence_pages: pool capacity unknown"})
+    """Every pool alone must hold the window (the advertised one, or the measured largest prompt +
+    max_tokens answered where that is larger), and the two windows must agree. Pools are never summed: a
+    request's prompt (up to the window) lives whole in one prefill pool and prompt + output in one decode
+    pool, so 16 prefill pages beside 128 decode pages hold a 256-token prompt, not 2304 tokens (the
+    incident)."""
+    pools = pool_capacities(server, pool, page_size)
+    measured = boundary.accepted_total if boundary else None
+    window = max((w for w in (advertised, measured) if w is not None), default=None)
+    problems = [] if window is None else _pool_problems(pools, window, advertised)
+    if not pools:
+        problems.append({"problem": "no pool capacity: neither /v1/audit/info nor /metrics names a pool"})
     if boundary is None:
         problems.append({"problem": "the boundary probe found no window"})
     else:
-        problems += _window_problems(boundary, advertised, pool_tokens)
-    measured = boundary.accepted_total if boundary else "?"
-    ok = (
-        f"pool {pool.total_pages} pages x {page_size} = {pool_tokens} tokens; "
-        f"advertised window {advertised}; measured {measured} tokens: fits"
-    )
+        problems += _agreement_problems(boundary, advertised)
+    sizes = ", ".join(f"{name} {c.pages} x {c.page_size} = {c.tokens}" for name, c in pools.items())
+    ok = f"each pool holds the window alone ({sizes} tokens); advertised {advertised}, measured {measured}"
     result = verdict("capacity", problems, ok, [])
-    result.evidence.append(facts)
+    result.evidence.append(
+        {
+            "pools": {name: {**asdict(c), "tokens": c.tokens} for name, c in pools.items()},
+            "source": "/v1/audit/info" if server is not None else "/metrics pages x --page-size",
+            "advertised_window": advertised,
+            "measured": boundary.to_dict() if boundary else None,
+            "note": "each pool compared alone with the window, never summed",
+        }
+    )
     return result
 
 
-def _window_problems(boundary: Boundary, advertised: int | None, pool_tokens: int) -> list[dict[str, Any]]:
+def _pool_problems(
+    pools: dict[str, PoolCapacity], window: int, advertised: int | None
+) -> list[dict[str, Any]]:
+    """A problem for every pool that cannot hold a request of the whole window by itself."""
+    source = "advertised" if window == advertised else "measured"
+    return [
+        {
+            "problem": f"pool {name} holds {c.tokens} tokens ({c.pages} pages x {c.page_size}) but the "
+            f"{source} window is {window}: each pool must hold a whole request alone, never summed",
+            "pool": name,
+            "pool_tokens": c.tokens,
+            "window": window,
+        }
+        for name, c in pools.items()
+        if c.tokens < window
+    ]
+
+
+def _agreement_problems(boundary: Boundary, advertised: int | None) -> list[dict[str, Any]]:
+    """The advertised window must lie where the boundary probe found the server to start refusing."""
     lo = boundary.accepted_total
     hi = boundary.refused_total - 1 if boundary.refused_total is not None else lo
-    problems = []
-    if pool_tokens and lo > pool_tokens:
-        problems.append({"problem": f"answered {lo} tokens but the pool holds {pool_tokens}"})
-    if advertised is not None and pool_tokens and advertised > pool_tokens:
-        problems.append(
-            {"problem": f"advertised window {advertised} does not fit the pool ({pool_tokens} tokens)"}
-        )
-    if advertised is not None and not lo <= advertised <= hi:
-        where_ = "refuses inside" if advertised > hi else "answers beyond"
-        problems.append(
-            {"problem": f"advertised window {advertised}, but the server {where_} it (measured {lo}..{hi})"}
-        )
-    return problems
+    if advertised is None or lo <= advertised <= hi:
+        return []
+    where_ = "refuses inside" if advertised > hi else "answers beyond"
+    return [{"problem": f"advertised window {advertised}, but the server {where_} it (measured {lo}..{hi})"}]
 
 
 # ---- 3. rejection terminates ------------------------------------------------------------------------

@@ -5,7 +5,8 @@ request's audit trail (`GET /v1/audit/requests/{id}`) and `/metrics` (client.py)
 
 1. pinned_versions        engine version, git commit, model file sha256, transport, start-up flags
                           (pinned.py);
-2. capacity               the measured and advertised window fit the pool (checks.py, as are the rest);
+2. capacity               the measured and advertised window fit each pool alone (checks.py, as are
+                          the rest);
 3. rejection_terminates   a refused request's trail holds `rejected` and nothing else happened;
 4. complete_handoff       incomplete KV ends in an integrity abort with no content; a 200 rests on a
                           finished, fenced trail;
@@ -218,12 +219,11 @@ def _white_box(
     if server is not None:  # the server's own page size, not the auditor's guess
         report.page_size = next(iter(server["pools"].values()))["page_size"]
     bar("checks")
-    disaggregated = any("where" in e for t in trails.values() for e in t)
     recovery = next(r for r in report.results if r.name == "recovery")
     exchanges, advertised = report.exchanges, report.target["advertised_window"]
     return [
         check_pinned(server, args.model_file, report.target["model"], args.server_flags, trails),
-        check_capacity(pool, report.boundary, advertised, report.page_size, disaggregated),
+        check_capacity(server, pool, report.boundary, advertised, report.page_size),
         check_rejections(exchanges, trails),
         check_handoff(exchanges, trails, args.expect_fault),
         check_recycle(exchanges, trails, pool, recovery),

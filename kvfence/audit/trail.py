@@ -5,7 +5,7 @@ the pool as /metrics shows it. Pure functions over JSON events: no HTTP, no torc
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 Event = dict[str, Any]
@@ -66,12 +66,14 @@ def tenant_of(trail: Trail) -> str | None:
 
 @dataclass
 class PoolState:
-    """The pool as /metrics shows it once the audit's requests are over."""
+    """The pool as /metrics shows it once the audit's requests are over: the counts over every pool, and
+    each pool's own pages (`pages_by_pool`, by `role`), since a request must fit one pool alone."""
 
     total_pages: int
     free_pages: int
     quarantined_pages: int
     waited_s: float
+    pages_by_pool: dict[str, int] = field(default_factory=dict)
 
     @property
     def drained(self) -> bool:
@@ -79,11 +81,15 @@ class PoolState:
 
 
 def pool_state(metrics: dict[str, list[tuple[dict[str, str], float]]], waited_s: float = 0.0) -> PoolState:
-    """Every pool of the server together (one series per role on /metrics)."""
+    """Every pool of the server (one series per role and state on /metrics): totals and per pool."""
     pages = metrics.get("kvfence_pages", [])
+    by_pool: dict[str, int] = defaultdict(int)
+    for labels, value in pages:
+        by_pool[labels.get("role", ENGINE)] += int(value)
     return PoolState(
         int(sum(value for _, value in pages)),
         int(sum(value for _, value in metrics.get("kvfence_pages_free", []))),
         int(sum(value for labels, value in pages if labels.get("state") == "quarantined")),
         waited_s,
+        dict(by_pool),
     )

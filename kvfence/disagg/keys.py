@@ -14,6 +14,11 @@ Workers are named by role and position (`worker_names`): the role itself when it
 
 A message's sender is the peer whose public key completed the CURVE handshake (ZAP User-Id), never a
 field, a routing identity or an address inside the message; a process dials only addresses listed here.
+
+Whoever can change the directory or `peers` decides who may talk, so `load` refuses either when it is
+writable by group or others, and every key file owned by a user other than this process's or root (root
+is accepted: it could replace kvfence itself). `generate` refuses to overwrite keys unless forced: new
+keys lock out every host that still holds the old ones.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ ROLES = ("router", "prefill", "decode")
 PEERS_FILE = "peers"
 SECRET_SUFFIX = ".secret"
 Z85_KEY_CHARS = 40
+ROOT_UID = 0
+SECRET_MODE, PEERS_MODE, DIRECTORY_MODE = 0o600, 0o644, 0o755
 
 
 class KeyConfigError(ValueError):
@@ -122,26 +129,47 @@ def ephemeral(specs: list[tuple[str, str, str | None]]) -> dict[str, TransportKe
     return {name: TransportKeys(identity, book) for name, identity in identities.items()}
 
 
-def generate(directory: Path, specs: list[tuple[str, str, str | None]]) -> PeerBook:
-    """New keypairs for (name, role, address) into `directory`: NAME.secret (0600) each, and `peers`."""
-    directory.mkdir(parents=True, exist_ok=True)
+def generate(directory: Path, specs: list[tuple[str, str, str | None]], force: bool = False) -> PeerBook:
+    """New keypairs for (name, role, address) into `directory`: NAME.secret (0600) each, and `peers`
+    (0644). Keys already there are replaced only when `force` says so (else KeyConfigError)."""
+    directory.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
+    _check_guarded(directory)
+    targets = [directory / PEERS_FILE, *(directory / f"{name}{SECRET_SUFFIX}" for name, _, _ in specs)]
+    existing = [path for path in targets if path.exists()]
+    if existing and not force:
+        raise KeyConfigError(
+            f"{existing[0]} already exists: give --force to replace the keys in {directory} "
+            "(then copy the new ones to every host)"
+        )
     keys = ephemeral(specs)
     for name, own in keys.items():
-        fd = os.open(directory / f"{name}{SECRET_SUFFIX}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{own.identity.public_key}\n{own.identity.secret_key}\n")
+        secret = f"{own.identity.public_key}\n{own.identity.secret_key}\n"
+        _write(directory / f"{name}{SECRET_SUFFIX}", secret, SECRET_MODE)
     book = next(iter(keys.values())).book
-    (directory / PEERS_FILE).write_text(book.render())
+    _write(directory / PEERS_FILE, book.render(), PEERS_MODE)
     return book
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    """`text` into `path` with exactly `mode`: os.open's mode is masked by the umask and ignored for a
+    file that exists, which --force overwrites."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, mode)
+        f.write(text)
 
 
 def load(directory: Path, name: str) -> TransportKeys:
     """This process's identity NAME and the allow-list, both from `directory`; the identity must be in
-    the allow-list (so every peer can recognise it) and its secret readable by its owner only."""
+    the allow-list (so every peer can recognise it), its secret readable by its owner only, and no other
+    user able to change the directory, `peers` or the secret (see the module's docstring)."""
     peers_path, secret_path = directory / PEERS_FILE, directory / f"{name}{SECRET_SUFFIX}"
     for path in (peers_path, secret_path):
         if not path.is_file():
             raise KeyConfigError(f"{path} is missing (kvfence keys generate DIR writes it)")
+    _check_guarded(directory)
+    _check_guarded(peers_path)
+    _check_owner(secret_path)
     if secret_path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise KeyConfigError(f"{secret_path} is readable by others: chmod 600 it")
     lines = secret_path.read_text().split()
@@ -152,6 +180,27 @@ def load(directory: Path, name: str) -> TransportKeys:
     if me is None or me.public_key != lines[0]:
         raise KeyConfigError(f"{name} is not in {peers_path} with the public key of {secret_path}")
     return TransportKeys(Identity(name, lines[0], lines[1]), book)
+
+
+def _check_guarded(path: Path) -> None:
+    """Refuse the key directory or `peers` when another user could rewrite it, and so add a peer."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise KeyConfigError(
+            f"{path} is writable by group or others (mode {mode:04o}), who could add a peer: "
+            f"chmod go-w {path}"
+        )
+    _check_owner(path)
+
+
+def _check_owner(path: Path) -> None:
+    """Refuse a key file owned by a user other than this process's or root: it could change the file."""
+    owner, me = path.stat().st_uid, os.geteuid()
+    if owner not in (me, ROOT_UID):
+        raise KeyConfigError(
+            f"{path} is owned by uid {owner}, neither this process's user (uid {me}) nor root, who could "
+            f"change it: chown {me} {path}"
+        )
 
 
 def is_loopback(address: str) -> bool:
