@@ -392,7 +392,7 @@ def handoff_one(
     marks.append(time.perf_counter())
     checksum = xxhash.xxh3_64_intdigest(payload)
     marks.append(time.perf_counter())
-    sender.send(receiver.address, Page("bench", 0, page, 1, source.page_size, checksum, payload))
+    sender.send(receiver.address, Page("bench", 0, page, 1, checksum, payload))
     marks.append(time.perf_counter())
     message = decode(*receive(receiver), bounds)
     assert isinstance(message, Page)
@@ -441,7 +441,7 @@ def stream_pages(transport: str, payloads: list[bytes], num_pages: int, warm: in
 
         def send(i: int) -> None:
             payload = payloads[i % len(payloads)]
-            sender.send(receiver.address, Page("bench", i, i % 64, 1, 16, 0, payload))
+            sender.send(receiver.address, Page("bench", i, i % 64, 1, 0, payload))
 
         for i in range(warm):
             send(i)

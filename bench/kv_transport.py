@@ -1,18 +1,20 @@
-"""KV page transport microbenchmark: one-sided NIXL WRITE vs ZeroMQ page frames, for 16-page requests.
+"""KV page transport microbenchmark: sealed one-sided NIXL WRITEs vs ZeroMQ page frames, 16-page requests.
 
     .venv/bin/python bench/kv_transport.py [--pages 16] [--requests 20]
 
 Two processes, as deployed: this one is the prefill side, a spawned child holds the decode pool. Real
 SmolLM2-size pages (30 layers x K/V x 16 slots x 3 KV heads x 64 dims, float32: 720 KiB a page), pools
 of 64 pages, one torch thread each. A request moves `--pages` pages and is timed end to end at the
-prefill side, the way the handoff does it, checks included, until decode says the pages verified:
-  nixl  prefill hashes its source pages in place (xxh3_64, `KVPool.page_checksum`), posts one WRITE
-        (`NixlAgent.write`: one descriptor per run of consecutive pages and layer K|V), polls until NIXL
-        says DONE, sends the checksums; decode hashes the pages now in its pool and compares (what
-        `DecodeWorker._verify_one_sided` does) and answers.
+prefill side, the way the handoff does it, checks included, until decode says the pages are in its pool:
+  nixl  as deployed: each side's agent in its own landing process (`LandingAgent`), NIXL reading only
+        prefill's send area and writing only decode's landing area. Prefill stages each page into its
+        send slot, posts one WRITE (one descriptor per run of consecutive slots), polls until DONE and
+        names the pages; decode takes each page from its landing slot, checks it, copies it into its
+        pool and clears the slot (what `DecodeWorker._copy_in` does), and answers.
+        `aes-gcm`: the shipped path, each page sealed (`seal_page`) and opened (`open_page`);
+        `xxh3`: the same landing and copy-in with an xxh3 checksum instead (no AEAD: what sealing costs).
         `runs`: source and target pages consecutive, as fresh pools hand them out; `scattered`: both
-        drawn at random, one descriptor per page and block (what a pool under churn hands out);
-        `write only`: post -> DONE alone, without checksums or the answer.
+        drawn at random, one descriptor per page; `write only`: post -> DONE alone.
   zmq   per page: prefill reads and hashes it, sends a `Page` frame over loopback TCP; decode receives,
         parses, re-hashes and writes it into its pool, then answers. `curve` is the transport as shipped
         (every disaggregated socket is CURVE), `plain` the same without encryption.
@@ -41,14 +43,23 @@ from kvfence.cache.pool import KVPool
 from kvfence.disagg.connector import Received, ZmqConnector
 from kvfence.disagg.decode import NIXL_POLL_S
 from kvfence.disagg.keys import TransportKeys, ephemeral
+from kvfence.disagg.landing import LandingAgent, interface_of
 from kvfence.disagg.messages import Bounds, Page, decode
-from kvfence.disagg.nixl_transport import NixlAgent, nixl_available
+from kvfence.disagg.nixl_transport import area_shape, nixl_available
+from kvfence.disagg.seal import TAG_BYTES, new_key, open_page, seal_page
 
 SHAPE = (30, 64, 16, 3, 64)  # SmolLM2-135M: layers, pages, slots, KV heads, head dim
 RESULTS = Path(__file__).parent / "results" / "kv_transport.json"
 BOUNDS = Bounds(1 << 20, 1 << 20)
-ROWS = ("nixl runs", "nixl runs, write only", "nixl scattered", "nixl scattered, write only")
+SEALS = ("aes-gcm", "xxh3")
+ROWS = tuple(
+    f"nixl {seal} {shape}{only}"
+    for seal in SEALS
+    for shape in ("runs", "scattered")
+    for only in ("", ", write only")
+)
 ROWS += ("zmq curve", "zmq plain")
+KEY = new_key()  # one key for the run: both processes are this benchmark's
 PREFILL, DECODE = "tcp://127.0.0.1:39151", "tcp://127.0.0.1:39152"  # fixed: CURVE's allow-list names them
 
 
@@ -57,21 +68,47 @@ def new_pool() -> KVPool:
     return KVPool(layers, pages, slots, heads, dim, torch.float32, "cpu")
 
 
+def landing(name: str, pool: KVPool) -> LandingAgent:
+    return LandingAgent(name, *area_shape(pool), interface_of("127.0.0.1"))
+
+
+def stage(area: Any, pool: KVPool, source: int, target: int, seal: str) -> int:
+    """Prefill's side of one page: its bytes (sealed, or with their xxh3) into its send slot."""
+    plain = pool.page_bytes(source)
+    body = seal_page(KEY, "bench", target, target, 1, plain) if seal == "aes-gcm" else plain
+    area[source, : len(body)] = memoryview(body)
+    return xxhash.xxh3_64_intdigest(body) if seal == "xxh3" else 0
+
+
+def copy_in(area: Any, pool: KVPool, target: int, seal: str, checksum: int) -> bool:
+    """Decode's side of one page: from its landing slot, checked, into the pool; the slot cleared."""
+    size = pool.page_size * pool.token_bytes
+    body = area[target, : size + (TAG_BYTES if seal == "aes-gcm" else 0)].tobytes()
+    area[target] = 0
+    plain = open_page(KEY, "bench", target, target, 1, body) if seal == "aes-gcm" else body
+    if plain is None or (seal == "xxh3" and xxhash.xxh3_64_intdigest(body) != checksum):
+        return False
+    pool.load_page_bytes(target, plain)
+    return True
+
+
 def decode_side(conn: Connection, transport: str, keys: TransportKeys | None, address: str) -> None:
-    """The decode process: announce the pool, then verify each request the prefill side names."""
+    """The decode process: announce the landing area, then copy in each request the prefill side names."""
     torch.set_num_threads(1)
     pool = new_pool()
-    agent = NixlAgent("bench-decode", pool.kv) if transport == "nixl" else None
+    agent = landing("bench-decode", pool) if transport == "nixl" else None
     rx = ZmqConnector(address, keys) if agent is None else None
     conn.send((agent.metadata(), agent.layout) if agent else address)
     while True:
         while agent is not None and not conn.poll(NIXL_POLL_S):
-            agent.notified()  # no progress thread: the decode worker polls its agent like this
+            agent.progress()  # no progress thread: the decode worker polls its agent like this
         if (message := conn.recv()) is None:
             break
         if agent is not None:
-            targets, sums = message
-            conn.send([pool.page_checksum(t) for t in targets] == sums)
+            seal, targets, sums = message
+            conn.send(
+                all([copy_in(agent.area, pool, t, seal, c) for t, c in zip(targets, sums, strict=True)])
+            )
             continue
         ok = True
         for _ in range(message):
@@ -87,7 +124,7 @@ def decode_side(conn: Connection, transport: str, keys: TransportKeys | None, ad
 
 def nixl_rows(conn: Connection, source: KVPool, pages: int, requests: int) -> dict[str, list[float]]:
     metadata, layout = conn.recv()
-    agent = NixlAgent("bench-prefill", source.kv)
+    agent = landing("bench-prefill", source)
     peer = agent.add_peer(metadata)
     rng = random.Random(0)
     times: dict[str, list[float]] = {name: [] for name in ROWS if name.startswith("nixl")}
@@ -95,20 +132,22 @@ def nixl_rows(conn: Connection, source: KVPool, pages: int, requests: int) -> di
         runs = [(p, p + pages) for p in range(pages)]
         drawn = [rng.sample(range(SHAPE[1]), pages) for _ in range(2)]
         scattered = list(zip(*drawn, strict=True))
-        for name, pairs in (("nixl runs", runs), ("nixl scattered", scattered)):
-            start = time.perf_counter()
-            sums = [source.page_checksum(s) for s, _ in pairs]
-            posted = time.perf_counter()
-            write = agent.write(peer, layout, pairs, "bench")
-            while agent.poll(write) == "PROC":
-                pass
-            done = time.perf_counter()
-            assert write.state == "DONE", write.state
-            conn.send(([t for _, t in pairs], sums))
-            assert conn.recv(), "a page arrived different"
-            if i:
-                times[name].append(time.perf_counter() - start)
-                times[f"{name}, write only"].append(done - posted)
+        for seal in SEALS:
+            for shape, pairs in (("runs", runs), ("scattered", scattered)):
+                name = f"nixl {seal} {shape}"
+                start = time.perf_counter()
+                sums = [stage(agent.area, source, s, t, seal) for s, t in pairs]
+                posted = time.perf_counter()
+                write = agent.write(peer, layout, pairs, "bench")
+                while agent.poll(write) == "PROC":
+                    pass
+                done = time.perf_counter()
+                assert write.state == "DONE", write.state
+                conn.send((seal, [t for _, t in pairs], sums))
+                assert conn.recv(), "a page arrived different"
+                if i:
+                    times[name].append(time.perf_counter() - start)
+                    times[f"{name}, write only"].append(done - posted)
     agent.close()
     return times
 
@@ -123,7 +162,7 @@ def zmq_times(
         start = time.perf_counter()
         for p in range(pages):
             payload = source.page_bytes(p)
-            tx.send(peer, Page("bench", p, p + pages, 1, 16, xxhash.xxh3_64_intdigest(payload), payload))
+            tx.send(peer, Page("bench", p, p + pages, 1, xxhash.xxh3_64_intdigest(payload), payload))
         conn.send(pages)
         assert conn.recv(), "a page arrived different"
         if i:
@@ -164,23 +203,28 @@ def run(pages: int = 16, requests: int = 20) -> dict[str, Any]:
     if nixl_available():
         for name, times in measure("nixl", source, pages, requests).items():
             out[name] = summarize(times, pages, page_size)
-        for nixl in ("nixl runs", "nixl scattered"):
+        for shape in ("runs", "scattered"):
             for zmq in ("zmq curve", "zmq plain"):
-                out[f"{nixl} / {zmq}"] = out[nixl]["gb_per_s"] / out[zmq]["gb_per_s"]
+                out[f"nixl aes-gcm {shape} / {zmq}"] = (
+                    out[f"nixl aes-gcm {shape}"]["gb_per_s"] / out[zmq]["gb_per_s"]
+                )
+            out[f"nixl aes-gcm {shape} / nixl xxh3 {shape}"] = (
+                out[f"nixl aes-gcm {shape}"]["gb_per_s"] / out[f"nixl xxh3 {shape}"]["gb_per_s"]
+            )
     return out
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"KV transport, {result['pages_per_request']}-page requests ({result['page_bytes']} B a page)"]
-    lines.append(f"{'transport':27} {'GB/s':>8} {'ms/page':>9}")
+    lines.append(f"{'transport':36} {'GB/s':>8} {'ms/page':>9}")
     for name in ROWS:
         if name in result:
             row = result[name]
-            lines.append(f"{name:27} {row['gb_per_s']:8.2f} {row['per_page_ms']:9.3f}")
+            lines.append(f"{name:36} {row['gb_per_s']:8.2f} {row['per_page_ms']:9.3f}")
     ratios = [key for key in result if " / " in key]
     lines += [f"{key}: {result[key]:.2f}x" for key in ratios] or ["NIXL not installed: zmq only"]
     if ratios:
-        lines.append("target: NIXL >= 2x zmq GB/s for 16-page requests")
+        lines.append("target: sealed NIXL (aes-gcm) >= 2x CURVE zmq GB/s for 16-page requests")
     return "\n".join(lines)
 
 

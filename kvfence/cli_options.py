@@ -228,9 +228,10 @@ def add_kv_transport_option(parser: argparse.ArgumentParser) -> None:
         "--kv-transport",
         choices=KV_TRANSPORTS,
         default="auto",
-        help="how a PD worker moves KV pages: one-sided NIXL writes, or ZeroMQ frames; auto: nixl where "
+        help="how a PD worker moves KV pages: sealed one-sided NIXL writes (AES-GCM; the agent in an "
+        "unprivileged landing process that holds no pool), or ZeroMQ frames on CURVE; auto: nixl where "
         "installed and the pool is in host memory (default: %(default)s)",
-    )
+)
 
 
 def add_scale_options(parser: argparse.ArgumentParser) -> None:

@@ -123,8 +123,17 @@ def _transport_problems(server: dict[str, Any]) -> list[dict[str, Any]]:
     transports |= {
         role: pool.get("transport") for role, pool in server["pools"].items() if "transport" in pool
     }
-    return [
+    problems = [
         {"problem": "transport not authenticated", "where": where, "transport": transport}
         for where, transport in transports.items()
         if not (isinstance(transport, dict) and transport.get("authenticated"))
+    ]
+    # A worker that moves pages one-sided must say its data plane is sealed: pages under AEAD, and the
+    # fabric's agent in a landing process holding no pool (UCX authenticates nobody).
+    return problems + [
+        {"problem": "data plane not sealed", "where": where, "transport": transport}
+        for where, transport in transports.items()
+        if isinstance(transport, dict)
+        and transport.get("kv") == "nixl"
+        and not transport.get("data_plane_sealed")
     ]

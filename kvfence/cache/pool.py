@@ -83,9 +83,16 @@ class KVPool:
         """Views [pages, page_size, kv_heads, head_dim] of one layer's K and V."""
         return self.kv[layer, 0], self.kv[layer, 1]
 
-    def page_bytes(self, page: int) -> bytes:
-        """One page's K/V for every layer ([layers, 2, page_size, kv_heads, head_dim]) as raw bytes."""
-        return self.kv[:, :, page].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    @property
+    def token_bytes(self) -> int:
+        """One slot's K and V over every layer: what a page's payload grows by per written slot."""
+        return self.kv[:, :, 0, 0].numel() * self.kv.element_size()
+
+    def page_bytes(self, page: int, slots: int | None = None) -> bytes:
+        """The first `slots` slots (default: all) of a page, K/V for every layer
+        ([layers, 2, slots, kv_heads, head_dim]), as raw bytes. A transfer sends only the written slots:
+        the rest of a recycled page still holds its previous owner's KV."""
+        return self.kv[:, :, page, :slots].contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
     def page_checksum(self, page: int) -> int:
         """xxh3_64 of `page_bytes(page)`; on the host hashed block by block where the page lies, without the
@@ -99,10 +106,11 @@ class KVPool:
                 digest.update(half)
         return digest.intdigest()
 
-    def load_page_bytes(self, page: int, payload: bytes) -> None:
+    def load_page_bytes(self, page: int, payload: bytes, slots: int | None = None) -> None:
         """Inverse of `page_bytes`. Unfenced: the caller has authorised the write (or isolation is off)."""
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv.dtype)
-        self.kv[:, :, page].copy_(data.view(self.kv[:, :, page].shape))
+        target = self.kv[:, :, page, :slots]
+        target.copy_(data.view(target.shape))
 
     def authorize_writes(
         self, pages: np.ndarray, generations: np.ndarray, tenants: np.ndarray, offsets: np.ndarray

@@ -11,21 +11,21 @@ With isolation on (the default):
   so a reservation alone can never pin the pool;
 - only the router that reserved a request may abort it, and only the prefill worker it assigned may
   write, complete or acknowledge it; a tenant may hold at most `max_reserved_pages` pages waiting for KV.
-One-sided writes (`--kv-transport nixl`): decode announces its registered pool to a prefill worker over
-the authenticated channel (`kv_agent`) and grants targets per request as before; the prefill WRITEs them
-and then sends `complete` with each page's xxh3. Nothing is marked written until, for every granted page,
-the generation is still the granted one, the bytes now in the pool match the checksum and the pages cover
-the prompt. A request aborted while a WRITE may be in flight stays QUARANTINED until the prefill's ack
-(sent only once NIXL says done or failed) and, if it wrote, the WRITE's own notification here; or until
-the prefill is gone. A notification for a grant already given up is a late write: the requests now
-holding those pages are aborted, checked between steps and after each forward before its tokens are taken.
+One-sided writes (`--kv-transport nixl`): decode announces its landing area (one slot per pool page,
+registered with NIXL; the pool never is) to a prefill worker over the authenticated channel (`kv_agent`),
+and gives it, per request, the key the pages are sealed with (`seal_key`, AES-GCM, never on the fabric).
+The prefill WRITEs sealed pages into the landing slots of the granted targets and then sends `complete`.
+Nothing enters the pool until, for every page covering the prompt, the sealed bytes in its landing slot
+open under the request's key for exactly that (request, logical page, page, generation), the page is still
+at its granted generation, owned by the tenant, exclusive and unwritten; then its plaintext (the written
+slots only) is copied in as a fenced write and the landing slot is cleared. A write that lands later, or
+from anyone else, reaches only a landing slot: it can make a transfer fail, never a page that is read.
 With isolation off every one of those checks is skipped — only the lab and the fault tests do that.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +33,7 @@ import xxhash
 
 from kvfence.disagg.connector import Connector, LinkEvent
 from kvfence.disagg.handoff import HandoffEngine
+from kvfence.disagg.landing import LandingLost
 from kvfence.disagg.messages import (
     Abort,
     AbortAck,
@@ -43,8 +44,10 @@ from kvfence.disagg.messages import (
     Rejected,
     Reserve,
     Reserved,
+    SealKey,
 )
-from kvfence.disagg.nixl_transport import NixlAgent
+from kvfence.disagg.nixl_transport import OneSidedAgent
+from kvfence.disagg.seal import TAG_BYTES, new_key, open_page
 from kvfence.disagg.worker import Worker
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
@@ -54,7 +57,6 @@ from kvfence.units import cdiv
 
 TRANSFER_TIMEOUT_S = 30.0  # a transfer with no progress this long is aborted
 SERVER_BUSY = "server_busy"
-RELEASED_GRANTS_KEPT = 4096  # one-sided grants given up, remembered to recognise a late WRITE's notification
 NIXL_POLL_S = 0.001  # the longest wait on the socket while a one-sided grant is live (see `wait_s`)
 
 
@@ -64,10 +66,8 @@ class Inbound:
     prefill: str
     last_progress: float
     started: bool = False  # the assigned prefill sent a page or `complete`: the transfer has begun
-    notified: bool = False  # a NIXL WRITE's notification for it arrived (its bytes have landed)
-    acked_write: bool = False  # prefill acked an abort after a WRITE: drained when that WRITE notifies
     grant: list[tuple[int, int]] = field(default_factory=list)  # the (page, generation) targets granted
-    wrote: bool = False  # prefill reported a finished WRITE into the grant (its notification is due)
+    key: bytes = b""  # one-sided: what its sealed pages open with
 
 
 class DecodeWorker(Worker):
@@ -79,16 +79,11 @@ class DecodeWorker(Worker):
         connector: Connector,
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
         max_reserved_pages: int | None = None,
-        agent: NixlAgent | None = None,
+        agent: OneSidedAgent | None = None,
     ) -> None:
         super().__init__(engine, connector)
-        self.agent = agent  # this pool registered with NIXL: prefill workers may WRITE into granted pages
-        engine.late_write_victims = self.late_write_victims
-        self.announced: set[str] = set()  # prefill workers that were sent our NIXL agent
-        # One-sided grants given up: any notification for one is a late write; `expected` ones still await
-        # the notification of a WRITE that NIXL reported done before they were given up.
-        self.released: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
-        self.expected: OrderedDict[str, list[tuple[int, int]]] = OrderedDict()
+        self.agent = agent  # its landing area, one slot per pool page, is what prefill workers WRITE into
+        self.announced: set[tuple[str, int]] = set()  # (prefill, our agent's incarnation) told of it
         self.inbound: dict[
             str, Inbound
         ] = {}  # requests whose KV is on the way, or whose abort awaits a drain
@@ -100,8 +95,6 @@ class DecodeWorker(Worker):
             self._pages_for(engine.max_model_len), engine.pool.num_pages // 2
         )
         self.down_peers: set[str] = set()  # prefill workers whose connection is lost
-        pool = engine.pool
-        self._page_bytes = pool.kv[:, :, 0].numel() * pool.kv.element_size()
 
     @property
     def isolation(self) -> bool:
@@ -147,10 +140,12 @@ class DecodeWorker(Worker):
                 message.prefill
             )  # watched now, so its loss is noticed even before an abort
             self._announce(message.prefill)
-            # With our agent announced, a WRITE may land at any time: the grant is live from now on.
-            live = self.agent is not None
             grant = [(p, g) for p, g in targets]
-            self.inbound[request_id] = Inbound(sender, message.prefill, time.monotonic(), live, grant=grant)
+            inbound = Inbound(sender, message.prefill, time.monotonic(), grant=grant)
+            if self.agent is not None:  # the key goes to the assigned prefill alone, before any grant
+                inbound.key = new_key()
+                self.reply(message.prefill, SealKey(request_id=request_id, key=inbound.key.hex()))
+            self.inbound[request_id] = inbound
         self.reply(sender, Reserved(request_id=request_id, targets=targets))
 
     def _reject(self, router: str, request_id: str, code: str, why: str) -> None:
@@ -178,15 +173,11 @@ class DecodeWorker(Worker):
     def on_page(self, sender: str, message: Page) -> None:
         request_id, page, generation = message.request_id, message.page, message.generation
         request = self.engine.requests.get(request_id)
-        if not self.isolation:
-            self._write(page, message.slots, message.payload)  # blindly, wherever the sender aimed
+        if not self.isolation:  # blindly, wherever the sender aimed, as many slots as it sent
+            slots = min(self.engine.pool.page_size, len(message.payload) // self.engine.pool.token_bytes)
+            self._write(page, slots, message.payload[: slots * self.engine.pool.token_bytes])
             self.engine.events.emit(
-                request_id,
-                "page_received",
-                page=page,
-                generation=generation,
-                slots=message.slots,
-                checked=False,
+                request_id, "page_received", page=page, generation=generation, slots=slots, checked=False
             )
             return
         if (
@@ -199,10 +190,6 @@ class DecodeWorker(Worker):
             )
             return
         self.inbound[request_id].started = True
-        if not 1 <= message.slots <= self.engine.pool.page_size:
-            self._refuse(request_id, page, "slot count out of range")
-            self._abort(request_id, STALE_WRITE)
-            return
         record, logical = request.record, message.logical
         if not logical < len(record.pages) or (record.pages[logical], record.generations[logical]) != (
             page,
@@ -211,23 +198,33 @@ class DecodeWorker(Worker):
             self._refuse(request_id, page, "target is not in the request's record")
             self._abort(request_id, STALE_WRITE)
             return
+        slots = self._slots(request.num_tokens - 1, logical)  # from the token count, never the sender
         if (
-            len(message.payload) != self._page_bytes
+            slots == 0
+            or len(message.payload) != slots * self.engine.pool.token_bytes
             or xxhash.xxh3_64_intdigest(message.payload) != message.checksum
         ):
             self._refuse(request_id, page, "checksum mismatch")
             self._abort(request_id, CHECKSUM_MISMATCH)
             return
-        one = np.array([page])
-        tenant = np.array([record.tenant])
-        if not self.engine.pool.authorize_writes(one, np.array([generation]), tenant, np.zeros(1, int))[0]:
+        if not self._authorized(record.tenant, page, generation):
             self.engine.events.emit(request_id, "write_refused", page=page, why="stale generation or owner")
             self._abort(request_id, STALE_WRITE)
             return
-        self._write(page, message.slots, message.payload)
+        self._write(page, slots, message.payload)
         self.inbound[request_id].last_progress = time.monotonic()
-        self.engine.events.emit(
-            request_id, "page_received", page=page, generation=generation, slots=message.slots
+        self.engine.events.emit(request_id, "page_received", page=page, generation=generation, slots=slots)
+
+    def _slots(self, tokens: int, logical: int) -> int:
+        """Slots of logical page `logical` that `tokens` prompt tokens fill."""
+        ps = self.engine.pool.page_size
+        return max(0, min(ps, tokens - logical * ps))
+
+    def _authorized(self, tenant: int, page: int, generation: int) -> bool:
+        """A fenced write of a page's slots from 0: the generation granted, the tenant's, exclusive, empty."""
+        one = np.array([page])
+        return bool(
+            self.engine.pool.authorize_writes(one, np.array([generation]), np.array([tenant]), one * 0)[0]
         )
 
     def on_complete(self, sender: str, message: Complete) -> None:
@@ -240,13 +237,12 @@ class DecodeWorker(Worker):
         ):
             return
         self.inbound[request_id].started = True
-        self.inbound[request_id].wrote = message.checksums is not None and not message.failed
         if message.failed:
             self._abort(request_id, message.failed)
             return
         tokens = request.num_tokens - 1
-        if self.isolation and message.checksums is not None:
-            reason = self._verify_one_sided(request_id, message.checksums)
+        if message.checksums is not None:
+            reason = self._copy_in(request_id, message.checksums)
             if reason is not None:
                 self._abort(request_id, reason)
                 return
@@ -263,11 +259,6 @@ class DecodeWorker(Worker):
         request_id = message.request_id
         if not self._from_prefill(sender, request_id):
             return  # only the worker that was sending may say that nothing more is on the way
-        inbound = self.inbound[request_id]
-        inbound.wrote = inbound.wrote or message.wrote
-        if message.wrote and self.isolation and not inbound.notified:
-            inbound.acked_write = True  # its WRITE's notification, when it lands, drains it
-            return
         self._drain(request_id, "abort_ack")
 
     def on_link(self, event: LinkEvent) -> None:
@@ -278,7 +269,8 @@ class DecodeWorker(Worker):
             self.down_peers.discard(event.peer)
             return
         self.down_peers.add(event.peer)
-        self.announced.discard(event.peer)  # a restarted worker has a new agent that does not know ours
+        # A restarted worker has a new agent that does not know ours.
+        self.announced = {(peer, n) for peer, n in self.announced if peer != event.peer}
         for request_id, inbound in list(self.inbound.items()):
             if inbound.prefill == event.peer:
                 self._abort(request_id, "prefill_lost")
@@ -291,8 +283,8 @@ class DecodeWorker(Worker):
             self._send_output(output)
 
     def tick(self, now: float) -> None:
-        for victim in self.late_write_victims():
-            self._abort(victim, STALE_WRITE)
+        if self.agent is not None:
+            self.agent.progress()  # over TCP, a WRITE's bytes land only while we poll
         for request_id, inbound in list(self.inbound.items()):
             request = self.engine.requests.get(request_id)
             if request is not None and now - inbound.last_progress > self.transfer_timeout_s:
@@ -303,90 +295,60 @@ class DecodeWorker(Worker):
     # ---- one-sided writes (NIXL) ------------------------------------------------------------------------
 
     def _announce(self, prefill: str) -> None:
-        """Send a prefill worker our NIXL agent and pool layout, once per connection, on the authenticated
+        """Send a prefill worker our NIXL agent and landing area, once per connection, on the authenticated
         channel, before the first grant it will write into (the router sends `prefill` after `reserved`)."""
-        if self.agent is None or prefill in self.announced:
+        if self.agent is None or (prefill, self.agent.incarnation) in self.announced:
             return
-        pool = self.agent.layout
-        metadata = self.agent.metadata()
-        self.reply(prefill, KvAgent(pool.base, pool.layers, pool.pages, pool.block_bytes, metadata))
-        self.announced.add(prefill)
+        try:
+            metadata = self.agent.metadata()
+        except LandingLost:  # it died and was restarted by that call: the new one's metadata
+            metadata = self.agent.metadata()
+        area = self.agent.layout
+        self.reply(prefill, KvAgent(area.base, area.slots, area.slot_bytes, metadata))
+        self.announced.add((prefill, self.agent.incarnation))
 
-    def _verify_one_sided(self, request_id: str, checksums: list[int]) -> str | None:
-        """Every granted page covering the prompt: still at its granted generation, owned by the tenant and
-        OWNED, its bytes now in the pool matching prefill's checksum. Only then are its slots written."""
-        request, pool = self.engine.requests[request_id], self.engine.pool
-        tokens, ps, record = request.num_tokens - 1, pool.page_size, request.record
-        needed = cdiv(tokens, ps)
-        if len(checksums) != needed or len(record.pages) < needed:
+    def _copy_in(self, request_id: str, checksums: list[int]) -> str | None:
+        """The one-sided handoff: every page covering the prompt opens from its landing slot under the
+        request's key for exactly its slot and is copied into the pool by a fenced write; the landing
+        slot is cleared. With isolation off, whatever opens is copied in and nothing is checked."""
+        assert self.agent is not None
+        request, inbound = self.engine.requests[request_id], self.inbound[request_id]
+        tokens, record = request.num_tokens - 1, request.record
+        needed = cdiv(tokens, self.engine.pool.page_size)
+        if self.isolation and (len(checksums) != needed or len(record.pages) < needed):
             return INCOMPLETE_HANDOFF
-        pages = np.array(record.pages[:needed])
-        tenants = np.full(needed, record.tenant)
-        generations, first_slots = np.array(record.generations[:needed]), np.zeros(needed, dtype=np.int64)
-        if not pool.authorize_writes(pages, generations, tenants, first_slots).all():
-            self.engine.events.emit(request_id, "write_refused", why="stale generation or owner")
-            return STALE_WRITE
-        for logical, (page, checksum) in enumerate(zip(pages.tolist(), checksums, strict=True)):
-            if pool.page_checksum(page) != checksum:
-                self._refuse(request_id, page, "checksum mismatch (one-sided write)")
+        for logical in range(min(needed, len(record.pages), len(checksums))):
+            page, generation = record.pages[logical], record.generations[logical]
+            slots = self._slots(tokens, logical)
+            sealed = self.agent.area[page, : slots * self.engine.pool.token_bytes + TAG_BYTES].tobytes()
+            self.agent.area[page] = 0
+            plain = open_page(inbound.key, request_id, logical, page, generation, sealed)
+            if not self.isolation:
+                if plain is not None:
+                    self._write(page, slots, plain)
+                continue
+            if plain is None:
+                torn = xxhash.xxh3_64_intdigest(sealed) != checksums[logical]
+                self._refuse(request_id, page, "torn or lost in transport" if torn else "does not open")
                 return CHECKSUM_MISMATCH
-            slots = min(ps, tokens - logical * ps)
-            pool.commit_writes(np.full(slots, page), np.arange(slots))
+            if not self._authorized(record.tenant, page, generation):
+                self.engine.events.emit(
+                    request_id, "write_refused", page=page, why="stale generation or owner"
+                )
+                return STALE_WRITE
+            self._write(page, slots, plain)
             self.engine.events.emit(
-                request_id, "page_received", page=page, generation=record.generations[logical], slots=slots
+                request_id, "page_received", page=page, generation=generation, slots=slots, sealed=True
             )
         return None
 
-    def late_write_victims(self) -> list[str]:
-        """Poll NIXL's notifications (between steps, and from the engine after each forward, before its
-        tokens are taken): the live requests a late WRITE hit, for the caller to abort. A victim still
-        waiting for its own transfer is aborted here, through the quarantine its grant needs."""
-        victims: list[str] = []
-        for request_id in self.agent.notified() if self.agent is not None else []:
-            victims += self._on_notified(request_id)
-        waiting = [v for v in victims if self.engine.requests[v].status is Status.TRANSFERRING]
-        for victim in waiting:
-            self._abort(victim, STALE_WRITE)
-        return [v for v in dict.fromkeys(victims) if v not in waiting]
-
-    def _on_notified(self, request_id: str) -> list[str]:
-        """A WRITE's bytes landed. For a live grant that is progress (and, after an ack, the drain); for a
-        grant already given up it is a late write: whoever holds those pages now may read its bytes.
-        Returns those holders."""
-        inbound = self.inbound.get(request_id)
-        if inbound is not None:
-            inbound.notified = True
-            if inbound.acked_write:
-                self._drain(request_id, "nixl_notified")
-            return []
-        if request_id in self.expected:  # the due notification of a WRITE NIXL reported done: no alarm
-            self._remember(self.released, request_id, self.expected.pop(request_id))
-            return []
-        grant = self.released.pop(request_id, None)
-        if grant is None or not self.isolation:
-            return []
-        pool, victims = self.engine.pool, []
-        for page, generation in grant:
-            self._refuse(request_id, page, "one-sided write after its grant was released (late write)")
-            for victim in self.engine.requests.values():
-                if page in victim.record.pages and pool.generation[page] != generation:
-                    victims.append(victim.request_id)
-        return victims
-
     def _drain(self, request_id: str, how: str) -> None:
-        """Release a quarantined request (and forget its transfer), remembering a one-sided grant so that a
-        late WRITE into it is recognised."""
+        """Release a quarantined request and forget its transfer; its landing slots are cleared (a write
+        that lands there later still opens under no key decode will ever hold again)."""
         inbound = self.inbound.pop(request_id, None)
         if self.agent is not None and inbound is not None:
-            due = inbound.wrote and not inbound.notified
-            self._remember(self.expected if due else self.released, request_id, inbound.grant)
+            self.agent.area[[page for page, _ in inbound.grant]] = 0
         self.engine.drain(request_id, how)
-
-    @staticmethod
-    def _remember(table: OrderedDict[str, list[tuple[int, int]]], request_id: str, grant: list) -> None:
-        table[request_id] = grant
-        while len(table) > RELEASED_GRANTS_KEPT:
-            table.popitem(last=False)
 
     def close(self) -> None:
         if self.agent is not None:
@@ -395,7 +357,8 @@ class DecodeWorker(Worker):
     # ---- helpers ----------------------------------------------------------------------------------------
 
     def _write(self, page: int, slots: int, payload: bytes) -> None:
-        self.engine.pool.load_page_bytes(page, payload)
+        """The first `slots` slots of `page` (authorised by the caller, or isolation is off)."""
+        self.engine.pool.load_page_bytes(page, payload, slots)
         self.engine.pool.commit_writes(np.full(slots, page), np.arange(slots))
 
     def fail_request(self, request_id: str, reason: str) -> None:

@@ -3,38 +3,20 @@
 Prefill side: `add_prefill` computes a prompt's KV and parks the request with its pages until they are
 sent (`finish_transfer`). Decode side: `reserve` admits a request and holds pages for the KV to come,
 `resume` schedules it once the KV is verified, and `drain` releases a quarantined request's pages once
-nothing more can land in them; with one-sided transfers, `late_write_victims` is asked after each
-forward, before its tokens are taken, which rows a write that should not have happened changed under them.
-Every terminal transition still goes through the scheduler's one finish.
+nothing more can land in them. No transport writes into the pool: one-sided writes land in a separate
+area and enter the pool only through the decode worker's opened, fenced copy-in. Every terminal
+transition still goes through the scheduler's one finish.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.output import RequestOutput
-from kvfence.engine.runner import StepResult
-from kvfence.engine.scheduler import Batch
 from kvfence.request import Request, Status
 from kvfence.sampling import SamplingParams
-from kvfence.trail.reasons import STALE_WRITE
 
 
 class HandoffEngine(LLMEngine):
-    # Set by a decode worker that takes one-sided writes: the live requests whose pages a late WRITE has
-    # changed, found now (DecodeWorker.late_write_victims).
-    late_write_victims: Callable[[], list[str]] | None = None
-
-    def _apply(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
-        """A row that read bytes a late WRITE put in its pages is aborted before a token of its is taken:
-        asked after the forward, so bytes that landed before or while the step read them are covered
-        (a request finishing in this very step included)."""
-        if self.late_write_victims is not None:
-            for request_id in self.late_write_victims():
-                result.aborted.setdefault(request_id, STALE_WRITE)
-        return super()._apply(batch, result)
-
     def add_prefill(self, prompt_token_ids: list[int], tenant: str, request_id: str) -> Request:
         """A prefill worker's request: compute the prompt's KV, sample nothing, then park it with its pages
         for the transfer. Refused (AdmissionError) before any page is reserved, like any request."""

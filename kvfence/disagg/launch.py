@@ -24,7 +24,8 @@ from kvfence.disagg.connector import ZmqConnector
 from kvfence.disagg.decode import DecodeWorker
 from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.keys import TransportKeys, role_of
-from kvfence.disagg.nixl_transport import NixlAgent, nixl_available
+from kvfence.disagg.landing import LandingAgent, interface_of
+from kvfence.disagg.nixl_transport import area_shape, nixl_available
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.disagg.worker import Worker
 
@@ -36,14 +37,16 @@ LOOPBACK_ANY_PORT = "tcp://127.0.0.1:0"
 EngineFactory = Callable[[EngineConfig], HandoffEngine]
 
 
-def kv_agent(role: str, engine: HandoffEngine, kv_transport: str) -> NixlAgent | None:
-    """This worker's NIXL agent with its pool registered, or None for ZeroMQ pages."""
+def kv_agent(role: str, engine: HandoffEngine, kv_transport: str, bind: str) -> LandingAgent | None:
+    """This worker's one-sided transport: a landing process over its sealed area (never the pool), its UCX
+    listening on the interface of `bind` only; or None for ZeroMQ pages."""
     host_pool = engine.pool.kv.device.type == "cpu"
     if kv_transport == "zmq" or (kv_transport == "auto" and not (host_pool and nixl_available())):
         return None
     if not host_pool:
-        raise RuntimeError("--kv-transport nixl registers a host-memory pool; use --device cpu or zmq")
-    return NixlAgent(f"kvfence-{role}-{os.getpid()}", engine.pool.kv)
+        raise RuntimeError("--kv-transport nixl stages pages in host memory; use --device cpu or zmq")
+    host = bind.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return LandingAgent(f"kvfence-{role}-{os.getpid()}", *area_shape(engine.pool), interface_of(host))
 
 
 def run_worker(
@@ -66,10 +69,10 @@ def run_worker(
         _exit_with_parent()
     log = lambda line: print(f"[{name}] {line}", flush=True)  # noqa: E731
     engine = build(config) if build else load_engine(config, log=log, engine_cls=HandoffEngine)
-    agent = kv_agent(role, engine, kv_transport)
+    agent = kv_agent(role, engine, kv_transport, bind)
     worker = WORKERS[role](engine, ZmqConnector(bind, keys), agent=agent)  # type: ignore[call-arg]
     security = "CURVE, allow-listed peers" if keys else "INSECURE (no keys: any local process may send)"
-    pages = "one-sided NIXL writes" if agent else "ZeroMQ frames"
+    pages = f"sealed one-sided NIXL writes ({agent.describe()})" if agent else "ZeroMQ frames"
     print(f"[{name}] listening on {worker.connector.address} ({security}); KV pages: {pages}", flush=True)
     if ready is not None:
         ready.send(worker.connector.address)

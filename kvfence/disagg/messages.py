@@ -155,8 +155,7 @@ class Page(Msg):
     logical: int
     page: int
     generation: int
-    slots: int
-    checksum: int
+    checksum: int  # xxh3_64 of the payload: the page's written slots, as many as decode derives itself
     payload: bytes = field(default=b"", repr=False)
 
 
@@ -167,22 +166,31 @@ class Complete(Msg):
     pages: int
     tokens: int
     failed: str = ""  # prefill aborted the request: decode must not wait for pages
-    # One-sided (NIXL) transfers: xxh3_64 of each logical page as prefill read it before the WRITE. Decode
-    # checks the bytes now in its own pool against these before it marks a single slot written.
+    # One-sided (NIXL) transfers: xxh3_64 of each sealed page as prefill staged it, one per page written.
+    # Decode tells a torn or lost WRITE by these; what decides is whether each page opens under its key.
     checksums: list[int] | None = None
 
 
 @dataclass(frozen=True)
 class KvAgent(Msg):
-    """decode -> prefill, on the authenticated channel only: how to WRITE into decode's pool with NIXL.
-    Granting happens per request (`targets`); this only says where the pool lies."""
+    """decode -> prefill, on the authenticated channel only: how to WRITE into decode's landing area with
+    NIXL (never its pool). Granting happens per request (`targets`); this only says where the area lies."""
 
     KIND: ClassVar[str] = "kv_agent"
     base: int
-    layers: int
-    pages: int
-    block_bytes: int
+    slots: int
+    slot_bytes: int
     payload: bytes = field(default=b"", repr=False)  # the NIXL agent metadata
+
+
+@dataclass(frozen=True)
+class SealKey(Msg):
+    """decode -> the prefill worker assigned to a request, on the authenticated channel only: the key its
+    one-sided pages are sealed with (kvfence/disagg/seal.py), hex. It never travels on the fabric."""
+
+    KIND: ClassVar[str] = "seal_key"
+    request_id: str
+    key: str
 
 
 @dataclass(frozen=True)
@@ -196,9 +204,6 @@ class Abort(Msg):
 class AbortAck(Msg):
     KIND: ClassVar[str] = "abort_ack"
     request_id: str
-    # A one-sided WRITE was posted for the request (and NIXL reported it finished): decode also waits for
-    # its notification, the proof on its own side that those bytes have landed.
-    wrote: bool = False
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,7 @@ KINDS: dict[str, type[Msg]] = {
         Page,
         Complete,
         KvAgent,
+        SealKey,
         Abort,
         AbortAck,
         Output,
@@ -258,6 +264,7 @@ ROLE_RULES: dict[str, dict[str, frozenset[str]]] = {
         "prefill": frozenset({"router"}),
         "abort": frozenset({"decode"}),
         "kv_agent": frozenset({"decode"}),
+        "seal_key": frozenset({"decode"}),
     },
     "router": {
         "hello_reply": frozenset({"prefill", "decode"}),

@@ -2,20 +2,20 @@
 a GPU fleet): the data plane of `--kv-transport nixl`.
 
 Contract:
-- A worker's `NixlAgent` registers its whole KV pool (`KVPool.kv`, one contiguous host tensor) once.
+- An agent registers one `SealedArea`, never a KV pool: decode's landing area (one slot per pool page,
+  where prefill's WRITEs land) or prefill's send area (one slot per pool page, where it stages what it
+  sends). UCX checks neither who asks nor that an address lies in registered memory, so whatever the
+  agent's process holds is exposed to any process that reaches its listener: that process is the landing
+  process (`kvfence/disagg/landing.py`), which shares only its area with the worker.
+- A slot holds one sealed page (`kvfence/disagg/seal.py`): the page's written slots, AES-GCM under a key
+  that never crosses the fabric; the rest of the slot is zeros.
 - `metadata()`/`layout()` are what a decode worker announces to a prefill worker, and only over the
-  authenticated control channel (a `kv_agent` message on CURVE); nothing here listens on a side channel
-  (NIXL's own metadata listener stays off).
-- `write` posts one WRITE of whole pages (every layer's K and V) from this pool into the peer's, with a
-  notification naming the request; `poll` says PROC, DONE or ERR. DONE means the bytes are in the
-  peer's memory, so the caller may then free its source pages and tell the peer.
+  authenticated control channel (a `kv_agent` message on CURVE); NIXL's own metadata listener stays off.
+- `write` posts one WRITE of whole slots from this area into the peer's, one descriptor per run of
+  consecutive slots on both sides; `poll` says PROC, DONE or ERR. DONE means the bytes are in the peer's
+  area, so the caller may then tell the peer (`complete`), which opens them before any enters its pool.
 - The agent has no progress thread: transfers, the first connection to a peer and notifications advance
-  only inside `poll` and `notified`, on both sides, so a worker expecting a WRITE keeps calling
-  `notified` (decode: `DecodeWorker.wait_s`).
-- Nothing here decides whether a write is allowed or complete: the decode worker grants (page,
-  generation) targets and verifies every page's checksum over the control channel before it believes
-  a byte (`decode.py`, `disagg/README.md`). A notification is never trusted for anything but raising
-  an alarm (a write that landed after its grant was given up).
+  only inside `poll` and `notified`, on both sides.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-import torch
 
-NOTIFY_PREFIX = b"kvf:"  # a WRITE's notification: the prefix, then the request id
+from kvfence.cache.pool import KVPool
+from kvfence.disagg.seal import SEAL, TAG_BYTES
+
+NOTIFY_PREFIX = b"kvf:"  # a WRITE's notification (only UCX's progress needs it): the prefix, the request
 _MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")  # the meta package, else a backend wheel
 
 
@@ -47,36 +49,37 @@ def nixl_available() -> bool:
 
 
 @dataclass(frozen=True)
-class PoolLayout:
-    """Where a pool's pages lie: `kv[layer, k_or_v, page]` is one block of `block_bytes` at
-    `base + ((layer * 2 + k_or_v) * pages + page) * block_bytes` (a contiguous [L, 2, P, ...] tensor)."""
+class AreaLayout:
+    """Where an area's slots lie: slot `i` is `slot_bytes` at `base + i * slot_bytes`."""
 
     base: int
-    layers: int
-    pages: int
-    block_bytes: int
+    slots: int
+    slot_bytes: int
 
-    @classmethod
-    def of(cls, kv: torch.Tensor) -> PoolLayout:
-        assert kv.is_contiguous() and kv.device.type == "cpu", "NIXL registers the host pool as one region"
-        layers, _, pages = kv.shape[:3]
-        return cls(kv.data_ptr(), layers, pages, kv[0, 0, 0].numel() * kv.element_size())
-
-    def compatible(self, other: PoolLayout) -> bool:
-        """Pages of `other` can be written into pages of this pool (same model, page size and dtype)."""
-        return (self.layers, self.block_bytes) == (other.layers, other.block_bytes)
+    def compatible(self, other: AreaLayout) -> bool:
+        """Slots of `other` can be written into slots of this area (same model, page size and dtype)."""
+        return self.slot_bytes == other.slot_bytes
 
     def blocks(self, runs: list[tuple[int, int]]) -> np.ndarray:
-        """NIXL descriptors (address, length, device 0) for runs of consecutive pages, `runs` =
-        [(first page, count)]: one per run and (layer, K|V), run-major. A run is one descriptor per block
-        because the pool keeps a block's pages next to each other."""
-        first = np.asarray([page for page, _ in runs], dtype=np.uint64)[:, None]
-        count = np.asarray([n for _, n in runs], dtype=np.uint64)[:, None]
-        block = np.arange(self.layers * 2, dtype=np.uint64)[None, :]
-        rows = np.zeros((len(runs) * self.layers * 2, 3), dtype=np.uint64)
-        rows[:, 0] = (self.base + (block * self.pages + first) * self.block_bytes).ravel()
-        rows[:, 1] = np.broadcast_to(count * self.block_bytes, (len(runs), self.layers * 2)).ravel()
+        """NIXL descriptors (address, length, device 0) for runs of consecutive slots, `runs` =
+        [(first slot, count)], one per run; a run past the area is refused here, not left to UCX."""
+        if any(first < 0 or count < 1 or first + count > self.slots for first, count in runs):
+            raise ValueError("a run of slots outside the area")
+        rows = np.zeros((len(runs), 3), dtype=np.uint64)
+        rows[:, 0] = [self.base + first * self.slot_bytes for first, _ in runs]
+        rows[:, 1] = [count * self.slot_bytes for _, count in runs]
         return rows
+
+
+def area_shape(pool: KVPool) -> tuple[int, int]:
+    """(slots, slot_bytes) of the landing or send area for `pool`: a slot per page, each a whole sealed
+    page (every slot written, plus the tag)."""
+    return pool.num_pages, pool.page_size * pool.token_bytes + TAG_BYTES
+
+
+def new_area(slots: int, slot_bytes: int) -> np.ndarray:
+    """A zeroed [slots, slot_bytes] byte area in this process (the landing process maps its own)."""
+    return np.zeros((slots, slot_bytes), dtype=np.uint8)
 
 
 def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -102,22 +105,44 @@ class Write:
     state: str = "PROC"
 
 
-class NixlAgent:
-    """This process's NIXL agent with its KV pool registered."""
+class OneSidedAgent(Protocol):
+    """What a worker asks of its one-sided transport: `NixlAgent` in this process (tests), or
+    `landing.LandingAgent`, the same calls answered by a separate landing process."""
 
-    def __init__(self, name: str, kv: torch.Tensor) -> None:
+    area: np.ndarray  # [slots, slot_bytes]: landing (decode) or send (prefill) slots, one per pool page
+    layout: AreaLayout
+    incarnation: int  # changes when the agent is replaced (a restarted landing process): announce again
+
+    def metadata(self) -> bytes: ...
+    def add_peer(self, metadata: bytes) -> str: ...
+    def remove_peer(self, name: str) -> None: ...
+    def write(
+        self, peer: str, remote: AreaLayout, pairs: list[tuple[int, int]], request_id: str
+    ) -> Write: ...
+    def poll(self, write: Write) -> str: ...
+    def progress(self) -> int: ...
+    def close(self) -> None: ...
+    def describe(self) -> dict[str, Any]: ...
+
+
+class NixlAgent:
+    """This process's NIXL agent with one area registered (see the module doc: never a pool)."""
+
+    def __init__(self, name: str, area: np.ndarray) -> None:
         api = load_api()
         if api is None:
             raise RuntimeError("NIXL is not installed (pip install nixl-cu12); use --kv-transport zmq")
+        assert area.ndim == 2 and area.dtype == np.uint8 and area.flags.c_contiguous
         self.name = name
-        self.layout = PoolLayout.of(kv)
-        self._kv = kv  # kept alive: NIXL holds raw addresses into it
+        self.incarnation = 0
+        self.area = area  # kept alive: NIXL holds raw addresses into it
+        self.layout = AreaLayout(area.ctypes.data, area.shape[0], area.shape[1])
         # No progress thread: NIXL's spins a whole core even when nothing moves (measured: 3.0 s of CPU in
         # 3 s idle; two idle workers took both cores of this machine). Progress happens in our own calls
         # (`poll`, `notified`), which the workers make every loop and more often while a transfer is live.
         config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent = api.nixl_agent(name, config)
-        region = [(kv.data_ptr(), kv.numel() * kv.element_size(), 0, "")]
+        region = [(self.layout.base, area.nbytes, 0, "")]
         self._registered = self._agent.register_memory(region, "DRAM")
         self._writes: list[Write] = []
 
@@ -132,8 +157,8 @@ class NixlAgent:
     def remove_peer(self, name: str) -> None:
         self._agent.remove_remote_agent(name)
 
-    def write(self, peer: str, remote: PoolLayout, pairs: list[tuple[int, int]], request_id: str) -> Write:
-        """Post a WRITE of local pages into the peer's pages, `pairs` = [(source, target)]."""
+    def write(self, peer: str, remote: AreaLayout, pairs: list[tuple[int, int]], request_id: str) -> Write:
+        """Post a WRITE of local slots into the peer's slots, `pairs` = [(source, target)]."""
         runs = contiguous_runs(pairs)
         local = self._agent.get_xfer_descs(self.layout.blocks([(s, n) for s, _, n in runs]), "DRAM")
         targets = self._agent.get_xfer_descs(remote.blocks([(t, n) for _, t, n in runs]), "DRAM")
@@ -152,14 +177,13 @@ class NixlAgent:
             self._agent.release_xfer_handle(write.handle)
         return write.state
 
-    def notified(self) -> list[str]:
-        """Request ids named by WRITE notifications that arrived since the last call (untrusted)."""
-        ids = []
-        for messages in self._agent.get_new_notifs().values():
-            for message in messages:
-                if message.startswith(NOTIFY_PREFIX):
-                    ids.append(message[len(NOTIFY_PREFIX) :].decode("utf-8", "replace"))
-        return ids
+    def describe(self) -> dict[str, Any]:
+        return {"agent": "in process", "pool_registered": False, "seal": SEAL}
+
+    def progress(self) -> int:
+        """Advance UCX (over TCP a peer's WRITE lands only while this side polls) and drop the notifications
+        that came: nothing is believed of them, a landed page is judged by opening it. Returns how many."""
+        return sum(len(messages) for messages in self._agent.get_new_notifs().values())
 
     def close(self) -> None:
         """Release in order (handles, then the registration) so nothing is torn down under UCX at exit."""

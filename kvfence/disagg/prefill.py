@@ -8,10 +8,15 @@ slot count and an xxh3 checksum of its bytes, then `complete`. An `abort` from t
 transfer targets is answered with `abort_ack` on the same channel as the pages, so the ack proves nothing
 of that request is still on the way.
 
+Only written slots leave: a page carries as many slots as the prompt fills, never the tail a recycled page
+keeps from its previous owner.
+
 With `--kv-transport nixl` and decode's NIXL agent announced (a `kv_agent` on the authenticated channel),
-the pages go as one one-sided WRITE into the granted targets instead; `complete` then follows only once
-NIXL reports the WRITE done, carrying each page's xxh3 checksum, and an `abort` of a request whose WRITE
-is in flight is acknowledged only once NIXL reports it done or failed (never earlier, never on a timer).
+each page is sealed (AES-GCM under the request's `seal_key`, sent by decode on the same channel) into this
+worker's send area, never read by NIXL from the pool, and the sealed slots go as one one-sided WRITE into
+decode's landing slots for the granted targets; `complete` follows only once NIXL reports the WRITE done,
+and an `abort` of a request whose WRITE is in flight is acknowledged only once NIXL reports it done or
+failed (never earlier, never on a timer). A transfer whose key has not come yet waits for it.
 """
 
 from __future__ import annotations
@@ -25,14 +30,26 @@ import xxhash
 
 from kvfence.disagg.connector import Connector, LinkEvent
 from kvfence.disagg.handoff import HandoffEngine
-from kvfence.disagg.messages import Abort, AbortAck, Accepted, Complete, KvAgent, Page, Prefill, Rejected
-from kvfence.disagg.nixl_transport import NixlAgent, PoolLayout, Write
+from kvfence.disagg.messages import (
+    Abort,
+    AbortAck,
+    Accepted,
+    Complete,
+    KvAgent,
+    Page,
+    Prefill,
+    Rejected,
+    SealKey,
+)
+from kvfence.disagg.nixl_transport import AreaLayout, OneSidedAgent, Write
+from kvfence.disagg.seal import KEY_BYTES, seal_page
 from kvfence.disagg.worker import Worker
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
 
 CANCELLED_KEPT = 4096  # request ids aborted before their `prefill` arrived, remembered to refuse it
+KEYS_KEPT = 4096  # seal keys that came before their `prefill` (no order between decode and the router)
 
 
 @dataclass
@@ -61,25 +78,33 @@ class Posted:
     transfer: Transfer
     write: Write | None  # None: nothing to write
     checksums: list[int]
+    slots: list[int]  # the send slots it reads, free again once NIXL is done with them
     aborted: bool = False  # decode asked to stop: acknowledge when NIXL is done, send no `complete`
 
 
 class PrefillWorker(Worker):
     role = "prefill"
 
-    def __init__(self, engine: HandoffEngine, connector: Connector, agent: NixlAgent | None = None) -> None:
+    def __init__(
+        self, engine: HandoffEngine, connector: Connector, agent: OneSidedAgent | None = None
+    ) -> None:
         super().__init__(engine, connector)
         self.transfers: dict[str, Transfer] = {}
         self.faults = engine.faults
         self.agent = agent
-        self.decode_agents: dict[str, tuple[str, PoolLayout]] = {}  # decode address -> NIXL agent, pool
+        # Send slots, one per page of this pool, handed to one transfer at a time: two requests sharing a
+        # prefix page seal it under different keys, so a slot is a transfer's, never a source page's.
+        self.free_slots = list(range(agent.layout.slots)) if agent is not None else []
+        self.decode_agents: dict[str, tuple[str, AreaLayout]] = {}  # decode address -> NIXL agent, area
+        self.keys: OrderedDict[tuple[str, str], bytes] = OrderedDict()  # (request, decode) -> seal key
+        self.awaiting_key: dict[str, Transfer] = {}  # computed, waiting for decode's seal key
         self.posted: dict[str, Posted] = {}
         # Requests decode aborted before their `prefill` arrived (no order between router and decode): a
         # late `prefill` for one is refused, or its one-sided WRITE would land in pages since given away.
         self.cancelled: OrderedDict[str, None] = OrderedDict()
 
     def busy(self) -> bool:
-        return super().busy() or bool(self.posted)
+        return super().busy() or bool(self.posted) or bool(self.awaiting_key)
 
     def kv_transport(self) -> str:
         return "nixl" if self.agent is not None else "zmq"
@@ -114,7 +139,8 @@ class PrefillWorker(Worker):
             if transfer is None:
                 continue
             if output.status is Status.TRANSFERRING and transfer.decode in self.decode_agents:
-                self._post(transfer)
+                self.awaiting_key[transfer.request_id] = transfer
+                self._post_when_keyed(transfer.request_id)
             elif output.status is Status.TRANSFERRING:  # decode has no NIXL agent (or not yet): ZeroMQ
                 self._send_pages(transfer)
                 self.engine.finish_transfer(output.request_id)
@@ -143,27 +169,29 @@ class PrefillWorker(Worker):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _send_pages(self, transfer: Transfer) -> None:
-        pool, ps = self.engine.pool, self.engine.pool.page_size
-        plan = self._plan(transfer)
+        pool, plan = self.engine.pool, self._plan(transfer)
         for logical, (source, (page, generation)) in enumerate(plan.pages):
             if logical == plan.crash_at:
                 self._crash(transfer.request_id)
-            payload = pool.page_bytes(source)
+            payload = pool.page_bytes(source, self._slots(transfer, logical))
             checksum = xxhash.xxh3_64_intdigest(payload)
             if logical == plan.corrupt:  # a torn write: the first half of the page arrives as zeros
                 payload = bytes(len(payload) // 2) + payload[len(payload) // 2 :]
             if logical == plan.lost:
                 continue  # the transport drops it; the sender still believes it went out
-            slots = min(ps, transfer.num_tokens - logical * ps)
             self.reply(
-                transfer.decode,
-                Page(transfer.request_id, logical, page, generation, slots, checksum, payload),
+                transfer.decode, Page(transfer.request_id, logical, page, generation, checksum, payload)
             )
         self.reply(
             transfer.decode,
             Complete(transfer.request_id, pages=len(transfer.targets), tokens=transfer.num_tokens),
         )
         self.engine.events.emit(transfer.request_id, "transfer_complete", pages=len(plan.pages))
+
+    def _slots(self, transfer: Transfer, logical: int) -> int:
+        """Slots of logical page `logical` the prompt fills: all a page sends (decode derives the same)."""
+        ps = self.engine.pool.page_size
+        return max(0, min(ps, transfer.num_tokens - logical * ps))
 
     # ---- one-sided writes (NIXL) ------------------------------------------------------------------------
 
@@ -174,42 +202,79 @@ class PrefillWorker(Worker):
             self.decode_agents.pop(event.peer, None)
 
     def on_kv_agent(self, sender: str, message: KvAgent) -> None:
-        """A decode worker says where its pool lies (authenticated: only a decode key can send this)."""
-        layout = PoolLayout(message.base, message.layers, message.pages, message.block_bytes)
+        """A decode worker says where its landing area lies (authenticated: only a decode key can send it)."""
+        layout = AreaLayout(message.base, message.slots, message.slot_bytes)
         if self.agent is None or not self.agent.layout.compatible(layout):
-            why = "no NIXL agent here" if self.agent is None else "its pool layout differs from ours"
+            why = "no NIXL agent here" if self.agent is None else "its landing slots differ from ours"
             self.drop(sender, "bad_kv_agent", why)
             return
+        if sender in self.decode_agents:  # a restarted landing process: a new agent under the same name
+            self.agent.remove_peer(self.decode_agents.pop(sender)[0])
         self.decode_agents[sender] = (self.agent.add_peer(message.payload), layout)
 
-    def _post(self, transfer: Transfer) -> None:
-        """Checksum the source pages, then WRITE them into the granted targets; `tick` finishes it."""
+    def on_seal_key(self, sender: str, message: SealKey) -> None:
+        """The key decode will open this request's pages with; kept per (request, decode), so only the
+        decode worker a transfer targets can key it."""
+        try:
+            key = bytes.fromhex(message.key)
+        except ValueError:
+            key = b""
+        if len(key) != KEY_BYTES:
+            self.drop(sender, "bad_field", f"seal_key of {message.request_id}: not a {KEY_BYTES}-byte key")
+            return
+        self.keys[(message.request_id, sender)] = key
+        while len(self.keys) > KEYS_KEPT:
+            self.keys.popitem(last=False)
+        self._post_when_keyed(message.request_id)
+
+    def _post_when_keyed(self, request_id: str) -> None:
+        """Post a computed transfer once its key is here and send slots are free for its pages."""
+        transfer = self.awaiting_key.get(request_id)
+        if transfer is None or (request_id, transfer.decode) not in self.keys:
+            return
+        if len(self.free_slots) < len(self.engine.requests[request_id].record.pages):
+            return  # `tick` tries again as WRITEs finish
+        del self.awaiting_key[request_id]
+        self._post(transfer, self.keys.pop((request_id, transfer.decode)))
+
+    def _post(self, transfer: Transfer, key: bytes) -> None:
+        """Seal each page's written slots into its send slot, then WRITE those slots into the granted
+        landing slots; `tick` finishes it. NIXL reads only the send area, never the pool."""
         assert self.agent is not None
-        pool, plan = self.engine.pool, self._plan(transfer)
-        checksums = [pool.page_checksum(source) for source, _ in plan.pages]
-        if plan.corrupt is not None:  # a torn write: the first half of the page arrives as zeros
-            source = plan.pages[plan.corrupt][0]
-            torn = pool.page_bytes(source)
-            pool.load_page_bytes(source, bytes(len(torn) // 2) + torn[len(torn) // 2 :])
-        pairs = [(source, page) for i, (source, (page, _)) in enumerate(plan.pages) if i != plan.lost]
+        pool, plan, area = self.engine.pool, self._plan(transfer), self.agent.area
+        slots = [self.free_slots.pop() for _ in plan.pages]
+        checksums = []
+        for logical, (source, (page, generation)) in enumerate(plan.pages):
+            plain = pool.page_bytes(source, self._slots(transfer, logical))
+            sealed = seal_page(key, transfer.request_id, logical, page, generation, plain)
+            slot = slots[logical]
+            area[slot, : len(sealed)] = memoryview(sealed)
+            area[slot, len(sealed) :] = 0
+            checksums.append(xxhash.xxh3_64_intdigest(sealed))
+            if logical == plan.corrupt:  # a torn write: the first half of the sealed page arrives as zeros
+                area[slot, : len(sealed) // 2] = 0
+        pairs = [(slots[i], page) for i, (_, (page, _)) in enumerate(plan.pages) if i != plan.lost]
         if plan.crash_at is not None:
             pairs = pairs[: plan.crash_at]
         peer, layout = self.decode_agents[transfer.decode]
         write = self.agent.write(peer, layout, pairs, transfer.request_id) if pairs else None
-        self.posted[transfer.request_id] = Posted(transfer, write, checksums)
+        self.posted[transfer.request_id] = Posted(transfer, write, checksums, slots)
         if plan.crash_at is not None:
             self._crash(transfer.request_id)
 
     def tick(self, now: float) -> None:
+        for request_id in list(self.awaiting_key):
+            self._post_when_keyed(request_id)
         for request_id, posted in list(self.posted.items()):
             state = "DONE" if posted.write is None or self.agent is None else self.agent.poll(posted.write)
             if state == "PROC":
                 continue
             del self.posted[request_id]
+            self.free_slots += posted.slots
             transfer = posted.transfer
             if posted.aborted:  # NIXL is done with it: now nothing more can land
                 self.engine.abort(request_id, "aborted_by_decode")
-                self.reply(transfer.decode, AbortAck(request_id=request_id, wrote=posted.write is not None))
+                self.reply(transfer.decode, AbortAck(request_id=request_id))
                 continue
             failed = "" if state == "DONE" else "transfer_failed"
             tokens, pages = (transfer.num_tokens, len(transfer.targets)) if not failed else (0, 0)
@@ -236,6 +301,7 @@ class PrefillWorker(Worker):
         if posted is not None:  # a WRITE is in flight: acknowledged only when NIXL says done or failed
             posted.aborted = True
             return
+        self.awaiting_key.pop(request_id, None)
         if self.transfers.pop(request_id, None) is None:
             self.cancelled[request_id] = None
             while len(self.cancelled) > CANCELLED_KEPT:

@@ -31,7 +31,7 @@ from kvfence.disagg.messages import (
     StatsReply,
     accept,
 )
-from kvfence.disagg.nixl_transport import NixlAgent
+from kvfence.disagg.nixl_transport import OneSidedAgent
 from kvfence.engine.info import engine_info
 from kvfence.engine.stats import EngineStats
 
@@ -42,7 +42,7 @@ log = logging.getLogger("kvfence.disagg")
 
 class Worker:
     role = "worker"
-    agent: NixlAgent | None = None  # set by a worker that moves KV with one-sided NIXL writes
+    agent: OneSidedAgent | None = None  # set by a worker that moves KV with one-sided NIXL writes
 
     def __init__(self, engine: HandoffEngine, connector: Connector) -> None:
         self.engine = engine
@@ -143,8 +143,12 @@ class Worker:
 
     def transport(self) -> dict[str, Any]:
         """How this worker's transport is protected, for /v1/audit/info."""
-        kv = "nixl" if self.agent is not None else "zmq"  # pages: one-sided NIXL writes, or ZeroMQ frames
-        return {"kind": "zeromq", "kv": kv, "authenticated": self.connector.secure}
+        secure = self.connector.secure
+        if self.agent is None:  # pages as ZeroMQ frames, on the CURVE channel itself
+            return {"kind": "zeromq", "kv": "zmq", "authenticated": secure, "data_plane_sealed": secure}
+        plane = self.agent.describe()  # one-sided: what UCX reaches, and how what it carries is sealed
+        sealed = plane.get("agent") == "landing process" and not plane.get("pool_registered")
+        return {"kind": "zeromq", "kv": "nixl", "authenticated": secure, "data_plane_sealed": sealed, **plane}
 
     def on_stats(self, sender: str, message: Stats) -> None:
         stats = EngineStats.read(self.engine, self.rejected + self.connector.rejected)

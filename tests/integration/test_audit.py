@@ -130,6 +130,21 @@ def server_info(**decode: Any) -> dict[str, Any]:
         ({"model_sha256": None}, "model sha256 unknown"),
         ({"git_commit": "def"}, "pools report different git_commit values"),
         ({"transport": {"kind": "zeromq", "authenticated": False}}, "transport not authenticated"),
+        (  # one-sided pages from an agent in the engine's own process: UCX reaches the pool
+            {
+                "transport": {
+                    "kind": "zeromq",
+                    "authenticated": True,
+                    "kv": "nixl",
+                    "data_plane_sealed": False,
+                }
+            },
+            "data plane not sealed",
+        ),
+        (
+            {"transport": {"kind": "zeromq", "authenticated": True, "kv": "nixl", "data_plane_sealed": True}},
+            None,
+        ),
     ],
 )
 def test_pinned_versions_from_the_server_need_one_known_model_and_code(

@@ -7,6 +7,7 @@ reads A's stale pages. Isolation on: B gets a 400 before anything is reserved an
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
@@ -137,9 +138,17 @@ def test_audit_info_names_both_pools(fenced: Cluster, smollm2: GGUFModel) -> Non
     )
     assert pools["decode"]["prefix_caching"] is False and all(p["isolation"] for p in pools.values())
     assert info["transport"] == {"kind": "zeromq", "authenticated": True}
-    for pool in pools.values():  # each worker also names how its KV pages move
-        assert pool["transport"].pop("kv") in ("nixl", "zmq")
-        assert pool["transport"] == {"kind": "zeromq", "authenticated": True}
+    for pool in pools.values():  # each worker also names how its KV pages move, and what that trusts
+        transport = pool["transport"]
+        assert (transport["kind"], transport["authenticated"], transport["data_plane_sealed"]) == (
+            "zeromq",
+            True,
+            True,
+        )
+        if transport["kv"] == "nixl":  # UCX lives in an unprivileged landing process, on loopback only
+            assert transport["agent"] == "landing process" and transport["pool_registered"] is False
+            assert transport["ucx_interface"] == "lo" and transport["seal"] == "aes-256-gcm"
+            assert os.geteuid() != 0 or transport["uid"] == 65534
 
 
 def test_metrics_keep_the_pools_apart(fenced: Cluster) -> None:

@@ -1,9 +1,11 @@
 """The one-sided (NIXL) handoff, in process: real NIXL agents over UCX, control messages in memory.
 
-The decode worker announces its registered pool to prefill over the (authenticated) control channel,
-prefill WRITEs the granted pages and sends `complete` with their checksums. Every transfer fault runs
-twice: isolation off shows the leak (the answer changes, pages holding another tenant's KV are read),
-isolation on aborts exactly the affected request. Skipped, with the reason, where NIXL is not installed.
+The decode worker announces its landing area (never its pool) to prefill over the (authenticated) control
+channel with a seal key per request; prefill seals the granted pages into its send area, WRITEs them into
+decode's landing slots and sends `complete`; decode opens each page and copies it in as a fenced write.
+Every transfer fault runs twice: isolation off shows the leak (the answer changes, pages holding another
+tenant's KV are read), isolation on aborts exactly the affected request. A write at any other time, from
+anyone, reaches a landing slot and never the pool. Skipped, with the reason, where NIXL is not installed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 from test_disagg_protocol import (
@@ -30,13 +33,21 @@ from test_disagg_protocol import (
     targets,
 )
 
-from kvfence.cache.pool import KVPool, PageState
+from kvfence.cache.pool import PageState
 from kvfence.disagg.connector import LinkEvent, Received
+from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.messages import MAX_AGENT_BYTES, BadMessage, Bounds, KvAgent, Prefill, accept, encode
-from kvfence.disagg.nixl_transport import NixlAgent, contiguous_runs, nixl_available
+from kvfence.disagg.nixl_transport import (
+    AreaLayout,
+    NixlAgent,
+    area_shape,
+    contiguous_runs,
+    new_area,
+    nixl_available,
+)
 from kvfence.engine.stats import EngineStats
 from kvfence.model.llama import LlamaModel
-from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF, STALE_WRITE
+from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF
 
 pytestmark = pytest.mark.skipif(
     not nixl_available(),
@@ -50,18 +61,19 @@ class NixlPipeline(Pipeline):
     """A Pipeline whose workers move KV with one-sided NIXL writes."""
 
     def __init__(self, model: LlamaModel, **kwargs: object) -> None:
-        super().__init__(model, **kwargs)  # type: ignore[arg-type]
         tag = f"{os.getpid()}-{next(_names)}"
-        self.prefill.agent = NixlAgent(f"prefill-{tag}", self.prefill.engine.pool.kv)
-        self.decode.agent = NixlAgent(f"decode-{tag}", self.decode.engine.pool.kv)
+
+        def agent(role: str, engine: HandoffEngine) -> NixlAgent:
+            return NixlAgent(f"{role}-{tag}", new_area(*area_shape(engine.pool)))
+
+        super().__init__(model, agent=agent, **kwargs)  # type: ignore[arg-type]
 
     def run(self) -> None:
         """Until quiet, WRITEs in flight and awaited notifications included."""
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             super().run()
-            awaiting = any(i.acked_write for i in self.decode.inbound.values())
-            if not (self.prefill.posted or awaiting):
+            if not (self.prefill.posted or self.prefill.awaiting_key):
                 return
             self.prefill.run_once()
             self.decode.run_once()
@@ -158,76 +170,113 @@ def r1_acked_and_r2_in_its_pages(
 ) -> Received | LinkEvent:
     """r1 is aborted and acked before prefill wrote it (the fault: the ack goes out, the work goes on); r2
     gets r1's pages, is written and verified. Returns r1's `prefill`, held up in the network."""
-    reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
-    pipe.router.send(PREFILL, Prefill("r1", "A", PROMPTS[22], DECODE, targets(reserved)))
+    reserved = pipe.reserve("r1", "A", PROMPTS[22][::-1], max_tokens=2)
+    pipe.router.send(PREFILL, Prefill("r1", "A", PROMPTS[22][::-1], DECODE, targets(reserved)))
     held = pipe.hub.mailboxes[PREFILL].pop()
     pipe.prefill.engine.faults.arm("late_write_after_cancel", times=1)
     pipe.abort("r1")
     pipe.deliver(DECODE)
-    pipe.deliver(PREFILL)  # the buggy ack
-    pipe.deliver(DECODE)  # with nothing written (wrote=False) the quarantine drains now
+    pipe.deliver(PREFILL)  # the seal key, then the buggy ack
+    pipe.deliver(DECODE)  # the quarantine drains now
     pipe.submit("r2", "B", PROMPTS[22][:r2_prompt], max_tokens=r2_tokens)
     pipe.wait(lambda: "r2" not in pipe.prefill.transfers and not pipe.prefill.posted)
-    pipe.deliver(DECODE)  # r2's complete: verified, resumed
+    pipe.deliver(DECODE)  # r2's complete: opened, copied in, resumed
     return held
 
 
 def late_one_sided_write(pipe: NixlPipeline) -> None:
-    """Then r1's `prefill` arrives: r1 is computed and its WRITE lands in the pages r2 now holds."""
+    """Then r1's `prefill` arrives: r1 is computed and its WRITE lands in the landing slots of the pages
+    r2 now holds."""
     pipe.hub.mailboxes[PREFILL].append(r1_acked_and_r2_in_its_pages(pipe))
     pipe.deliver(PREFILL)
     pipe.prefill.run_once()
     pipe.wait(lambda: not pipe.prefill.posted)
-    pipe.wait(lambda: "r1" not in pipe.decode.released or not pipe.decode.isolation)
     pipe.run()
 
 
-def test_late_one_sided_write_corrupts_the_next_owner_with_isolation_off(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline]
+@pytest.mark.parametrize("isolation", [True, False], ids=["isolation on", "isolation off"])
+def test_a_late_one_sided_write_reaches_no_pool_byte(
+    tiny: LlamaModel, pipes: Callable[..., NixlPipeline], isolation: bool
 ) -> None:
-    pipe = pipes(tiny, isolation=False, decode_pages=6)
+    """The pool is not registered with NIXL, so even with the fence off a late WRITE only fills landing
+    slots: r2 answers as alone. (Until the pool stopped being registered, this WRITE rewrote r2's pages:
+    with isolation off r2 answered from r1's bytes, with it on r2 was aborted stale_write.)"""
+    pipe = pipes(tiny, isolation=isolation, decode_pages=6)
     late_one_sided_write(pipe)
-    assert pipe.results["r2"].status == "finished"
-    assert pipe.results["r2"].tokens != solo(tiny, PROMPTS[22], max_tokens=2)
-
-
-def test_late_one_sided_write_is_caught_with_isolation_on(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline]
-) -> None:
-    pipe = pipes(tiny, isolation=True, decode_pages=6)
-    late_one_sided_write(pipe)
-    assert pipe.results["r2"] == Result([], "aborted", STALE_WRITE), "r2 must not answer from r1's bytes"
-    assert "write_refused" in pipe.decode.engine.events.kinds("r1")
-    assert pipe.decode.engine.pool.refused_writes >= 1
+    assert pipe.prefill.engine.faults.fired == {"late_write_after_cancel": 1}
+    assert pipe.results["r2"] == Result(solo(tiny, PROMPTS[22], max_tokens=2), "finished", "length")
+    landing = pipe.decode.agent.area if pipe.decode.agent is not None else None
+    assert landing is not None and landing.any(), "r1's late WRITE landed (in landing slots only)"
     assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
 
 
-@pytest.mark.parametrize("tokens", [4, 2], ids=["mid-answer", "its last token"])
-def test_a_late_write_during_decoding_lets_no_token_read_over_it_leave(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline], monkeypatch: pytest.MonkeyPatch, tokens: int
+def rogue_write(pipe: NixlPipeline, pages: list[int], fill: int) -> None:
+    """A third agent that got decode's metadata (a stolen prefill key, or UCX's open listener) WRITEs
+    `fill` bytes into the landing slots of `pages`."""
+    assert pipe.decode.agent is not None
+    rogue = NixlAgent(f"rogue-{os.getpid()}-{next(_names)}", new_area(*area_shape(pipe.prefill.engine.pool)))
+    try:
+        rogue.area[:] = fill
+        write = rogue.write(
+            rogue.add_peer(pipe.decode.agent.metadata()),
+            pipe.decode.agent.layout,
+            [(i, page) for i, page in enumerate(pages)],
+            "forged",
+        )
+        deadline = time.monotonic() + WAIT_S
+        while rogue.poll(write) == "PROC":
+            pipe.decode.agent.progress()
+            assert time.monotonic() < deadline, "the rogue WRITE did not finish"
+    finally:
+        rogue.close()
+
+
+def test_a_rogue_write_during_decoding_changes_no_token(
+    tiny: LlamaModel, pipes: Callable[..., NixlPipeline]
 ) -> None:
-    """The late bytes land while r2 decodes and their notification is not seen before r2's next step reads
-    them (held back here). The engine asks for NIXL's notifications after the forward, before the step's
-    tokens are taken, so r2 is aborted with the one token it had before, and the token computed over r1's
-    bytes is never taken, even when it would have been r2's last."""
+    """Bytes written into r2's landing slots after its pages were opened never reach its pool pages: r2
+    decodes on to its solo answer while the slots hold the rogue's bytes."""
     pipe = pipes(tiny, isolation=True, decode_pages=6)
-    held = r1_acked_and_r2_in_its_pages(pipe, r2_prompt=20, r2_tokens=tokens)  # r1's 6 granted pages
-    pipe.decode.run_once()  # r2's first step, over its own verified KV
-    agent, late = pipe.decode.agent, []
-    assert agent is not None
-    receive = agent.notified
-    monkeypatch.setattr(agent, "notified", lambda: late.extend(receive()) or [])  # progress, ids held back
-    pipe.hub.mailboxes[PREFILL].append(held)
-    pipe.deliver(PREFILL)
-    pipe.prefill.run_once()
-    pipe.wait(lambda: not pipe.prefill.posted)  # r1's WRITE is DONE: its bytes are in r2's pages
-    assert late == ["r1"]
-    monkeypatch.setattr(agent, "notified", lambda: [*late, *receive()])
-    pipe.decode.run_once()  # r2's second step reads r1's bytes; then the notification is seen
+    pipe.submit("r2", "B", PROMPTS[22][:20], max_tokens=4)
+    pipe.wait(lambda: "r2" not in pipe.prefill.transfers and not pipe.prefill.posted)
+    pipe.deliver(DECODE)
+    pages = list(pipe.decode.engine.requests["r2"].record.pages)
+    pipe.decode.run_once()
+    before = pipe.decode.engine.pool.kv[:, :, pages].clone()
+    rogue_write(pipe, pages, fill=0x41)
+    assert pipe.decode.agent is not None and (pipe.decode.agent.area[pages] == 0x41).all()
+    written_before = pipe.decode.engine.pool.written[pages].copy()
     pipe.run()
-    first = solo(tiny, PROMPTS[22][:20], max_tokens=tokens)[:1]
-    assert pipe.results["r2"] == Result(first, "aborted", STALE_WRITE)
-    assert "write_refused" in pipe.decode.engine.events.kinds("r1")
+    assert pipe.results["r2"] == Result(solo(tiny, PROMPTS[22][:20], max_tokens=4), "finished", "length")
+    kv = pipe.decode.engine.pool.kv[:, :, pages]
+    for i, slots in enumerate(written_before.tolist()):  # the slots written before the rogue's WRITE
+        assert torch.equal(kv[:, :, i, :slots], before[:, :, i, :slots])
+
+
+def test_a_rogue_write_before_complete_aborts_the_request(
+    tiny: LlamaModel, pipes: Callable[..., NixlPipeline]
+) -> None:
+    """A write into a live grant's landing slots, after the honest WRITE and before `complete` is handled:
+    the page no longer opens under the request's key, so it is aborted and no byte of it is copied in."""
+    pipe = pipes(tiny, isolation=True, decode_pages=6)
+    pipe.submit("r2", "B", PROMPTS[22], max_tokens=2)
+    pipe.wait(lambda: "r2" not in pipe.prefill.transfers and not pipe.prefill.posted)
+    request = pipe.decode.engine.requests["r2"]
+    rogue_write(pipe, request.record.pages[:1], fill=0x42)
+    pipe.run()
+    assert pipe.results["r2"] == Result([], "aborted", CHECKSUM_MISMATCH)
+    refused = [e for e in pipe.decode.engine.events.for_request("r2") if e["kind"] == "write_refused"]
+    assert refused and refused[0]["why"] in ("does not open", "torn or lost in transport")
+
+
+def test_no_pool_is_registered(tiny: LlamaModel, pipes: Callable[..., NixlPipeline]) -> None:
+    """What NIXL can address is the area alone, on either side: no byte of either pool lies in it."""
+    pipe = pipes(tiny)
+    for worker in (pipe.prefill, pipe.decode):
+        assert worker.agent is not None
+        kv, area = worker.engine.pool.kv, worker.agent.layout
+        pool_start, pool_end = kv.data_ptr(), kv.data_ptr() + kv.numel() * kv.element_size()
+        assert area.base + area.slots * area.slot_bytes <= pool_start or area.base >= pool_end
 
 
 def test_a_prefill_after_its_abort_is_refused(tiny: LlamaModel, pipes: Callable[..., NixlPipeline]) -> None:
@@ -268,7 +317,7 @@ def test_quarantine_holds_until_nixl_reports_the_write_done(
     monkeypatch.setattr(agent, "poll", real_poll)
     pipe.run()
     drained = [e for e in pipe.decode.engine.events.for_request("r1") if e["kind"] == "drained"]
-    assert drained and drained[0]["how"] in ("abort_ack", "nixl_notified")
+    assert drained and drained[0]["how"] == "abort_ack"
     assert (pipe.decode.engine.pool.state[pages] == PageState.FREE).all()
 
 
@@ -297,34 +346,42 @@ def test_contiguous_runs_merge_only_where_both_sides_step_by_one() -> None:
     [[(p, p + 8) for p in range(8)], [(7 - p, 8 + p) for p in range(8)], [(1, 30), (0, 9), (6, 10), (5, 20)]],
     ids=["one run", "reversed", "scattered"],
 )
-def test_a_write_lands_exactly_on_its_target_pages(pairs: list[tuple[int, int]]) -> None:
-    """Byte for byte, whatever the runs: each target holds its source page, every other page is untouched."""
-    source, target = (KVPool(3, 32, 4, 2, 8, torch.float32, "cpu") for _ in range(2))
-    source.kv.normal_()
-    target.kv.fill_(7.0)
+def test_a_write_lands_exactly_on_its_target_slots(pairs: list[tuple[int, int]]) -> None:
+    """Byte for byte, whatever the runs: each target slot holds its source slot, every other is untouched."""
+    source, target = new_area(32, 96), new_area(32, 96)
+    source[:] = np.random.default_rng(0).integers(0, 256, source.shape, dtype=np.uint8)
+    target[:] = 7
     tag = f"{os.getpid()}-{next(_names)}"
-    src, dst = NixlAgent(f"src-{tag}", source.kv), NixlAgent(f"dst-{tag}", target.kv)
+    src, dst = NixlAgent(f"src-{tag}", source), NixlAgent(f"dst-{tag}", target)
     try:
         write = src.write(src.add_peer(dst.metadata()), dst.layout, pairs, "r")
         deadline = time.monotonic() + WAIT_S
         while src.poll(write) == "PROC":
-            dst.notified()  # no progress thread: the target side advances only when polled
+            dst.progress()  # no progress thread: the target side advances only when polled
             assert time.monotonic() < deadline, "the WRITE did not finish"
         assert write.state == "DONE"
     finally:
         src.close()
         dst.close()
     for s, t in pairs:
-        assert torch.equal(target.kv[:, :, t], source.kv[:, :, s])
+        assert np.array_equal(target[t], source[s])
     untouched = sorted(set(range(32)) - {t for _, t in pairs})
-    assert (target.kv[:, :, untouched] == 7.0).all()
+    assert (target[untouched] == 7).all()
+
+
+def test_a_run_outside_the_area_is_refused_before_ucx() -> None:
+    """UCX would write wherever an address points: a run past the peer's slots never becomes a descriptor."""
+    area = AreaLayout(base=4096, slots=8, slot_bytes=64)
+    assert area.blocks([(6, 2)]).tolist() == [[4096 + 6 * 64, 128, 0]]
+    for runs in ([(7, 2)], [(-1, 1)], [(0, 0)]):
+        with pytest.raises(ValueError, match="outside the area"):
+            area.blocks(runs)
 
 
 def test_an_idle_agent_burns_no_cpu() -> None:
     """NIXL's progress thread spins a core even with nothing to move (two idle workers took both cores of
-    this machine): the agent runs without it, progress made in `poll` and `notified`."""
-    pool = KVPool(2, 8, 4, 2, 8, torch.float32, "cpu")
-    agent = NixlAgent(f"idle-{os.getpid()}-{next(_names)}", pool.kv)
+    this machine): the agent runs without it, progress made in `poll` and `progress`."""
+    agent = NixlAgent(f"idle-{os.getpid()}-{next(_names)}", new_area(8, 64))
     try:
         cpu = time.process_time()
         time.sleep(0.3)
@@ -335,14 +392,11 @@ def test_an_idle_agent_burns_no_cpu() -> None:
 
 
 EXIT_SCRIPT = """
-import torch
-from kvfence.cache.pool import KVPool
-from kvfence.disagg.nixl_transport import NixlAgent
-source, target = (KVPool(2, 8, 4, 2, 8, torch.float32, "cpu") for _ in range(2))
-src, dst = NixlAgent("exit-src", source.kv), NixlAgent("exit-dst", target.kv)
+from kvfence.disagg.nixl_transport import NixlAgent, new_area
+src, dst = NixlAgent("exit-src", new_area(8, 64)), NixlAgent("exit-dst", new_area(8, 64))
 write = src.write(src.add_peer(dst.metadata()), dst.layout, [(0, 1)], "r")
 while src.poll(write) == "PROC":
-    dst.notified()
+    dst.progress()
 src.close()
 dst.close()
 print("wrote", write.state)
@@ -359,7 +413,7 @@ def test_a_process_that_wrote_with_nixl_exits_cleanly() -> None:
 
 def test_kv_agent_is_bounded_and_only_from_decode() -> None:
     bounds = Bounds(48, 256)
-    header, payload = encode(KvAgent(0, 2, 8, 64, b"x" * 10))
+    header, payload = encode(KvAgent(0, 8, 64, b"x" * 10))
     assert accept(header, payload, "decode", "prefill", bounds).KIND == "kv_agent"
     with pytest.raises(BadMessage, match="wrong_role"):
         accept(header, payload, "router", "prefill", bounds)

@@ -8,8 +8,10 @@ request with its reason, while the victim request that follows produces its solo
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -20,6 +22,7 @@ from kvfence.disagg.connector import LinkEvent, MemoryHub, Received
 from kvfence.disagg.decode import DecodeWorker
 from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.messages import Abort, AbortAck, Bounds, Msg, Output, Prefill, Reserve, decode, encode
+from kvfence.disagg.nixl_transport import OneSidedAgent
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.engine.stats import EngineStats
 from kvfence.engine.trace import PageTrace
@@ -44,32 +47,28 @@ class Pipeline:
     """A prefill and a decode worker on tiny engines, joined by an in-memory network."""
 
     def __init__(
-        self, model: LlamaModel, isolation: bool = True, prefill_pages: int = 64, decode_pages: int = 64
+        self,
+        model: LlamaModel,
+        isolation: bool = True,
+        prefill_pages: int = 64,
+        decode_pages: int = 64,
+        agent: Callable[[str, HandoffEngine], OneSidedAgent] | None = None,
     ) -> None:
         self.hub = MemoryHub()
         # Each address has the role a key would prove (the ROLE_RULES are enforced on every delivery).
         self.router = self.hub.connector(ROUTER, "router")
         settings = {"isolation": isolation, "enable_prefix_caching": False}
         # Each worker's window is what its own pool can hold (a prefill pool may be smaller than decode's).
+        engines = {
+            role: make_engine(model, HandoffEngine, num_pages=n, max_model_len=min(48, n * 4), **settings)
+            for role, n in (("prefill", prefill_pages), ("decode", decode_pages))
+        }
+        agents = {role: agent(role, engine) if agent else None for role, engine in engines.items()}
         self.prefill = PrefillWorker(
-            make_engine(
-                model,
-                HandoffEngine,
-                num_pages=prefill_pages,
-                max_model_len=min(48, prefill_pages * 4),
-                **settings,
-            ),
-            self.hub.connector(PREFILL, "prefill"),
+            engines["prefill"], self.hub.connector(PREFILL, "prefill"), agents["prefill"]
         )
         self.decode = DecodeWorker(
-            make_engine(
-                model,
-                HandoffEngine,
-                num_pages=decode_pages,
-                max_model_len=min(48, decode_pages * 4),
-                **settings,
-            ),
-            self.hub.connector(DECODE, "decode"),
+            engines["decode"], self.hub.connector(DECODE, "decode"), agent=agents["decode"]
         )
         self.trace = PageTrace(self.decode.engine.pool)
         self.decode.engine.runner.observer = self.trace
@@ -261,9 +260,11 @@ def test_sender_fault_is_caught_with_isolation_on(tiny: LlamaModel, name: str) -
 
 
 def abort_then_late_page(pipe: Pipeline, fault: str) -> None:
-    """R1 is aborted while its pages may still be on the way; they arrive after R2 got R1's pages."""
-    reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
-    pipe.start_prefill("r1", "A", PROMPTS[22], targets(reserved))
+    """R1 is aborted while its pages may still be on the way; they arrive after R2 got R1's pages. R1's
+    prompt is R2's reversed: its KV differs wherever it lands (only written slots travel)."""
+    other = PROMPTS[22][::-1]
+    reserved = pipe.reserve("r1", "A", other, max_tokens=2)
+    pipe.start_prefill("r1", "A", other, targets(reserved))
     if fault == "abort_mid_transfer":
         pipe.prefill.run_once()  # r1's pages are sent: in flight when the router gives up
         pipe.abort("r1")
@@ -389,3 +390,21 @@ def test_page_bytes_round_trip(dtype: torch.dtype) -> None:
     assert pool.page_checksum(1) == pool.page_checksum(3) == xxhash.xxh3_64_intdigest(payload)
     pool.kv[-1, 1, 3, -1, -1, -1] += 1
     assert pool.page_checksum(3) != pool.page_checksum(1)
+
+
+def test_a_page_carries_only_its_written_slots(tiny: LlamaModel) -> None:
+    """The prefill pool's pages are recycled and hold an earlier request's KV past what this prompt fills:
+    each page frame carries exactly the slots the prompt fills, as decode derives them, never the tail."""
+    pipe = Pipeline(tiny)
+    pool = pipe.prefill.engine.pool
+    pool.kv.fill_(123.0)  # what earlier owners left in every page
+    pipe.submit("r1", "A", PROMPTS[22], max_tokens=2)
+    pipe.prefill.run_once()
+    pages = [m for m in pipe.hub.mailboxes[DECODE] if decode(m.header, m.payload, BOUNDS).KIND == "page"]
+    sizes = [len(m.payload) // pool.token_bytes for m in pages]
+    full, rest = divmod(21, pool.page_size)  # 21 prompt tokens travel (the last one is decode's to compute)
+    assert rest and sizes == [pool.page_size] * full + [rest]
+    tail = np.frombuffer(pages[-1].payload, dtype=np.float32)
+    assert not (tail == 123.0).any(), "a slot nobody wrote this generation crossed the process"
+    pipe.run()
+    assert pipe.results["r1"] == Result(solo(tiny, PROMPTS[22], max_tokens=2), "finished", "length")

@@ -218,7 +218,7 @@ def test_only_a_page_carries_a_payload() -> None:
     header, _ = encode(Hello(token="t"))
     with pytest.raises(BadMessage):
         decode(header, b"smuggled", BOUNDS)
-    page = Page("r", 0, 1, 2, 3, 4, b"kv bytes")
+    page = Page("r", 0, 1, 2, 4, b"kv bytes")
     assert decode(*encode(page), BOUNDS) == page
 
 
@@ -412,7 +412,7 @@ def test_page_payload_bounds_are_the_receivers_page(tiny: LlamaModel) -> None:
     (reserved,) = node.replies()
     page, generation = reserved.targets[0]
     written = node.decode.engine.pool.written.copy()
-    node.decode.handle(frame(PREFILL, "prefill", Page("r1", 0, page, generation, 4, 0, b"short")))
+    node.decode.handle(frame(PREFILL, "prefill", Page("r1", 0, page, generation, 0, b"short")))
     assert np.array_equal(node.decode.engine.pool.written, written)
     trail = node.decode.engine.events.for_request("r1")
     assert [e["kind"] for e in trail[-2:]] == ["aborted", "quarantined"]
