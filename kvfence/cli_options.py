@@ -231,7 +231,7 @@ def add_kv_transport_option(parser: argparse.ArgumentParser) -> None:
         help="how a PD worker moves KV pages: sealed one-sided NIXL writes (AES-GCM; the agent in an "
         "unprivileged landing process that holds no pool), or ZeroMQ frames on CURVE; auto: nixl where "
         "installed and the pool is in host memory (default: %(default)s)",
-)
+    )
 
 
 def add_scale_options(parser: argparse.ArgumentParser) -> None:
