@@ -9,8 +9,8 @@ prefill side, the way the handoff does it, checks included, until decode says th
   nixl  as deployed: each side's agent in its own landing process (`LandingAgent`), NIXL reading only
         prefill's send area and writing only decode's landing area. Prefill stages each page into its
         send slot, posts one WRITE (one descriptor per run of consecutive slots), polls until DONE and
-        names the pages; decode takes each page from its landing slot, checks it, copies it into its
-        pool and clears the slot (what `DecodeWorker._copy_in` does), and answers.
+        names the pages; decode waits for the WRITE's notification, takes each page from its landing
+        slot, checks it, copies it into its pool and clears the slot (`DecodeWorker._copy_in`), answers.
         `aes-gcm`: the shipped path, each page sealed (`seal_page`) and opened (`open_page`);
         `xxh3`: the same landing and copy-in with an xxh3 checksum instead (no AEAD: what sealing costs).
         `runs`: source and target pages consecutive, as fresh pools hand them out; `scattered`: both
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
 import time
@@ -59,7 +60,7 @@ ROWS = tuple(
     for only in ("", ", write only")
 )
 ROWS += ("zmq curve", "zmq plain")
-KEY = new_key()  # one key for the run: both processes are this benchmark's
+KEY_FILE = "KVFENCE_BENCH_SEAL_KEY"  # the run's one key, given to the spawned decode side by environment
 PREFILL, DECODE = "tcp://127.0.0.1:39151", "tcp://127.0.0.1:39152"  # fixed: CURVE's allow-list names them
 
 
@@ -72,10 +73,17 @@ def landing(name: str, pool: KVPool) -> LandingAgent:
     return LandingAgent(name, *area_shape(pool), interface_of("127.0.0.1"))
 
 
+def run_key() -> bytes:
+    """This run's seal key: made once, inherited by the decode process (spawned: nothing else is)."""
+    if KEY_FILE not in os.environ:
+        os.environ[KEY_FILE] = new_key().hex()
+    return bytes.fromhex(os.environ[KEY_FILE])
+
+
 def stage(area: Any, pool: KVPool, source: int, target: int, seal: str) -> int:
     """Prefill's side of one page: its bytes (sealed, or with their xxh3) into its send slot."""
     plain = pool.page_bytes(source)
-    body = seal_page(KEY, "bench", target, target, 1, plain) if seal == "aes-gcm" else plain
+    body = seal_page(run_key(), "bench", target, target, 1, plain) if seal == "aes-gcm" else plain
     area[source, : len(body)] = memoryview(body)
     return xxhash.xxh3_64_intdigest(body) if seal == "xxh3" else 0
 
@@ -85,7 +93,7 @@ def copy_in(area: Any, pool: KVPool, target: int, seal: str, checksum: int) -> b
     size = pool.page_size * pool.token_bytes
     body = area[target, : size + (TAG_BYTES if seal == "aes-gcm" else 0)].tobytes()
     area[target] = 0
-    plain = open_page(KEY, "bench", target, target, 1, body) if seal == "aes-gcm" else body
+    plain = open_page(run_key(), "bench", target, target, 1, body) if seal == "aes-gcm" else body
     if plain is None or (seal == "xxh3" and xxhash.xxh3_64_intdigest(body) != checksum):
         return False
     pool.load_page_bytes(target, plain)
@@ -99,13 +107,17 @@ def decode_side(conn: Connection, transport: str, keys: TransportKeys | None, ad
     agent = landing("bench-decode", pool) if transport == "nixl" else None
     rx = ZmqConnector(address, keys) if agent is None else None
     conn.send((agent.metadata(), agent.layout) if agent else address)
+    landed: list[str] = []
     while True:
         while agent is not None and not conn.poll(NIXL_POLL_S):
-            agent.progress()  # no progress thread: the decode worker polls its agent like this
+            landed += agent.notified()  # no progress thread: the decode worker polls its agent like this
         if (message := conn.recv()) is None:
             break
         if agent is not None:
             seal, targets, sums = message
+            while not landed:  # DONE at prefill is not landed here: the WRITE's notification says so
+                landed += agent.notified()
+            landed.pop()
             conn.send(
                 all([copy_in(agent.area, pool, t, seal, c) for t, c in zip(targets, sums, strict=True)])
             )
@@ -194,15 +206,17 @@ def summarize(times: list[float], pages: int, page_size: int) -> dict[str, float
 def run(pages: int = 16, requests: int = 20) -> dict[str, Any]:
     """Every row on the same source pool; {row: {gb_per_s, per_page_ms}}, the ratios and the page size."""
     torch.set_num_threads(1)
+    run_key()  # before the decode side is spawned, so that it inherits the key
     source = new_pool()
     source.kv.normal_()
     page_size = len(source.page_bytes(0))
     out: dict[str, Any] = {"pages_per_request": pages, "page_bytes": page_size, "requests": requests}
+    if nixl_available():  # first: the zmq rows' CURVE threads must not share its process
+        for name, times in measure("nixl", source, pages, requests).items():
+            out[name] = summarize(times, pages, page_size)
     out["zmq curve"] = summarize(measure("zmq", source, pages, requests, curve=True), pages, page_size)
     out["zmq plain"] = summarize(measure("zmq", source, pages, requests), pages, page_size)
     if nixl_available():
-        for name, times in measure("nixl", source, pages, requests).items():
-            out[name] = summarize(times, pages, page_size)
         for shape in ("runs", "scattered"):
             for zmq in ("zmq curve", "zmq plain"):
                 out[f"nixl aes-gcm {shape} / {zmq}"] = (

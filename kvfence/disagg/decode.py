@@ -68,6 +68,8 @@ class Inbound:
     started: bool = False  # the assigned prefill sent a page or `complete`: the transfer has begun
     grant: list[tuple[int, int]] = field(default_factory=list)  # the (page, generation) targets granted
     key: bytes = b""  # one-sided: what its sealed pages open with
+    landed: bool = False  # one-sided: the WRITE's notification came (its bytes are in the landing slots)
+    complete: Complete | None = None  # one-sided: `complete` came before the notification
 
 
 class DecodeWorker(Worker):
@@ -236,10 +238,19 @@ class DecodeWorker(Worker):
             or not self._from_prefill(sender, request_id)
         ):
             return
-        self.inbound[request_id].started = True
+        inbound = self.inbound[request_id]
+        inbound.started = True
         if message.failed:
             self._abort(request_id, message.failed)
             return
+        if message.checksums is not None and message.pages and not inbound.landed:
+            inbound.complete = message  # DONE at prefill is not landed here: wait for the notification
+            return
+        self._complete(request_id, message)
+
+    def _complete(self, request_id: str, message: Complete) -> None:
+        """The transfer is over: open and copy in one-sided pages, check the handoff, resume."""
+        request = self.engine.requests[request_id]
         tokens = request.num_tokens - 1
         if message.checksums is not None:
             reason = self._copy_in(request_id, message.checksums)
@@ -283,8 +294,8 @@ class DecodeWorker(Worker):
             self._send_output(output)
 
     def tick(self, now: float) -> None:
-        if self.agent is not None:
-            self.agent.progress()  # over TCP, a WRITE's bytes land only while we poll
+        for request_id in self.agent.notified() if self.agent is not None else []:
+            self._landed(request_id)
         for request_id, inbound in list(self.inbound.items()):
             request = self.engine.requests.get(request_id)
             if request is not None and now - inbound.last_progress > self.transfer_timeout_s:
@@ -306,6 +317,17 @@ class DecodeWorker(Worker):
         area = self.agent.layout
         self.reply(prefill, KvAgent(area.base, area.slots, area.slot_bytes, metadata))
         self.announced.add((prefill, self.agent.incarnation))
+
+    def _landed(self, request_id: str) -> None:
+        """A WRITE's notification: its bytes are in the landing slots (a claim: the pages must still open).
+        A `complete` that came first is handled now."""
+        inbound = self.inbound.get(request_id)
+        if inbound is None:
+            return  # a late or forged write: it reached landing slots only
+        inbound.landed = True
+        request = self.engine.requests.get(request_id)
+        if inbound.complete is not None and request is not None and request.status is Status.TRANSFERRING:
+            self._complete(request_id, inbound.complete)
 
     def _copy_in(self, request_id: str, checksums: list[int]) -> str | None:
         """The one-sided handoff: every page covering the prompt opens from its landing slot under the

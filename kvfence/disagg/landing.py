@@ -21,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import socket
@@ -38,6 +39,7 @@ from kvfence.disagg.nixl_transport import AreaLayout, NixlAgent, Write
 from kvfence.disagg.seal import SEAL
 
 NOBODY = 65534
+_PR_SET_DUMPABLE = 4
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
@@ -165,11 +167,11 @@ class LandingAgent:
                 write.state = "ERR"
         return write.state
 
-    def progress(self) -> int:
+    def notified(self) -> list[str]:
         try:
-            return int(self._call("progress"))
+            return [str(request_id) for request_id in self._call("notified")]
         except LandingLost:
-            return 0
+            return []
 
     def close(self) -> None:
         with contextlib.suppress(LandingLost, RuntimeError):
@@ -197,7 +199,7 @@ def _serve(name: str, shm_name: str, shape: tuple[int, int], conn: Connection) -
         "remove_peer": agent.remove_peer,
         "write": lambda peer, remote, pairs, rid: _post(agent, writes, peer, AreaLayout(*remote), pairs, rid),
         "poll": lambda handle: agent.poll(writes[handle]) if handle in writes else "ERR",
-        "progress": agent.progress,
+        "notified": agent.notified,
         "uid": os.geteuid,
     }
     while True:
@@ -231,6 +233,10 @@ def _drop_root() -> None:
         os.setgroups([])
         os.setgid(NOBODY)
         os.setuid(NOBODY)
+        # Changing uid makes a process undumpable, which also bars cross-memory attach (how UCX moves
+        # bytes between two processes of one host, 4x TCP's speed here) between two landing processes.
+        # They hold only sealed areas, so being reachable by another `nobody` process costs no secret.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 
 if __name__ == "__main__":  # started by LandingAgent: NAME SHM SLOTS SLOT_BYTES FD

@@ -12,10 +12,11 @@ Contract:
 - `metadata()`/`layout()` are what a decode worker announces to a prefill worker, and only over the
   authenticated control channel (a `kv_agent` message on CURVE); NIXL's own metadata listener stays off.
 - `write` posts one WRITE of whole slots from this area into the peer's, one descriptor per run of
-  consecutive slots on both sides; `poll` says PROC, DONE or ERR. DONE means the bytes are in the peer's
-  area, so the caller may then tell the peer (`complete`), which opens them before any enters its pool.
+  consecutive slots on both sides; `poll` says PROC, DONE or ERR. After DONE the caller tells the peer
+  (`complete`), which opens the pages before any byte enters its pool.
 - The agent has no progress thread: transfers, the first connection to a peer and notifications advance
-  only inside `poll` and `notified`, on both sides.
+  only inside `poll` and `notified`, on both sides. DONE at the writer does not mean landed at the
+  target (over TCP): the target opens a page only after the WRITE's notification has come.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from kvfence.cache.pool import KVPool
 from kvfence.disagg.seal import SEAL, TAG_BYTES
 
-NOTIFY_PREFIX = b"kvf:"  # a WRITE's notification (only UCX's progress needs it): the prefix, the request
+NOTIFY_PREFIX = b"kvf:"  # a WRITE's notification: the prefix, then the request id
 _MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")  # the meta package, else a backend wheel
 
 
@@ -120,7 +121,7 @@ class OneSidedAgent(Protocol):
         self, peer: str, remote: AreaLayout, pairs: list[tuple[int, int]], request_id: str
     ) -> Write: ...
     def poll(self, write: Write) -> str: ...
-    def progress(self) -> int: ...
+    def notified(self) -> list[str]: ...
     def close(self) -> None: ...
     def describe(self) -> dict[str, Any]: ...
 
@@ -180,10 +181,17 @@ class NixlAgent:
     def describe(self) -> dict[str, Any]:
         return {"agent": "in process", "pool_registered": False, "seal": SEAL}
 
-    def progress(self) -> int:
-        """Advance UCX (over TCP a peer's WRITE lands only while this side polls) and drop the notifications
-        that came: nothing is believed of them, a landed page is judged by opening it. Returns how many."""
-        return sum(len(messages) for messages in self._agent.get_new_notifs().values())
+    def notified(self) -> list[str]:
+        """Advance UCX (over TCP a peer's WRITE lands only while this side polls) and return the request
+        ids named by the notifications that came. A notification follows its WRITE's bytes on the same
+        connection, so it says when they have landed; nothing else is believed of it (a forged one makes
+        a page be opened early, and it does not open)."""
+        ids = []
+        for messages in self._agent.get_new_notifs().values():
+            for message in messages:
+                if message.startswith(NOTIFY_PREFIX):
+                    ids.append(message[len(NOTIFY_PREFIX) :].decode("utf-8", "replace"))
+        return ids
 
     def close(self) -> None:
         """Release in order (handles, then the registration) so nothing is torn down under UCX at exit."""

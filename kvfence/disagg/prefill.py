@@ -79,6 +79,7 @@ class Posted:
     write: Write | None  # None: nothing to write
     checksums: list[int]
     slots: list[int]  # the send slots it reads, free again once NIXL is done with them
+    pages_written: int
     aborted: bool = False  # decode asked to stop: acknowledge when NIXL is done, send no `complete`
 
 
@@ -258,7 +259,7 @@ class PrefillWorker(Worker):
             pairs = pairs[: plan.crash_at]
         peer, layout = self.decode_agents[transfer.decode]
         write = self.agent.write(peer, layout, pairs, transfer.request_id) if pairs else None
-        self.posted[transfer.request_id] = Posted(transfer, write, checksums, slots)
+        self.posted[transfer.request_id] = Posted(transfer, write, checksums, slots, len(pairs))
         if plan.crash_at is not None:
             self._crash(transfer.request_id)
 
@@ -277,7 +278,8 @@ class PrefillWorker(Worker):
                 self.reply(transfer.decode, AbortAck(request_id=request_id))
                 continue
             failed = "" if state == "DONE" else "transfer_failed"
-            tokens, pages = (transfer.num_tokens, len(transfer.targets)) if not failed else (0, 0)
+            # `pages`: how many the WRITE carried (0: none, so decode waits for no notification)
+            tokens, pages = (transfer.num_tokens, posted.pages_written) if not failed else (0, 0)
             checksums = posted.checksums if not failed else None
             self.reply(transfer.decode, Complete(request_id, pages, tokens, failed, checksums))
             self.engine.events.emit(request_id, "transfer_complete", pages=len(posted.checksums), nixl=state)

@@ -73,7 +73,8 @@ class NixlPipeline(Pipeline):
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             super().run()
-            if not (self.prefill.posted or self.prefill.awaiting_key):
+            landing = any(i.complete is not None for i in self.decode.inbound.values())
+            if not (self.prefill.posted or self.prefill.awaiting_key or landing):
                 return
             self.prefill.run_once()
             self.decode.run_once()
@@ -225,7 +226,7 @@ def rogue_write(pipe: NixlPipeline, pages: list[int], fill: int) -> None:
         )
         deadline = time.monotonic() + WAIT_S
         while rogue.poll(write) == "PROC":
-            pipe.decode.agent.progress()
+            pipe.decode.agent.notified()
             assert time.monotonic() < deadline, "the rogue WRITE did not finish"
     finally:
         rogue.close()
@@ -357,7 +358,7 @@ def test_a_write_lands_exactly_on_its_target_slots(pairs: list[tuple[int, int]])
         write = src.write(src.add_peer(dst.metadata()), dst.layout, pairs, "r")
         deadline = time.monotonic() + WAIT_S
         while src.poll(write) == "PROC":
-            dst.progress()  # no progress thread: the target side advances only when polled
+            dst.notified()  # no progress thread: the target side advances only when polled
             assert time.monotonic() < deadline, "the WRITE did not finish"
         assert write.state == "DONE"
     finally:
@@ -380,7 +381,7 @@ def test_a_run_outside_the_area_is_refused_before_ucx() -> None:
 
 def test_an_idle_agent_burns_no_cpu() -> None:
     """NIXL's progress thread spins a core even with nothing to move (two idle workers took both cores of
-    this machine): the agent runs without it, progress made in `poll` and `progress`."""
+    this machine): the agent runs without it, progress made in `poll` and `notified`."""
     agent = NixlAgent(f"idle-{os.getpid()}-{next(_names)}", new_area(8, 64))
     try:
         cpu = time.process_time()
@@ -396,7 +397,7 @@ from kvfence.disagg.nixl_transport import NixlAgent, new_area
 src, dst = NixlAgent("exit-src", new_area(8, 64)), NixlAgent("exit-dst", new_area(8, 64))
 write = src.write(src.add_peer(dst.metadata()), dst.layout, [(0, 1)], "r")
 while src.poll(write) == "PROC":
-    dst.progress()
+    dst.notified()
 src.close()
 dst.close()
 print("wrote", write.state)

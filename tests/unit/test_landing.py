@@ -32,7 +32,7 @@ def listeners(pid: int) -> set[str]:
 def wait_written(src: NixlAgent | LandingAgent, dst: LandingAgent, write: object) -> str:
     deadline = time.monotonic() + WAIT_S
     while (state := src.poll(write)) == "PROC":  # type: ignore[arg-type]
-        dst.progress()
+        dst.notified()
         assert time.monotonic() < deadline, "the WRITE did not finish"
     return state
 
@@ -131,7 +131,7 @@ def test_a_forged_write_reaches_no_worker_memory() -> None:
                 write = rogue.write(peer, forged, [(0, 0)], "forged")
                 deadline = time.monotonic() + WAIT_S
                 while rogue.poll(write) == "PROC" and time.monotonic() < deadline:
-                    victim.progress()
+                    victim.notified()
             except Exception:  # NIXL may refuse the descriptor outright: also fine
                 pass
         assert (canary == 0x5A).all()
