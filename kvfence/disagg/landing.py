@@ -10,7 +10,9 @@ Contract:
 - The only memory the two processes share is the area. A stray write through UCX hits the landing
   process, never the engine; what it holds of tenants' KV is sealed (AES-GCM), so a read learns nothing.
 - The process drops root (to nobody) once its agent is up, and its UCX listens only on the interface of
-  the worker's own address (`UCX_NET_DEVICES`), not on every interface of the host.
+  the worker's own address (`UCX_NET_DEVICES`), not on every interface of the host. It stays dumpable, so
+  two landing processes of one host keep cross-memory attach (another `nobody` process could read it:
+  sealed areas only).
 - If it dies, the worker goes on serving: a call in flight fails (`poll` answers ERR, so the transfer
   fails closed), and the process is started again over the same area, with the peers it had re-added
   and a new `incarnation` (decode announces the new agent before its next grant).
