@@ -155,9 +155,8 @@ def test_wake_ends_a_wait_from_another_thread() -> None:
     connector = ZmqConnector("tcp://127.0.0.1:0")
     try:
         threading.Timer(0.05, connector.wake).start()
-        started = time.monotonic()
-        assert connector.recv(30.0) is None
-        assert time.monotonic() - started < 10.0
+        # An hour's wait: it returns only because of the wake (else pytest's timeout fails the test).
+        assert connector.recv(3600.0) is None
     finally:
         connector.close()
     connector.wake()
