@@ -200,7 +200,9 @@ class DecodeWorker(Worker):
             self._refuse(request_id, page, "target is not in the request's record")
             self._abort(request_id, STALE_WRITE)
             return
-        slots = self._slots(request.num_tokens - 1, logical)  # from the token count, never the sender
+        slots = self.engine.page_slots(
+            request.num_tokens - 1, logical
+        )  # from the token count, never the sender
         if (
             slots == 0
             or len(message.payload) != slots * self.engine.pool.token_bytes
@@ -216,11 +218,6 @@ class DecodeWorker(Worker):
         self._write(page, slots, message.payload)
         self.inbound[request_id].last_progress = time.monotonic()
         self.engine.events.emit(request_id, "page_received", page=page, generation=generation, slots=slots)
-
-    def _slots(self, tokens: int, logical: int) -> int:
-        """Slots of logical page `logical` that `tokens` prompt tokens fill."""
-        ps = self.engine.pool.page_size
-        return max(0, min(ps, tokens - logical * ps))
 
     def _authorized(self, tenant: int, page: int, generation: int) -> bool:
         """A fenced write of a page's slots from 0: the generation granted, the tenant's, exclusive, empty."""
@@ -341,7 +338,7 @@ class DecodeWorker(Worker):
             return INCOMPLETE_HANDOFF
         for logical in range(min(needed, len(record.pages), len(checksums))):
             page, generation = record.pages[logical], record.generations[logical]
-            slots = self._slots(tokens, logical)
+            slots = self.engine.page_slots(tokens, logical)
             sealed = self.agent.area[page, : slots * self.engine.pool.token_bytes + TAG_BYTES].tobytes()
             self.agent.area[page] = 0
             plain = open_page(inbound.key, request_id, logical, page, generation, sealed)

@@ -17,6 +17,12 @@ from kvfence.sampling import SamplingParams
 
 
 class HandoffEngine(LLMEngine):
+    def page_slots(self, tokens: int, logical: int) -> int:
+        """Slots of logical page `logical` that `tokens` tokens fill: what a transfer carries of that page,
+        derived alike by prefill and decode (never taken from the sender)."""
+        ps = self.pool.page_size
+        return max(0, min(ps, tokens - logical * ps))
+
     def add_prefill(self, prompt_token_ids: list[int], tenant: str, request_id: str) -> Request:
         """A prefill worker's request: compute the prompt's KV, sample nothing, then park it with its pages
         for the transfer. Refused (AdmissionError) before any page is reserved, like any request."""

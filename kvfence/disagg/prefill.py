@@ -174,7 +174,7 @@ class PrefillWorker(Worker):
         for logical, (source, (page, generation)) in enumerate(plan.pages):
             if logical == plan.crash_at:
                 self._crash(transfer.request_id)
-            payload = pool.page_bytes(source, self._slots(transfer, logical))
+            payload = pool.page_bytes(source, self.engine.page_slots(transfer.num_tokens, logical))
             checksum = xxhash.xxh3_64_intdigest(payload)
             if logical == plan.corrupt:  # a torn write: the first half of the page arrives as zeros
                 payload = bytes(len(payload) // 2) + payload[len(payload) // 2 :]
@@ -188,11 +188,6 @@ class PrefillWorker(Worker):
             Complete(transfer.request_id, pages=len(transfer.targets), tokens=transfer.num_tokens),
         )
         self.engine.events.emit(transfer.request_id, "transfer_complete", pages=len(plan.pages))
-
-    def _slots(self, transfer: Transfer, logical: int) -> int:
-        """Slots of logical page `logical` the prompt fills: all a page sends (decode derives the same)."""
-        ps = self.engine.pool.page_size
-        return max(0, min(ps, transfer.num_tokens - logical * ps))
 
     # ---- one-sided writes (NIXL) ------------------------------------------------------------------------
 
@@ -246,7 +241,7 @@ class PrefillWorker(Worker):
         slots = [self.free_slots.pop() for _ in plan.pages]
         checksums = []
         for logical, (source, (page, generation)) in enumerate(plan.pages):
-            plain = pool.page_bytes(source, self._slots(transfer, logical))
+            plain = pool.page_bytes(source, self.engine.page_slots(transfer.num_tokens, logical))
             sealed = seal_page(key, transfer.request_id, logical, page, generation, plain)
             slot = slots[logical]
             area[slot, : len(sealed)] = memoryview(sealed)
