@@ -225,10 +225,12 @@ class PrefillWorker(Worker):
 
     def _post_when_keyed(self, request_id: str) -> None:
         """Post a computed transfer once its key is here and send slots are free for its pages."""
-        transfer = self.awaiting_key.get(request_id)
-        if transfer is None or (request_id, transfer.decode) not in self.keys:
+        transfer, request = self.awaiting_key.get(request_id), self.engine.requests.get(request_id)
+        if transfer is not None and request is None:  # ended here meanwhile: nothing left to send
+            del self.awaiting_key[request_id]
+        if transfer is None or request is None or (request_id, transfer.decode) not in self.keys:
             return
-        if len(self.free_slots) < len(self.engine.requests[request_id].record.pages):
+        if len(self.free_slots) < len(request.record.pages):
             return  # `tick` tries again as WRITEs finish
         del self.awaiting_key[request_id]
         self._post(transfer, self.keys.pop((request_id, transfer.decode)))
