@@ -420,3 +420,23 @@ def test_kv_agent_is_bounded_and_only_from_decode() -> None:
         accept(header, payload, "router", "prefill", bounds)
     with pytest.raises(BadMessage, match="payload"):
         accept(header, b"x" * (MAX_AGENT_BYTES + 1), "decode", "prefill", bounds)
+
+
+def test_what_a_landing_slot_holds_is_ciphertext(
+    tiny: LlamaModel, pipes: Callable[..., NixlPipeline]
+) -> None:
+    """Between the WRITE and decode's copy-in, a reader of decode's landing area (UCX lets anyone who
+    reaches it read it) finds each page sealed: the plaintext KV the prefill pool holds is not there."""
+    pipe = pipes(tiny, isolation=True, decode_pages=6)
+    pipe.submit("r2", "B", PROMPTS[22], max_tokens=2)
+    sources = list(pipe.prefill.engine.requests["r2"].record.pages)
+    pipe.wait(lambda: "r2" not in pipe.prefill.transfers and not pipe.prefill.posted)
+    assert pipe.decode.agent is not None
+    targets = pipe.decode.engine.requests["r2"].record.pages
+    for logical, (source, target) in enumerate(zip(sources, targets, strict=False)):
+        plain = pipe.prefill.engine.pool.page_bytes(source, pipe.prefill.engine.page_slots(21, logical))
+        landed = pipe.decode.agent.area[target].tobytes()
+        assert landed.strip(b"\0"), "nothing landed"
+        assert plain[:64] not in landed and landed[: len(plain)] != plain
+    pipe.run()
+    assert pipe.results["r2"] == Result(solo(tiny, PROMPTS[22], max_tokens=2), "finished", "length")
