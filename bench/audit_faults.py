@@ -32,8 +32,8 @@ from kvfence.harness.cluster import cluster
 from kvfence.harness.tables import print_table
 from kvfence.harness.workers import Spawned
 from kvfence.model.gguf import GGUFModel
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 
 SINGLE_NODE = [
     "stale_mapping",
@@ -49,7 +49,7 @@ ADMIN = "bench-admin"
 def audit_once(gguf: GGUFModel, fault: str, rate: float, isolation: bool, admin: bool) -> dict[str, Any]:
     """One single-node engine in this process, `fault` armed, audited."""
     config = EngineConfig(num_pages=64, max_model_len=512, isolation=isolation, faults={fault: rate})
-    engine = LLMEngine(config, LlamaModel.from_gguf(gguf), Tokenizer.from_gguf(gguf), log=lambda _: None)
+    engine = LLMEngine(config, Transformer.from_gguf(gguf), Tokenizer.from_gguf(gguf), log=lambda _: None)
     engine.model_file = gguf.path
     started = time.perf_counter()
     with cluster(engine, api_keys=KEYS, admin_key=ADMIN) as running:

@@ -27,8 +27,8 @@ from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.load import WORDS
 from kvfence.model.gguf import GGUFModel, load_gguf
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 from kvfence.pins import code_info, default_model_path
 from kvfence.request import Request
 from kvfence.sampling import SamplingParams
@@ -78,12 +78,12 @@ def load_weights(threads: int | None = None) -> GGUFModel:
 
 
 def build_engine(
-    gguf: GGUFModel, isolation: bool = True, model: LlamaModel | None = None, **overrides: Any
+    gguf: GGUFModel, isolation: bool = True, model: Transformer | None = None, **overrides: Any
 ) -> LLMEngine:
     """An engine with the default config (prefix caching on, 512 MiB pool) over already loaded weights.
-    Pass `model` to share one LlamaModel (it holds no per-engine state) between engines."""
+    Pass `model` to share one Transformer (it holds no per-engine state) between engines."""
     config = EngineConfig(isolation=isolation, **overrides)
-    model = model or LlamaModel.from_gguf(gguf)
+    model = model or Transformer.from_gguf(gguf)
     return LLMEngine(config, model, Tokenizer.from_gguf(gguf), log=lambda _: None)
 
 

@@ -86,7 +86,7 @@ from kvfence.harness.cluster import cluster
 from kvfence.harness.procs import Proc, descendants
 from kvfence.harness.sse import aiter_events
 from kvfence.harness.tables import print_table
-from kvfence.model.gguf import LlamaConfig, read_header
+from kvfence.model.gguf import ModelConfig, read_header
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path
 
@@ -268,7 +268,7 @@ def idle_cpu(names: dict[int, str], tree: list[int], seconds: float = 3.0) -> di
 # ---- transfer rate from the audit trail -----------------------------------------------------------------
 
 
-def page_bytes(config: LlamaConfig) -> int:
+def page_bytes(config: ModelConfig) -> int:
     return KVPool.bytes_per_page(
         config.num_layers, EngineConfig().page_size, config.num_kv_heads, config.head_dim, torch.float32
     )
@@ -333,7 +333,7 @@ def receive(receiver: ZmqConnector, timeout_s: float = 30.0) -> tuple[bytes, byt
 
 
 def checksum_microbench(
-    config: LlamaConfig, num_pages: int, transport: str, pool_pages: int = 64
+    config: ModelConfig, num_pages: int, transport: str, pool_pages: int = 64
 ) -> dict[str, Any]:
     """The handoff of `num_pages` pages, one after another, in this process: the same calls as
     PrefillWorker._send_pages and DecodeWorker's receive, parse, on_page and _write, each stage timed. One
@@ -347,7 +347,7 @@ def checksum_microbench(
         torch.set_num_threads(threads)
 
 
-def _microbench(config: LlamaConfig, num_pages: int, transport: str, pool_pages: int) -> dict[str, Any]:
+def _microbench(config: ModelConfig, num_pages: int, transport: str, pool_pages: int) -> dict[str, Any]:
     def pool() -> KVPool:
         shape = (config.num_layers, pool_pages, EngineConfig().page_size, config.num_kv_heads)
         return KVPool(*shape, config.head_dim, torch.float32, "cpu")
@@ -409,7 +409,7 @@ def handoff_one(
 IN_FLIGHT = 64  # pages sent and not yet received, at most (below ZeroMQ's high-water marks of 1000)
 
 
-def transport_microbench(config: LlamaConfig, num_pages: int, rounds: int) -> dict[str, Any]:
+def transport_microbench(config: ModelConfig, num_pages: int, rounds: int) -> dict[str, Any]:
     """GB/s of page messages streamed prefill -> decode over loopback TCP, CURVE vs plain, in alternating
     order round by round; each figure is the median of its rounds."""
     per_page = page_bytes(config)

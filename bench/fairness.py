@@ -35,7 +35,7 @@ from common import (
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.tables import print_table
 from kvfence.model.gguf import GGUFModel
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.request import Request
 from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv
@@ -92,7 +92,7 @@ def run(engine: LLMEngine, flood: list[list[int]], probes: list[list[int]], outp
     return Run(policy, ttft, wall, tokens, sum(r.finish_reason == "length" for r in a), longest)
 
 
-def prefill_step_s(gguf: GGUFModel, model: LlamaModel, probes: int, prompt: int) -> float:
+def prefill_step_s(gguf: GGUFModel, model: Transformer, probes: int, prompt: int) -> float:
     """The bound's "one prefill step", timed apart from the runs it judges (their own longest step would let
     the bound grow with whatever they did): on an engine of its own, fresh A-length prompts alone fill the
     step's token budget `probes` times over; the slowest of those full steps. Under the flood a fair
@@ -117,7 +117,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
     args = parser.parse_args()
     gguf = load_weights(args.threads)
-    model = LlamaModel.from_gguf(gguf)
+    model = Transformer.from_gguf(gguf)
     engines = {fair: build_engine(gguf, model=model, fair_scheduling=fair) for fair in (True, False)}
     tokenizer = engines[True].tokenizer
     assert tokenizer is not None

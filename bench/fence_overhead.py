@@ -3,7 +3,7 @@
     .venv/bin/python bench/fence_overhead.py [--pairs N] [--quick] [--waves K] [--concurrency 1,4,16]
                                              [--retries N] [--threads N]
 
-Both engines are built once over one shared LlamaModel (same weights, same memory) and each run alternates:
+Both engines are built once over one shared Transformer (same weights, same memory) and each run alternates:
 on, off, on, off, ... Every pair gets a fresh prompt set (same prompts for its on and off run), so no run
 hits the prefix cache that an earlier run filled. Per concurrency it reports
   * throughput ratio on/off (output tok/s): median and min-max across pairs;
@@ -44,8 +44,8 @@ from common import (
 
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.tables import print_table
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 
 MAX_OVERHEAD = 0.005  # throughput lost with isolation on
 MAX_VALIDATION_SHARE = 0.003  # of step time
@@ -193,7 +193,7 @@ def main() -> int:
     base = Workload(W1.name, W1.num_requests, W1.prompt_len, 32 if args.quick else W1.max_tokens)
     gguf = load_weights(args.threads)
     tokenizer = Tokenizer.from_gguf(gguf)
-    model = LlamaModel.from_gguf(gguf)
+    model = Transformer.from_gguf(gguf)
     engines = {isolation: build_engine(gguf, isolation, model=model) for isolation in (True, False)}
     for engine in engines.values():
         warm_up(engine, tokenizer)

@@ -58,8 +58,8 @@ from kvfence.engine.runner import build_layout
 from kvfence.engine.scheduler import Batch
 from kvfence.harness.tables import print_table
 from kvfence.model.gguf import GGUFModel
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv
@@ -84,7 +84,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine_on(gguf: GGUFModel, model: LlamaModel, **overrides: Any) -> LLMEngine:
+def engine_on(gguf: GGUFModel, model: Transformer, **overrides: Any) -> LLMEngine:
     return build_engine(gguf, model=model, device=str(model.device), **overrides)
 
 
@@ -106,7 +106,7 @@ def up_to_eos(tokens: list[int], stops: set[int]) -> list[int]:
 
 
 def golden_rows(
-    gguf: GGUFModel, model: LlamaModel, hf: torch.nn.Module, device: str, tokens: int
+    gguf: GGUFModel, model: Transformer, hf: torch.nn.Module, device: str, tokens: int
 ) -> list[Row]:
     engine = engine_on(gguf, model)
     assert engine.tokenizer is not None
@@ -132,12 +132,12 @@ def checked(name: str, passed: bool, detail: str) -> Row:
     return name, VERDICTS.record(name, passed), detail
 
 
-def fault_cases(model: LlamaModel) -> types.ModuleType:
+def fault_cases(model: Transformer) -> types.ModuleType:
     """tests/unit/test_fence_faults.py's scenarios. Its conftest needs fastapi and the tiny model, so a stub
     conftest gives it only `make_engine` over the real model; where pytest is missing, a stub of the one
     decorator the module uses at import."""
 
-    def make_engine(_model: LlamaModel, **overrides: object) -> LLMEngine:
+    def make_engine(_model: Transformer, **overrides: object) -> LLMEngine:
         settings = {"num_pages": 64, "page_size": 4, "max_num_batched_tokens": 64, "max_model_len": 48}
         settings |= {"device": str(model.device)} | overrides
         from kvfence.config import EngineConfig
@@ -156,7 +156,7 @@ def fault_cases(model: LlamaModel) -> types.ModuleType:
     return module
 
 
-def fault_rows(model: LlamaModel) -> list[Row]:
+def fault_rows(model: Transformer) -> list[Row]:
     faults = fault_cases(model)
     rows = []
     for name, case in sorted(faults.CASES.items()):
@@ -198,7 +198,7 @@ def timed(fn: Callable[[], object], device: str, repeat: int) -> float:
     return (time.perf_counter() - started) / repeat
 
 
-def mid_decode(gguf: GGUFModel, model: LlamaModel, rows: int) -> tuple[LLMEngine, Batch, StepLayout]:
+def mid_decode(gguf: GGUFModel, model: Transformer, rows: int) -> tuple[LLMEngine, Batch, StepLayout]:
     """An engine (its pool with the scratch page) decoding `rows - 1` requests, its next step's batch and
     that step's layout."""
     engine = engine_on(
@@ -215,7 +215,7 @@ def mid_decode(gguf: GGUFModel, model: LlamaModel, rows: int) -> tuple[LLMEngine
     return engine, batch, build_layout(batch.requests, batch.num_new_tokens, engine.pool.page_size)
 
 
-def graph_rows(gguf: GGUFModel, model: LlamaModel, device: str, rows: int) -> list[Row]:
+def graph_rows(gguf: GGUFModel, model: Transformer, device: str, rows: int) -> list[Row]:
     """One decode step of `rows - 1` requests in the `rows` bucket, so a padding row runs (a bucket-sized
     batch would never touch the scratch page): the graph replay against the eager forward, and the step the
     graph's buffers describe validated by the fence, as the runner validates a layout before a forward."""
@@ -312,7 +312,7 @@ def hf_tok_s(
     return len(prompts) * max_tokens / (time.perf_counter() - started)
 
 
-def w1_rows(gguf: GGUFModel, model: LlamaModel, hf: torch.nn.Module, device: str, quick: bool) -> list[Row]:
+def w1_rows(gguf: GGUFModel, model: Transformer, hf: torch.nn.Module, device: str, quick: bool) -> list[Row]:
     requests, max_tokens, levels = (16, 16, (4, 16)) if quick else (256, W1.max_tokens, (64, 256))
     rows = []
     for concurrency in levels:
@@ -376,7 +376,7 @@ def main() -> int:
     started = time.perf_counter()
     gguf = load_weights()
     device_gguf = gguf if args.device == "cpu" else load_gguf_on(gguf, args.device)
-    model = LlamaModel.from_gguf(device_gguf)
+    model = Transformer.from_gguf(device_gguf)
     hf = load_hf_model(gguf).to(args.device)
     tokenizer = Tokenizer.from_gguf(gguf)
     rows: list[Row] = []

@@ -45,8 +45,8 @@ from common import (
 
 from kvfence.harness.tables import print_table
 from kvfence.model.gguf import GGUFModel
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 
 ROWS = (("kvfence", 1), ("kvfence", 4), ("kvfence", 16), ("hf", 1), ("hf", 16))  # system, concurrency/batch
 # Run order: the rows compared with each other back to back, so they see the same machine weather.
@@ -73,7 +73,7 @@ class Bench:
 
     def __init__(self, threads: int) -> None:
         self.gguf: GGUFModel = load_weights(threads)
-        self.model = LlamaModel.from_gguf(self.gguf)  # holds no per-engine state: one for every engine
+        self.model = Transformer.from_gguf(self.gguf)  # holds no per-engine state: one for every engine
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.hf_model: torch.nn.Module = load_hf_model(self.gguf)
         self.pad_id = self.tokenizer.eos_token_id

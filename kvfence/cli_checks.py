@@ -125,7 +125,7 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the pool's size and the window depend on (the LlamaConfig fields `capacity_report` reads)."""
+    """What the pool's size and the window depend on (the ModelConfig fields `capacity_report` reads)."""
 
     num_layers: int
     num_kv_heads: int

@@ -16,17 +16,17 @@ from kvfence.engine.engine import LLMEngine
 from kvfence.harness.server import serving as serve_app
 from kvfence.model.gguf import (
     GGUFModel,
-    LlamaConfig,
+    ModelConfig,
     QuantizedWeight,
     load_gguf,
     read_blocks,
 )
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 from kvfence.pins import default_model_path
 from kvfence.request import Request
 
-TINY = LlamaConfig(
+TINY = ModelConfig(
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
@@ -41,7 +41,7 @@ TINY = LlamaConfig(
 )
 
 
-def tiny_tensors(seed: int = 0, config: LlamaConfig = TINY) -> dict[str, torch.Tensor]:
+def tiny_tensors(seed: int = 0, config: ModelConfig = TINY) -> dict[str, torch.Tensor]:
     """Random weights scaled so that greedy outputs depend strongly on every context token."""
     gen = torch.Generator().manual_seed(seed)
     h, i, kv = config.hidden_size, config.intermediate_size, config.num_kv_heads * config.head_dim
@@ -104,23 +104,25 @@ def quantize(
 
 def tiny_model(
     seed: int = 0,
-    config: LlamaConfig = TINY,
+    config: ModelConfig = TINY,
     decode_attention: str = "auto",
     decode_matmul: str | None = None,
-) -> LlamaModel:
+) -> Transformer:
     """`decode_matmul` set: the weights quantized (Q4_1), and that choice of decode matmul."""
     if decode_matmul is None:
-        return LlamaModel(config, tiny_tensors(seed, config), decode_attention)
+        return Transformer(config, tiny_tensors(seed, config), decode_attention)
     tensors, quantized = quantize(tiny_tensors(seed, config))
-    return LlamaModel(config, tensors, decode_attention, quantized, decode_matmul)
+    return Transformer(config, tensors, decode_attention, quantized, decode_matmul)
 
 
 @pytest.fixture(scope="session")
-def tiny() -> LlamaModel:
+def tiny() -> Transformer:
     return tiny_model()
 
 
-def make_engine(model: LlamaModel, engine_cls: type[LLMEngine] = LLMEngine, **overrides: object) -> LLMEngine:
+def make_engine(
+    model: Transformer, engine_cls: type[LLMEngine] = LLMEngine, **overrides: object
+) -> LLMEngine:
     """A tiny-model engine; `engine_cls` HandoffEngine for a prefill or decode worker's."""
     settings: dict[str, object] = {
         "num_pages": 64,
@@ -154,7 +156,7 @@ def real_engine(gguf: GGUFModel, **overrides: object) -> LLMEngine:
     settings.update(overrides)
     engine = LLMEngine(
         EngineConfig(**settings),
-        LlamaModel.from_gguf(gguf),  # type: ignore[arg-type]
+        Transformer.from_gguf(gguf),  # type: ignore[arg-type]
         Tokenizer.from_gguf(gguf),
         log=lambda _: None,
     )

@@ -34,8 +34,8 @@ from kvfence.engine.engine import AdmissionError, LLMEngine
 from kvfence.harness.cluster import cluster
 from kvfence.harness.workers import InThread
 from kvfence.model.gguf import GGUFModel, load_gguf
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 from kvfence.pins import default_model_path
 from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv
@@ -165,7 +165,7 @@ def same(before: list[tuple[torch.Tensor, ...]], after: list[tuple[torch.Tensor,
 # ---- replay --------------------------------------------------------------------------------------------
 
 
-def solo_output(model: LlamaModel, tokenizer: Tokenizer, prompt: list[int]) -> str:
+def solo_output(model: Transformer, tokenizer: Tokenizer, prompt: list[int]) -> str:
     """B's prompt answered alone on a fresh engine with the fence on and no fault: what a case's answer
     must equal (the engine is batch-invariant, so neither the pool nor A's pages may change it)."""
     config = EngineConfig(num_pages=32, max_model_len=512, enable_prefix_caching=False)
@@ -176,7 +176,7 @@ def solo_output(model: LlamaModel, tokenizer: Tokenizer, prompt: list[int]) -> s
 # ---- single node ----------------------------------------------------------------------------------------
 
 
-def run_single(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> Row:
+def run_single(model: Transformer, tokenizer: Tokenizer, case: Case) -> Row:
     config = EngineConfig(
         num_pages=16,
         max_model_len=256,
@@ -210,7 +210,7 @@ def run_single(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> Row:
 # ---- disaggregated ----------------------------------------------------------------------------------------
 
 
-def engines(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> tuple[HandoffEngine, HandoffEngine]:
+def engines(model: Transformer, tokenizer: Tokenizer, case: Case) -> tuple[HandoffEngine, HandoffEngine]:
     """The prefill engine (a pool of 256 tokens, the defect armed on it) and the decode engine (512 tokens,
     tracing the pages each step reads); neither caches prefixes."""
     base = EngineConfig(enable_prefix_caching=False, isolation=case.isolation)
@@ -233,7 +233,7 @@ async def _collect(router: Router, prompt: list[int], tenant: str, request_id: s
     return status, text
 
 
-def run_disaggregated(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> Row:
+def run_disaggregated(model: Transformer, tokenizer: Tokenizer, case: Case) -> Row:
     """Prefill and decode workers on threads of this process over real ZeroMQ (TCP), the router in front,
     started and stopped by the harness; the engines stay here so the pools can be compared."""
     prefill, decode = engines(model, tokenizer, case)
@@ -259,7 +259,7 @@ def run_disaggregated(model: LlamaModel, tokenizer: Tokenizer, case: Case) -> Ro
 
 
 def run_lab(gguf: GGUFModel, modes: list[str], progress: Callable[[str], None]) -> list[Row]:
-    model, tokenizer = LlamaModel.from_gguf(gguf), Tokenizer.from_gguf(gguf)
+    model, tokenizer = Transformer.from_gguf(gguf), Tokenizer.from_gguf(gguf)
     rows = []
     for mode in modes:
         for case in CASES:

@@ -19,7 +19,7 @@ from kvfence.config import CapacityReport, EngineConfig, capacity_report, check_
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.scheduler import Scheduler, TenantLimits
 from kvfence.engine.trace import PageTrace
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
 
@@ -38,7 +38,7 @@ class EngineParts:
     runner: ModelRunner
 
 
-def check_start(config: EngineConfig, model: LlamaModel, log: Callable[[str], None]) -> CapacityReport:
+def check_start(config: EngineConfig, model: Transformer, log: Callable[[str], None]) -> CapacityReport:
     """Say what will serve (pool vs window, decode paths, isolation) and refuse a window that cannot be
     served: longer than the pool holds or than the model's own window (CapacityError)."""
     capacity = capacity_report(config, model.config, model.dtype.itemsize)
@@ -58,7 +58,7 @@ def check_start(config: EngineConfig, model: LlamaModel, log: Callable[[str], No
 
 
 def build_parts(
-    config: EngineConfig, model: LlamaModel, events: EventLog, log: Callable[[str], None]
+    config: EngineConfig, model: Transformer, events: EventLog, log: Callable[[str], None]
 ) -> EngineParts:
     capacity = check_start(config, model, log)
     faults = FaultInjector()

@@ -25,8 +25,8 @@ from kvfence.engine.runner import StepResult
 from kvfence.engine.sampler import make_generator
 from kvfence.engine.scheduler import Batch
 from kvfence.grammar.compiler import RequestGrammar
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 from kvfence.request import Request, Status, fork_id
 from kvfence.sampling import SamplingParams, TokenLogprobs
 from kvfence.trail.events import EventLog
@@ -65,7 +65,7 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        model: LlamaModel,
+        model: Transformer,
         tokenizer: Tokenizer | None = None,
         events: EventLog | None = None,
         log: Callable[[str], None] = print,
@@ -362,5 +362,5 @@ def load_engine(
     path = config.model or default_model_path()
     device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=device, progress=log)
-    model = LlamaModel.from_gguf(gguf, config.decode_attention, config.decode_matmul)
+    model = Transformer.from_gguf(gguf, config.decode_attention, config.decode_matmul)
     return engine_cls(config, model, Tokenizer.from_gguf(gguf), events, log, model_file=gguf.path)

@@ -30,7 +30,7 @@ import torch
 
 from kvfence.cache.fence import StepLayout
 from kvfence.cache.pool import KVPool
-from kvfence.model.llama import LlamaModel, StepInputs
+from kvfence.model.transformer import StepInputs, Transformer
 
 Replay = Callable[[], torch.Tensor]
 
@@ -112,7 +112,7 @@ class DecodeGraphRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: Transformer,
         pool: KVPool,
         max_num_seqs: int,
         max_pages_per_seq: int,

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from kvfence.engine.engine import LLMEngine
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.pins import code_info, file_sha256
 
 
@@ -41,7 +41,7 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
-def _decode_rows_alone(model: LlamaModel) -> bool:
+def _decode_rows_alone(model: Transformer) -> bool:
     """Every decode-row matmul and the attention run in the per-row kernels; False on any BLAS or SDPA
     fallback (`--decode-matmul dense`, `--decode-attention sdpa`, not float32 on CPU, an unpacked weight),
     whose results depend on the number of rows in the step."""

@@ -18,7 +18,7 @@ from kvfence.cache.fence import Fence, StepLayout
 from kvfence.cache.pool import KVPool
 from kvfence.engine.sampler import raw_logprobs, sample, token_logprobs
 from kvfence.grammar import mask as grammar_mask
-from kvfence.model.llama import LlamaModel, PrefillSeq, StepInputs
+from kvfence.model.transformer import PrefillSeq, StepInputs, Transformer
 from kvfence.request import Request
 from kvfence.sampling import TokenLogprobs
 from kvfence.trail.faults import FaultInjector
@@ -42,7 +42,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, fence: Fence, faults: FaultInjector) -> None:
+    def __init__(self, model: Transformer, pool: KVPool, fence: Fence, faults: FaultInjector) -> None:
         self.model = model
         self.pool = pool
         self.fence = fence

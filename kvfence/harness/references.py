@@ -16,8 +16,8 @@ from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.load import Job
 from kvfence.model.gguf import GGUFModel
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import IncrementalDecoder, Tokenizer
+from kvfence.model.transformer import Transformer
 from kvfence.request import Request
 from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv
@@ -36,7 +36,7 @@ def reference_engine(gguf: GGUFModel, window: int) -> LLMEngine:
     """A separate cold engine: no prefix cache, no faults, a pool for a few windows."""
     pages = cdiv(window, 16) * 8
     config = EngineConfig(num_pages=pages, max_model_len=window, enable_prefix_caching=False)
-    model = LlamaModel.from_gguf(gguf)
+    model = Transformer.from_gguf(gguf)
     return LLMEngine(config, model, Tokenizer.from_gguf(gguf), log=lambda _: None)
 
 

@@ -40,8 +40,8 @@ from kvfence.harness.references import Reference, compute_references, reference_
 from kvfence.harness.server import metric
 from kvfence.harness.workers import Spawned
 from kvfence.model.gguf import GGUFModel
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 from kvfence.trail.reasons import INTEGRITY_REASONS
 
 ADMIN_KEY = "stress-admin"
@@ -81,7 +81,7 @@ def scaled(rates: dict[str, float], scale: float) -> dict[str, float]:
 
 def serving_engine(gguf: GGUFModel, window: int, num_pages: int, faults: dict[str, float]) -> LLMEngine:
     config = EngineConfig(num_pages=num_pages, max_model_len=window, faults=faults, max_num_seqs=64)
-    return LLMEngine(config, LlamaModel.from_gguf(gguf), Tokenizer.from_gguf(gguf), log=lambda _: None)
+    return LLMEngine(config, Transformer.from_gguf(gguf), Tokenizer.from_gguf(gguf), log=lambda _: None)
 
 
 def tenant_keys(tenants: list[Tenant]) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Load a llama-architecture GGUF file into HF-named float tensors.
 
 Contract: `load_gguf` returns every tensor dequantized, in torch Linear layout ([out_features, in_features]),
-named as in HF's `LlamaModel` without the "model." prefix, with the Q/K rows restored to HF's rotate_half
+named as in HF's `Transformer` without the "model." prefix, with the Q/K rows restored to HF's rotate_half
 RoPE order. The result is bit-identical (in float32) to what transformers loads from the same file.
 Weights stored in a 32-weight block format (Q4_0, Q4_1, Q8_0) are also kept as their codes, scales and
 offsets (`GGUFModel.quantized`), rows in the same order, for the decode-matmul kernel.
@@ -44,7 +44,7 @@ _PROGRESS_REPORTS = 6  # progress lines per load: a few layers apart, not one pe
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class ModelConfig:
     """Hyper-parameters of a llama model, as the GGUF header states them."""
 
     vocab_size: int
@@ -78,7 +78,7 @@ class GGUFModel:
     """A loaded GGUF: config, HF-named tensors, all key/value metadata as python values, and for the
     weights stored in a block format `QuantizedWeight` knows, their codes (CPU tensors)."""
 
-    config: LlamaConfig
+    config: ModelConfig
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, object]
     path: Path
@@ -122,7 +122,7 @@ def load_gguf(
     return GGUFModel(config=config, tensors=tensors, metadata=metadata, path=path, quantized=quantized)
 
 
-def read_header(path: str | Path) -> tuple[LlamaConfig, dict[str, object]]:
+def read_header(path: str | Path) -> tuple[ModelConfig, dict[str, object]]:
     """Config and metadata without reading any tensor data (enough for a tokenizer: the router)."""
     reader = gguf.GGUFReader(Path(path))
     metadata = _read_metadata(reader)
@@ -134,7 +134,7 @@ def _read_metadata(reader: gguf.GGUFReader) -> dict[str, object]:
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
-def _config_from(metadata: dict[str, object], reader: gguf.GGUFReader) -> LlamaConfig:
+def _config_from(metadata: dict[str, object], reader: gguf.GGUFReader) -> ModelConfig:
     """Build the config from `{arch}.*` keys; vocab size comes from the embedding matrix itself."""
     arch = metadata.get("general.architecture")
     if arch != "llama":
@@ -152,7 +152,7 @@ def _config_from(metadata: dict[str, object], reader: gguf.GGUFReader) -> LlamaC
     if rope_dim != head_dim:
         raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) unsupported")
     names = {tensor.name: tensor for tensor in reader.tensors}
-    return LlamaConfig(
+    return ModelConfig(
         vocab_size=int(names["token_embd.weight"].shape[1]),  # ggml shape is [hidden, vocab]
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -213,7 +213,7 @@ def read_blocks(tensor: gguf.ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.n
     )
 
 
-def _unpermute_rope_rows(name: str, weights: np.ndarray, config: LlamaConfig) -> np.ndarray:
+def _unpermute_rope_rows(name: str, weights: np.ndarray, config: ModelConfig) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation so rows follow HF's rotate_half RoPE layout.
 
     The converter interleaves each head's two rotary halves (rows [h, 2, d/2] -> [h, d/2, 2]) for

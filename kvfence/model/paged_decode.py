@@ -1,4 +1,4 @@
-"""The decode-attention kernel contract: what the model's device seam (`LlamaModel._attention_loader`)
+"""The decode-attention kernel contract: what the model's device seam (`Transformer._attention_loader`)
 hands back, whichever device it runs on.
 
 `paged_kernel.PagedDecodeKernel` (C, CPU, float32) and `triton_attention.TritonPagedDecode` (CUDA, or the

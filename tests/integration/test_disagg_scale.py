@@ -27,7 +27,7 @@ from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.router import Router
 from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.workers import InThread, Spawned, SpawnedWorker
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
 
@@ -47,7 +47,7 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(rng.randrange(2, 30))] for _ in range(count)]
 
 
-def solo(model: LlamaModel, prompt: list[int], max_tokens: int) -> list[int]:
+def solo(model: Transformer, prompt: list[int], max_tokens: int) -> list[int]:
     engine = make_engine(model, max_model_len=WINDOW)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return engine.generate([prompt], params)[0].output_token_ids
@@ -86,14 +86,14 @@ async def wait_drained(running: Cluster, names: list[str]) -> None:
 # ---- 2 x 2 on threads ---------------------------------------------------------------------------------
 
 
-def test_two_by_two_answers_like_solo_and_drains(tiny: LlamaModel) -> None:
+def test_two_by_two_answers_like_solo_and_drains(tiny: Transformer) -> None:
     engines = [make_engine(tiny, HandoffEngine, max_model_len=WINDOW) for _ in range(4)]
     workers = [InThread(engine) for engine in engines]
     with cluster(prefill=workers[:2], decode=workers[2:], http=False) as running:
         asyncio.run(_two_by_two(running, tiny))
 
 
-async def _two_by_two(running: Cluster, tiny: LlamaModel) -> None:
+async def _two_by_two(running: Cluster, tiny: Transformer) -> None:
     router, jobs = running.router, prompts(8, seed=1)
     cancelled = router.generate(jobs[0], SamplingParams(max_tokens=16, ignore_eos=True), "tenant", "cancel")
     first = await anext(cancelled)
@@ -110,13 +110,13 @@ async def _two_by_two(running: Cluster, tiny: LlamaModel) -> None:
 # ---- kill -9 of one decode worker of two ----------------------------------------------------------------
 
 
-def test_a_killed_decode_worker_takes_only_its_requests_and_rejoins(tiny: LlamaModel) -> None:
+def test_a_killed_decode_worker_takes_only_its_requests_and_rejoins(tiny: Transformer) -> None:
     worker = Spawned(TINY_WORKER, build=tiny_worker_engine)
     with cluster(prefill=worker, decode=[worker, worker], http=False) as running:
         asyncio.run(_kill_one_decode(running, tiny))
 
 
-async def _kill_one_decode(running: Cluster, tiny: LlamaModel) -> None:
+async def _kill_one_decode(running: Cluster, tiny: Transformer) -> None:
     router, victim = running.router, running.workers["decode-1"]
     assert isinstance(victim, SpawnedWorker) and victim.pid is not None
     jobs = prompts(6, seed=2)

@@ -35,7 +35,7 @@ from kvfence.disagg.launch import free_ports
 from kvfence.harness.procs import KVFENCE, launch, stop
 from kvfence.harness.server import LOOPBACK, serve
 from kvfence.model.gguf import read_header
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 
 READ_TIMEOUT_S = 2.0  # the front door's timeout in these tests (the default is 10 s)
 SLACK_S = 3.0  # how late after the timeout a cut may come on a shared, loaded machine
@@ -347,7 +347,7 @@ def test_the_suggested_max_model_len_is_the_smaller_limit_and_passes(
     check_engine(EngineConfig(**{**overrides, "max_model_len": suggested}))
 
 
-def test_the_engine_suggests_what_it_can_start_with(tiny: LlamaModel) -> None:
+def test_the_engine_suggests_what_it_can_start_with(tiny: Transformer) -> None:
     """The engine's own check (after loading): a window beyond the model's (512) and a pool of 1024
     tokens suggest 512, and the engine starts with it (it used to suggest the pool, then fail)."""
     with pytest.raises(CapacityError, match="--max-model-len 512 ") as err:

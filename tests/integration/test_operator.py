@@ -25,8 +25,8 @@ from kvfence.config import EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.engine.engine import LLMEngine
 from kvfence.model.gguf import GGUFModel
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 
 pytestmark = pytest.mark.real_model
 
@@ -41,7 +41,7 @@ COUNTING = ", ".join(str(i) for i in range(1, 15)) + ","
 @pytest.fixture(scope="module")
 def new_engine(smollm2: GGUFModel) -> Callable[..., LLMEngine]:
     """Engines of this module's one model: `new_engine(**EngineConfig overrides)`."""
-    model, tokenizer = LlamaModel.from_gguf(smollm2), Tokenizer.from_gguf(smollm2)
+    model, tokenizer = Transformer.from_gguf(smollm2), Tokenizer.from_gguf(smollm2)
 
     def build(**overrides: Any) -> LLMEngine:
         config = EngineConfig(**{"num_pages": 64, "max_model_len": 256, **overrides})

@@ -31,8 +31,8 @@ from kvfence.engine.engine import LLMEngine
 from kvfence.engine.info import engine_info
 from kvfence.harness.cluster import cluster
 from kvfence.model.gguf import GGUFModel
-from kvfence.model.llama import LlamaModel
 from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
 from kvfence.request import Request
 from kvfence.sampling import SamplingParams
 
@@ -61,7 +61,7 @@ def replay_prompts(tokenizer: Tokenizer, long: bool = False) -> list[list[int]]:
     return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 
-def offline(model: LlamaModel, tokenizer: Tokenizer, **overrides: Any) -> LLMEngine:
+def offline(model: Transformer, tokenizer: Tokenizer, **overrides: Any) -> LLMEngine:
     config: dict[str, Any] = {"num_pages": 256, "max_model_len": 2048} | overrides
     return LLMEngine(EngineConfig(**config), model, tokenizer, log=lambda _: None)
 
@@ -90,7 +90,7 @@ def under_load(engine: LLMEngine, prompts: list[list[int]], long: list[int]) -> 
 
 
 def test_greedy_answers_alone_equal_answers_under_load(smollm2: GGUFModel) -> None:
-    model, tokenizer = LlamaModel.from_gguf(smollm2), Tokenizer.from_gguf(smollm2)
+    model, tokenizer = Transformer.from_gguf(smollm2), Tokenizer.from_gguf(smollm2)
     prompts = replay_prompts(tokenizer, long=True)
     solo_engine = offline(model, tokenizer)
     logits = LogitsRecorder(solo_engine)
@@ -123,7 +123,7 @@ def test_decode_rows_are_bitwise_batch_invariant_where_pinned(smollm2: GGUFModel
     """What `batch_invariant` promises: with the kernels every decode step's logits are the solo ones, bit
     for bit, whatever shares the step; the dense (BLAS) path changes them, and does not pin it."""
     model, tokenizer = (
-        LlamaModel.from_gguf(smollm2, decode_matmul=decode_matmul),
+        Transformer.from_gguf(smollm2, decode_matmul=decode_matmul),
         Tokenizer.from_gguf(smollm2),
     )
     prompt, others = replay_prompts(tokenizer)[0], replay_prompts(tokenizer)[1:6]

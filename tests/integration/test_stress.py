@@ -19,7 +19,7 @@ from conftest import make_engine
 from kvfence.harness.judge import RunReport, print_report
 from kvfence.harness.runs import FAULT_RATES, Plan, run_disaggregated, run_single_node
 from kvfence.model.gguf import GGUFModel
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
 
@@ -71,7 +71,7 @@ def test_disaggregated_load_with_faults(smollm2: GGUFModel, one_torch_thread: No
     assert report.drain["num_pages"] == 4 * plan.num_pages  # four pools, each drained
 
 
-def test_double_allocation_of_a_cached_page_leaves_no_stale_prefix_entry(tiny: LlamaModel) -> None:
+def test_double_allocation_of_a_cached_page_leaves_no_stale_prefix_entry(tiny: Transformer) -> None:
     """R2 shares R1's cached prompt pages; double_allocation hands one of them to R3 (R2 is aborted, as it
     must be). R3's KV then sits in a page the prefix index still lists under R1's prompt: R4, same tenant
     and prompt as R1, must not be served from it."""

@@ -46,7 +46,7 @@ from kvfence.disagg.nixl_transport import (
     nixl_available,
 )
 from kvfence.engine.stats import EngineStats
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF
 
 pytestmark = pytest.mark.skipif(
@@ -60,7 +60,7 @@ WAIT_S = 10.0
 class NixlPipeline(Pipeline):
     """A Pipeline whose workers move KV with one-sided NIXL writes."""
 
-    def __init__(self, model: LlamaModel, **kwargs: object) -> None:
+    def __init__(self, model: Transformer, **kwargs: object) -> None:
         tag = f"{os.getpid()}-{next(_names)}"
 
         def agent(role: str, engine: HandoffEngine) -> NixlAgent:
@@ -98,7 +98,7 @@ class NixlPipeline(Pipeline):
 def pipes() -> Iterator[Callable[..., NixlPipeline]]:
     made: list[NixlPipeline] = []
 
-    def make(model: LlamaModel, **kwargs: object) -> NixlPipeline:
+    def make(model: Transformer, **kwargs: object) -> NixlPipeline:
         made.append(NixlPipeline(model, **kwargs))
         return made[-1]
 
@@ -107,7 +107,7 @@ def pipes() -> Iterator[Callable[..., NixlPipeline]]:
         pipe.close()
 
 
-def test_one_sided_tokens_equal_single_node(tiny: LlamaModel, pipes: Callable[..., NixlPipeline]) -> None:
+def test_one_sided_tokens_equal_single_node(tiny: Transformer, pipes: Callable[..., NixlPipeline]) -> None:
     pipe = pipes(tiny)
     assert_tokens_equal_single_node(pipe, tiny)
     started = [e for e in pipe.prefill.engine.events.for_request("r3") if e["kind"] == "transfer_started"]
@@ -125,7 +125,7 @@ ONE_SIDED_FAULTS = {
 
 
 def run_fault(
-    model: LlamaModel, make: Callable[..., NixlPipeline], name: str, isolation: bool
+    model: Transformer, make: Callable[..., NixlPipeline], name: str, isolation: bool
 ) -> NixlPipeline:
     pipe = make(model, isolation=isolation, prefill_pages=ONE_SIDED_FAULTS[name][1], decode_pages=12)
     fill_decode_pool_with_a_secret(pipe)
@@ -138,7 +138,7 @@ def run_fault(
 
 @pytest.mark.parametrize("name", sorted(ONE_SIDED_FAULTS))
 def test_one_sided_fault_leaks_with_isolation_off(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline], name: str
+    tiny: Transformer, pipes: Callable[..., NixlPipeline], name: str
 ) -> None:
     pipe = run_fault(tiny, pipes, name, isolation=False)
     b = pipe.results["b"]
@@ -151,7 +151,7 @@ def test_one_sided_fault_leaks_with_isolation_off(
 
 @pytest.mark.parametrize("name", sorted(ONE_SIDED_FAULTS))
 def test_one_sided_fault_is_caught_with_isolation_on(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline], name: str
+    tiny: Transformer, pipes: Callable[..., NixlPipeline], name: str
 ) -> None:
     reason = ONE_SIDED_FAULTS[name][0]
     pipe = run_fault(tiny, pipes, name, isolation=True)
@@ -197,7 +197,7 @@ def late_one_sided_write(pipe: NixlPipeline) -> None:
 
 @pytest.mark.parametrize("isolation", [True, False], ids=["isolation on", "isolation off"])
 def test_a_late_one_sided_write_reaches_no_pool_byte(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline], isolation: bool
+    tiny: Transformer, pipes: Callable[..., NixlPipeline], isolation: bool
 ) -> None:
     """The pool is not registered with NIXL, so even with the fence off a late WRITE only fills landing
     slots: r2 answers as alone. (Until the pool stopped being registered, this WRITE rewrote r2's pages:
@@ -233,7 +233,7 @@ def rogue_write(pipe: NixlPipeline, pages: list[int], fill: int) -> None:
 
 
 def test_a_rogue_write_during_decoding_changes_no_token(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline]
+    tiny: Transformer, pipes: Callable[..., NixlPipeline]
 ) -> None:
     """Bytes written into r2's landing slots after its pages were opened never reach its pool pages: r2
     decodes on to its solo answer while the slots hold the rogue's bytes."""
@@ -255,7 +255,7 @@ def test_a_rogue_write_during_decoding_changes_no_token(
 
 
 def test_a_rogue_write_before_complete_aborts_the_request(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline]
+    tiny: Transformer, pipes: Callable[..., NixlPipeline]
 ) -> None:
     """A write into a live grant's landing slots, after the honest WRITE and before `complete` is handled:
     the page no longer opens under the request's key, so it is aborted and no byte of it is copied in."""
@@ -270,7 +270,7 @@ def test_a_rogue_write_before_complete_aborts_the_request(
     assert refused and refused[0]["why"] in ("does not open", "torn or lost in transport")
 
 
-def test_no_pool_is_registered(tiny: LlamaModel, pipes: Callable[..., NixlPipeline]) -> None:
+def test_no_pool_is_registered(tiny: Transformer, pipes: Callable[..., NixlPipeline]) -> None:
     """What NIXL can address is the area alone, on either side: no byte of either pool lies in it."""
     pipe = pipes(tiny)
     for worker in (pipe.prefill, pipe.decode):
@@ -280,7 +280,7 @@ def test_no_pool_is_registered(tiny: LlamaModel, pipes: Callable[..., NixlPipeli
         assert area.base + area.slots * area.slot_bytes <= pool_start or area.base >= pool_end
 
 
-def test_a_prefill_after_its_abort_is_refused(tiny: LlamaModel, pipes: Callable[..., NixlPipeline]) -> None:
+def test_a_prefill_after_its_abort_is_refused(tiny: Transformer, pipes: Callable[..., NixlPipeline]) -> None:
     """No order between router and decode: decode's abort may reach prefill before the router's `prefill`;
     a correct prefill then never writes into the grant."""
     pipe = pipes(tiny, isolation=True, decode_pages=6)
@@ -295,7 +295,7 @@ def test_a_prefill_after_its_abort_is_refused(tiny: LlamaModel, pipes: Callable[
 
 
 def test_quarantine_holds_until_nixl_reports_the_write_done(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline], monkeypatch: pytest.MonkeyPatch
+    tiny: Transformer, pipes: Callable[..., NixlPipeline], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pipe = pipes(tiny, isolation=True, decode_pages=6)
     reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
@@ -323,7 +323,7 @@ def test_quarantine_holds_until_nixl_reports_the_write_done(
 
 
 def test_a_failed_write_aborts_the_request(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline], monkeypatch: pytest.MonkeyPatch
+    tiny: Transformer, pipes: Callable[..., NixlPipeline], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pipe = pipes(tiny, isolation=True)
     assert pipe.prefill.agent is not None
@@ -423,7 +423,7 @@ def test_kv_agent_is_bounded_and_only_from_decode() -> None:
 
 
 def test_what_a_landing_slot_holds_is_ciphertext(
-    tiny: LlamaModel, pipes: Callable[..., NixlPipeline]
+    tiny: Transformer, pipes: Callable[..., NixlPipeline]
 ) -> None:
     """Between the WRITE and decode's copy-in, a reader of decode's landing area (UCX lets anyone who
     reaches it read it) finds each page sealed: the plaintext KV the prefill pool holds is not there."""

@@ -26,7 +26,7 @@ from kvfence.disagg.nixl_transport import OneSidedAgent
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.engine.stats import EngineStats
 from kvfence.engine.trace import PageTrace
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams
 from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF
 
@@ -48,7 +48,7 @@ class Pipeline:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: Transformer,
         isolation: bool = True,
         prefill_pages: int = 64,
         decode_pages: int = 64,
@@ -152,14 +152,14 @@ def lifecycle(pipe: Pipeline, request_id: str) -> list[str]:
     ]
 
 
-def solo(model: LlamaModel, prompt: list[int], max_tokens: int = 6) -> list[int]:
+def solo(model: Transformer, prompt: list[int], max_tokens: int = 6) -> list[int]:
     engine = make_engine(model, max_model_len=48)
     return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[
         0
     ].output_token_ids
 
 
-def assert_tokens_equal_single_node(pipe: Pipeline, model: LlamaModel) -> None:
+def assert_tokens_equal_single_node(pipe: Pipeline, model: Transformer) -> None:
     """Prompts of 1 to 30 tokens through the pipe (either transport): each answer equals the single-node
     one, nobody reads a foreign page, every page is free after, and decode's trail is in order."""
     lengths = [1, 6, 13, 22, 30]
@@ -182,7 +182,7 @@ def assert_tokens_equal_single_node(pipe: Pipeline, model: LlamaModel) -> None:
     )
 
 
-def test_disaggregated_tokens_equal_single_node(tiny: LlamaModel) -> None:
+def test_disaggregated_tokens_equal_single_node(tiny: Transformer) -> None:
     pipe = Pipeline(tiny)
     assert_tokens_equal_single_node(pipe, tiny)
     started = [e for e in pipe.prefill.engine.events.for_request("r3") if e["kind"] == "transfer_started"]
@@ -218,7 +218,7 @@ SENDER_FAULTS = {
 }
 
 
-def run_sender_fault(model: LlamaModel, fault: SenderFault, isolation: bool) -> Pipeline:
+def run_sender_fault(model: Transformer, fault: SenderFault, isolation: bool) -> Pipeline:
     pipe = Pipeline(model, isolation, prefill_pages=fault.prefill_pages, decode_pages=12)
     fill_decode_pool_with_a_secret(pipe)
     pipe.prefill.engine.faults.arm(fault.name, times=1)
@@ -229,7 +229,7 @@ def run_sender_fault(model: LlamaModel, fault: SenderFault, isolation: bool) -> 
 
 
 @pytest.mark.parametrize("name", sorted(SENDER_FAULTS))
-def test_sender_fault_leaks_with_isolation_off(tiny: LlamaModel, name: str) -> None:
+def test_sender_fault_leaks_with_isolation_off(tiny: Transformer, name: str) -> None:
     pipe = run_sender_fault(tiny, SENDER_FAULTS[name], isolation=False)
     b = pipe.results["b"]
     assert b.status == "finished", "without the fence decode answers as if nothing happened"
@@ -240,7 +240,7 @@ def test_sender_fault_leaks_with_isolation_off(tiny: LlamaModel, name: str) -> N
 
 
 @pytest.mark.parametrize("name", sorted(SENDER_FAULTS))
-def test_sender_fault_is_caught_with_isolation_on(tiny: LlamaModel, name: str) -> None:
+def test_sender_fault_is_caught_with_isolation_on(tiny: Transformer, name: str) -> None:
     fault = SENDER_FAULTS[name]
     pipe = run_sender_fault(tiny, fault, isolation=True)
     assert pipe.results["b"] == Result([], "aborted", fault.reason)
@@ -292,7 +292,7 @@ def abort_then_late_page(pipe: Pipeline, fault: str) -> None:
 
 
 @pytest.mark.parametrize("fault", ["late_write_after_cancel", "abort_mid_transfer"])
-def test_late_write_corrupts_the_next_owner_with_isolation_off(tiny: LlamaModel, fault: str) -> None:
+def test_late_write_corrupts_the_next_owner_with_isolation_off(tiny: Transformer, fault: str) -> None:
     pipe = Pipeline(tiny, isolation=False, decode_pages=6)  # r1 and r2 need every page: r2 reuses r1's
     abort_then_late_page(pipe, fault)
     assert pipe.results["r2"].status == "finished"
@@ -305,7 +305,7 @@ def test_late_write_corrupts_the_next_owner_with_isolation_off(tiny: LlamaModel,
 
 
 @pytest.mark.parametrize("fault", ["late_write_after_cancel", "abort_mid_transfer"])
-def test_late_write_is_refused_with_isolation_on(tiny: LlamaModel, fault: str) -> None:
+def test_late_write_is_refused_with_isolation_on(tiny: Transformer, fault: str) -> None:
     pipe = Pipeline(tiny, isolation=True, decode_pages=6)
     abort_then_late_page(pipe, fault)
     assert lifecycle(pipe, "r1")[-4:] == ["aborted", "quarantined", "drained", "released"]
@@ -321,7 +321,7 @@ def test_late_write_is_refused_with_isolation_on(tiny: LlamaModel, fault: str) -
     assert pipe.results["r2"] == Result(solo(tiny, PROMPTS[22], max_tokens=2), "finished", "length")
 
 
-def test_quarantined_pages_are_never_reused_before_the_drain(tiny: LlamaModel) -> None:
+def test_quarantined_pages_are_never_reused_before_the_drain(tiny: Transformer) -> None:
     pipe = Pipeline(tiny, isolation=True, decode_pages=6)
     reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
     pages = [p for p, _ in targets(reserved)]
@@ -336,7 +336,7 @@ def test_quarantined_pages_are_never_reused_before_the_drain(tiny: LlamaModel) -
     assert pipe.reserve("r3", "B", PROMPTS[22], max_tokens=2).KIND == "reserved"
 
 
-def test_prefill_worker_loss_drains_its_quarantine(tiny: LlamaModel) -> None:
+def test_prefill_worker_loss_drains_its_quarantine(tiny: Transformer) -> None:
     """worker_crash_mid_transfer at the protocol level: the connection to prefill drops mid-transfer."""
     pipe = Pipeline(tiny, isolation=True, decode_pages=6)
     reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
@@ -353,7 +353,7 @@ def test_prefill_worker_loss_drains_its_quarantine(tiny: LlamaModel) -> None:
     assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
 
 
-def test_prefill_rejection_reaches_the_router(tiny: LlamaModel) -> None:
+def test_prefill_rejection_reaches_the_router(tiny: Transformer) -> None:
     pipe = Pipeline(tiny, prefill_pages=4)
     reserved = pipe.reserve("big", "A", PROMPTS[30])
     rejected = pipe.start_prefill("big", "A", PROMPTS[30], targets(reserved))
@@ -362,7 +362,7 @@ def test_prefill_rejection_reaches_the_router(tiny: LlamaModel) -> None:
     assert pipe.prefill.engine.pool.generation.sum() == 0, "prefill allocated a page for a rejected prompt"
 
 
-def test_only_the_sending_prefill_can_drain_a_quarantine(tiny: LlamaModel) -> None:
+def test_only_the_sending_prefill_can_drain_a_quarantine(tiny: Transformer) -> None:
     pipe = Pipeline(tiny, isolation=True, decode_pages=6)
     reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
     pages = [p for p, _ in targets(reserved)]
@@ -392,7 +392,7 @@ def test_page_bytes_round_trip(dtype: torch.dtype) -> None:
     assert pool.page_checksum(3) != pool.page_checksum(1)
 
 
-def test_a_page_carries_only_its_written_slots(tiny: LlamaModel) -> None:
+def test_a_page_carries_only_its_written_slots(tiny: Transformer) -> None:
     """The prefill pool's pages are recycled and hold an earlier request's KV past what this prompt fills:
     each page frame carries exactly the slots the prompt fills, as decode derives them, never the tail."""
     pipe = Pipeline(tiny)

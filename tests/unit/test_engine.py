@@ -10,7 +10,7 @@ from conftest import make_engine
 
 from kvfence.config import CapacityError
 from kvfence.engine.engine import CONTEXT_LENGTH_EXCEEDED, AdmissionError
-from kvfence.model.llama import LlamaModel, StepInputs
+from kvfence.model.transformer import StepInputs, Transformer
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
 
@@ -24,7 +24,7 @@ def prompt(n: int) -> list[int]:
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 
-def test_refuses_to_start_when_the_window_does_not_fit(tiny: LlamaModel) -> None:
+def test_refuses_to_start_when_the_window_does_not_fit(tiny: Transformer) -> None:
     with pytest.raises(CapacityError) as err:
         make_engine(tiny, num_pages=8, max_model_len=48)
     assert "32 tokens" in str(err.value) and "48 tokens" in str(err.value)
@@ -33,7 +33,7 @@ def test_refuses_to_start_when_the_window_does_not_fit(tiny: LlamaModel) -> None
 
 @pytest.mark.parametrize(("prompt_len", "max_tokens"), [(40, 9), (48, 1), (0, 4)])
 def test_rejection_happens_before_any_page_is_reserved(
-    tiny: LlamaModel, prompt_len: int, max_tokens: int
+    tiny: Transformer, prompt_len: int, max_tokens: int
 ) -> None:
     engine = make_engine(tiny)
     running = engine.add_request(prompt(12), GREEDY, "a")
@@ -52,13 +52,13 @@ def test_rejection_happens_before_any_page_is_reserved(
     assert running.status is Status.FINISHED and "big" not in engine.requests
 
 
-def test_boundary_request_is_admitted(tiny: LlamaModel) -> None:
+def test_boundary_request_is_admitted(tiny: Transformer) -> None:
     engine = make_engine(tiny)
     request = engine.generate([prompt(38)], GREEDY)[0]  # 38 + 10 == 48, the window exactly
     assert request.status is Status.FINISHED and len(request.output_token_ids) == 10
 
 
-def test_a_request_finishes_once(tiny: LlamaModel) -> None:
+def test_a_request_finishes_once(tiny: Transformer) -> None:
     engine = make_engine(tiny)
     request = engine.generate([prompt(5)], GREEDY)[0]
     with pytest.raises(RuntimeError, match="illegal transition"):
@@ -68,7 +68,7 @@ def test_a_request_finishes_once(tiny: LlamaModel) -> None:
     assert kinds[0] == "admitted" and kinds[-1] == "finished" and kinds.count("finished") == 1
 
 
-def test_abort_releases_every_page(tiny: LlamaModel) -> None:
+def test_abort_releases_every_page(tiny: Transformer) -> None:
     engine = make_engine(tiny, enable_prefix_caching=False)
     requests = [engine.add_request(prompt(n), GREEDY, t) for n, t in ((17, "a"), (9, "b"))]
     engine.step()
@@ -81,7 +81,7 @@ def test_abort_releases_every_page(tiny: LlamaModel) -> None:
     engine.check_integrity()
 
 
-def test_preemption_completes_every_request_with_solo_tokens(tiny: LlamaModel) -> None:
+def test_preemption_completes_every_request_with_solo_tokens(tiny: Transformer) -> None:
     prompts = [prompt(n) for n in (30, 25, 18, 33, 7, 21)]
     solo = [make_engine(tiny).generate([p], GREEDY)[0].output_token_ids for p in prompts]
     engine = make_engine(tiny, num_pages=12)  # 48 tokens: one request at a time fits, six do not
@@ -92,7 +92,7 @@ def test_preemption_completes_every_request_with_solo_tokens(tiny: LlamaModel) -
     engine.check_integrity()
 
 
-def test_prefix_cache_hits_within_a_tenant_only(tiny: LlamaModel) -> None:
+def test_prefix_cache_hits_within_a_tenant_only(tiny: Transformer) -> None:
     shared = prompt(24)
     first, second, other = shared + prompt(5), shared + prompt(6), shared + prompt(6)
     uncached = make_engine(tiny, enable_prefix_caching=False).generate([second], GREEDY)[0].output_token_ids
@@ -109,7 +109,7 @@ def test_prefix_cache_hits_within_a_tenant_only(tiny: LlamaModel) -> None:
     engine.check_integrity()
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(tiny: LlamaModel) -> None:
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny: Transformer) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     p = prompt(9)
     alone = make_engine(tiny).generate([p], params)[0].output_token_ids
@@ -129,7 +129,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny: LlamaModel)
     ids=["temperature 1e-40", "top_p 5e-324"],
 )
 def test_vanishing_temperature_or_top_p_samples_the_top_token(
-    tiny: LlamaModel, params: SamplingParams
+    tiny: Transformer, params: SamplingParams
 ) -> None:
     """logits / 1e-40 overflows float32 and a top_p below float32's range drops every token; the sampler
     still returns the greedy tokens (their limit) instead of raising, which would fail the whole batch."""
@@ -139,7 +139,7 @@ def test_vanishing_temperature_or_top_p_samples_the_top_token(
 
 
 def test_non_finite_logits_abort_only_their_request(
-    tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
+    tiny: Transformer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A NaN row from the model aborts that request; the rest of the batch finishes with its solo tokens
     and every page comes back."""
@@ -166,7 +166,7 @@ def test_non_finite_logits_abort_only_their_request(
     engine.check_integrity()
 
 
-def test_a_sampling_failure_in_one_row_leaves_the_others_alone(tiny: LlamaModel) -> None:
+def test_a_sampling_failure_in_one_row_leaves_the_others_alone(tiny: Transformer) -> None:
     """Degenerate sampling values that slipped past validation (a NaN top_p set after construction) make
     multinomial raise for that row: it is aborted, and the rows beside it keep their solo tokens."""
     prompts = [prompt(9), prompt(14)]
@@ -186,7 +186,7 @@ def test_a_sampling_failure_in_one_row_leaves_the_others_alone(tiny: LlamaModel)
         SamplingParams(temperature=float("nan"))
 
 
-def test_top_k_one_is_greedy(tiny: LlamaModel) -> None:
+def test_top_k_one_is_greedy(tiny: Transformer) -> None:
     p = prompt(9)
     greedy = make_engine(tiny).generate([p], GREEDY)[0].output_token_ids
     top1 = SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=5, ignore_eos=True)

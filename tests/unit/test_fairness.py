@@ -10,7 +10,7 @@ import pytest
 from conftest import make_engine
 
 from kvfence.engine.engine import RATE_LIMIT_EXCEEDED, AdmissionError, LLMEngine
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.request import Request, Status
 from kvfence.sampling import SamplingParams
 from kvfence.trail.events import EventLog
@@ -35,7 +35,7 @@ FLOOD = [prompt(40) for _ in range(16)]
 LATECOMER = prompt(12)
 
 
-def flood_then_one(model: LlamaModel, fair: bool) -> tuple[int, list[Request]]:
+def flood_then_one(model: Transformer, fair: bool) -> tuple[int, list[Request]]:
     """Tenant A queues 16 long prompts; tenant B then sends one: how many steps until B's first token."""
     settings = {"num_pages": 256, "max_model_len": 48, "max_num_batched_tokens": 48, "max_num_seqs": 8}
     engine = make_engine(model, fair_scheduling=fair, **settings)
@@ -48,7 +48,7 @@ def flood_then_one(model: LlamaModel, fair: bool) -> tuple[int, list[Request]]:
     return steps, [*flood, b]
 
 
-def test_a_flooding_tenant_does_not_starve_another(tiny: LlamaModel) -> None:
+def test_a_flooding_tenant_does_not_starve_another(tiny: Transformer) -> None:
     fair_steps, fair = flood_then_one(tiny, fair=True)
     fifo_steps, fifo = flood_then_one(tiny, fair=False)
     assert fair_steps <= 3, f"B waited {fair_steps} steps behind A's flood"
@@ -58,7 +58,7 @@ def test_a_flooding_tenant_does_not_starve_another(tiny: LlamaModel) -> None:
     assert [r.output_token_ids for r in fair] == [r.output_token_ids for r in fifo]
 
 
-def test_beyond_its_queue_limit_a_tenant_gets_429(tiny: LlamaModel) -> None:
+def test_beyond_its_queue_limit_a_tenant_gets_429(tiny: Transformer) -> None:
     engine = make_engine(tiny, max_waiting_per_tenant=3)
     for _ in range(3):
         engine.add_request(prompt(8), LONG, "A")
@@ -70,7 +70,7 @@ def test_beyond_its_queue_limit_a_tenant_gets_429(tiny: LlamaModel) -> None:
     engine.add_request(prompt(8), LONG, "B")  # another tenant is not limited by A's queue
 
 
-def test_a_tenant_at_its_running_limit_waits_while_others_start(tiny: LlamaModel) -> None:
+def test_a_tenant_at_its_running_limit_waits_while_others_start(tiny: Transformer) -> None:
     engine = make_engine(tiny, max_running_per_tenant=2, max_num_seqs=8)
     a = [engine.add_request(prompt(8), LONG, "A") for _ in range(4)]
     b = engine.add_request(prompt(8), LONG, "B")
@@ -83,7 +83,7 @@ def test_a_tenant_at_its_running_limit_waits_while_others_start(tiny: LlamaModel
     assert all(r.status is Status.FINISHED for r in [*a, b])
 
 
-def test_preemption_takes_from_the_tenant_over_its_share(tiny: LlamaModel) -> None:
+def test_preemption_takes_from_the_tenant_over_its_share(tiny: Transformer) -> None:
     """Pages run out while both tenants decode: the victim is one of A's requests, never B's, though B's
     is the most recently admitted (the victim a tenant-blind scheduler would take)."""
     engine = make_engine(tiny, num_pages=12, max_model_len=48, page_size=4, max_num_seqs=8)
@@ -110,7 +110,7 @@ def test_one_tenant_cannot_flush_another_tenants_trails() -> None:
     assert [rid for rid in events.request_ids() if rid.startswith("b")] == ["b47", "b48", "b49"]
 
 
-def test_rejected_requests_count_against_their_own_tenant(tiny: LlamaModel) -> None:
+def test_rejected_requests_count_against_their_own_tenant(tiny: Transformer) -> None:
     engine = make_engine(tiny)
     engine.events = engine.scheduler.events = engine.kv_cache.events = EventLog(max_requests=2)
     kept = engine.add_request(prompt(8), LONG, "A")
@@ -121,7 +121,7 @@ def test_rejected_requests_count_against_their_own_tenant(tiny: LlamaModel) -> N
     assert engine.events.for_request("big4")[0]["tenant"] == "B"
 
 
-def test_a_light_tenant_keeps_its_place_while_its_last_request_decodes(tiny: LlamaModel) -> None:
+def test_a_light_tenant_keeps_its_place_while_its_last_request_decodes(tiny: Transformer) -> None:
     """B sends its next request while its previous one still decodes: B is not idle, so it keeps its
     small share of tokens served and goes ahead of A's flood (it must not be levelled up to A's share
     as a tenant back from idle would be)."""

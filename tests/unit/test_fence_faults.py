@@ -13,7 +13,7 @@ from conftest import make_engine
 
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.trace import PageTrace
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.request import Request, Status
 from kvfence.sampling import SamplingParams
 from kvfence.trail.reasons import FOREIGN_OWNER, STALE_GENERATION, STALE_WRITE, UNWRITTEN_READ
@@ -115,13 +115,13 @@ CASES = {
 }
 
 
-def solo(model: LlamaModel, request: Request, settings: dict[str, object]) -> list[int]:
+def solo(model: Transformer, request: Request, settings: dict[str, object]) -> list[int]:
     engine = make_engine(model, **settings)
     return engine.generate([request.prompt_token_ids], request.params, request.tenant)[0].output_token_ids
 
 
 def run_case(
-    model: LlamaModel, case: Case, isolation: bool
+    model: Transformer, case: Case, isolation: bool
 ) -> tuple[LLMEngine, dict[str, Request], PageTrace]:
     engine = make_engine(model, isolation=isolation, **case.engine_settings)
     trace = PageTrace(engine.pool)
@@ -130,7 +130,7 @@ def run_case(
 
 
 @pytest.mark.parametrize("fault", sorted(CASES))
-def test_fault_leaks_with_isolation_off(tiny: LlamaModel, fault: str) -> None:
+def test_fault_leaks_with_isolation_off(tiny: Transformer, fault: str) -> None:
     case = CASES[fault]
     engine, reqs, trace = run_case(tiny, case, isolation=False)
     assert engine.faults.fired == {fault: 1}
@@ -147,7 +147,7 @@ def test_fault_leaks_with_isolation_off(tiny: LlamaModel, fault: str) -> None:
 
 
 @pytest.mark.parametrize("fault", sorted(CASES))
-def test_fault_is_caught_with_isolation_on(tiny: LlamaModel, fault: str) -> None:
+def test_fault_is_caught_with_isolation_on(tiny: Transformer, fault: str) -> None:
     case = CASES[fault]
     engine, reqs, trace = run_case(tiny, case, isolation=True)
     assert engine.faults.fired == {fault: 1}
@@ -167,7 +167,7 @@ def test_fault_is_caught_with_isolation_on(tiny: LlamaModel, fault: str) -> None
     assert after.output_token_ids == solo(tiny, after, case.engine_settings)
 
 
-def test_clean_batch_reads_only_own_pages(tiny: LlamaModel) -> None:
+def test_clean_batch_reads_only_own_pages(tiny: Transformer) -> None:
     """The baseline the fault tests compare against: no fault, no foreign access, no abort."""
     engine = make_engine(tiny, num_pages=32)
     trace = PageTrace(engine.pool)

@@ -26,7 +26,7 @@ def test_pre_tokenizers_follow_llama_cpp_regexes() -> None:
 
 
 def _llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to Q/K rows (convert_hf_to_gguf.py LlamaModel.permute)."""
+    """What llama.cpp's converter does to Q/K rows (convert_hf_to_gguf.py Transformer.permute)."""
     return weights.reshape(heads, 2, weights.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weights.shape)
 
 

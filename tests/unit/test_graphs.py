@@ -10,7 +10,7 @@ from conftest import TINY, tiny_model
 
 from kvfence.cache.pool import KVPool
 from kvfence.engine.graphs import DecodeBatch, DecodeGraphRunner, Replay, batch_buckets, bucket_for
-from kvfence.model.llama import LlamaModel, StepInputs
+from kvfence.model.transformer import StepInputs, Transformer
 
 PAGE_SIZE, NUM_PAGES, WIDTH = 4, 24, 6
 
@@ -53,7 +53,7 @@ def decode_batch(lengths: list[int], pages: list[list[int]]) -> DecodeBatch:
     return DecodeBatch(token_ids, positions, slots, np.concatenate(pages).astype(np.int64), starts)
 
 
-def eager(model: LlamaModel, pool: KVPool, batch: DecodeBatch) -> torch.Tensor:
+def eager(model: Transformer, pool: KVPool, batch: DecodeBatch) -> torch.Tensor:
     """The same step through the eager forward, exactly as the runner builds decode inputs."""
     tables = torch.from_numpy(batch.padded_tables(int(np.diff(batch.starts).max()), 0))
     rows = torch.arange(batch.rows)
@@ -70,7 +70,7 @@ def eager(model: LlamaModel, pool: KVPool, batch: DecodeBatch) -> torch.Tensor:
     return model.forward(inputs, pool.kv)
 
 
-def runner(model: LlamaModel, pool: KVPool, graphs: FakeGraphs) -> DecodeGraphRunner:
+def runner(model: Transformer, pool: KVPool, graphs: FakeGraphs) -> DecodeGraphRunner:
     return DecodeGraphRunner(model, pool, max_num_seqs=12, max_pages_per_seq=WIDTH, backend=graphs)
 
 
@@ -111,7 +111,7 @@ def test_real_rows_equal_the_eager_forward_and_padding_touches_only_scratch(atte
     assert not torch.equal(ours.kv[:, :, NUM_PAGES, 0], torch.zeros_like(ours.kv[:, :, NUM_PAGES, 0]))
 
 
-def test_padding_rows_name_only_the_scratch_page(tiny: LlamaModel) -> None:
+def test_padding_rows_name_only_the_scratch_page(tiny: Transformer) -> None:
     graphs = runner(tiny, new_pool(), FakeGraphs())
     graphs.run(decode_batch(*BATCH))  # 3 rows in bucket 4
     scratch = graphs.scratch_page
@@ -122,7 +122,7 @@ def test_padding_rows_name_only_the_scratch_page(tiny: LlamaModel) -> None:
     assert graphs.packed[3, :3].tolist() == [6, 13, 2]
 
 
-def test_buffers_are_reused_and_only_changed_table_rows_copied(tiny: LlamaModel) -> None:
+def test_buffers_are_reused_and_only_changed_table_rows_copied(tiny: Transformer) -> None:
     fake = FakeGraphs()
     graphs = runner(tiny, new_pool(), fake)
     packed, tables = graphs.packed, graphs.tables
@@ -141,7 +141,7 @@ def test_buffers_are_reused_and_only_changed_table_rows_copied(tiny: LlamaModel)
     assert graphs.packed.data_ptr() == packed.data_ptr() and graphs.tables.data_ptr() == tables.data_ptr()
 
 
-def test_a_batch_no_bucket_holds_runs_eagerly(tiny: LlamaModel) -> None:
+def test_a_batch_no_bucket_holds_runs_eagerly(tiny: Transformer) -> None:
     fake = FakeGraphs()
     graphs = runner(tiny, new_pool(), fake)
     assert graphs.run(decode_batch([1] * 13, [[p] for p in range(13)])) is None  # beyond max_num_seqs

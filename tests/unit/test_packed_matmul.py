@@ -21,8 +21,8 @@ from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.model import packed_matmul
 from kvfence.model.gguf import QuantizedWeight, read_blocks
-from kvfence.model.llama import LlamaModel
 from kvfence.model.packed_matmul import PackedWeight
+from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams
 
 KINDS = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
@@ -114,7 +114,7 @@ def test_engine_gives_the_same_tokens_on_the_kernel_and_on_blas() -> None:
     assert all(len(tokens) == 12 for tokens in outputs["kernel"])
 
 
-def decode_logits(model: LlamaModel, with_prefill_alongside: bool) -> list[torch.Tensor]:
+def decode_logits(model: Transformer, with_prefill_alongside: bool) -> list[torch.Tensor]:
     """Request A's logits per step; A is prefilled alone, then decodes alone or while B's prompt is
     prefilled in 8-token chunks in the same steps."""
     engine = make_engine(model, max_num_batched_tokens=9)
@@ -143,18 +143,18 @@ def test_choices_and_fallbacks() -> None:
     assert tiny_model().decode_matmul == "dense"  # no quantized weights
     assert "not stored quantized" in tiny_model().decode_matmul_note
     with pytest.raises(ValueError, match="unavailable"):
-        LlamaModel(TINY, tiny_tensors(), decode_matmul="kernel")
+        Transformer(TINY, tiny_tensors(), decode_matmul="kernel")
     tensors, quantized = quantize(tiny_tensors())
     bf16 = {name: t.to(torch.bfloat16) for name, t in tensors.items()}
-    auto = LlamaModel(TINY, bf16, quantized=quantized)
+    auto = Transformer(TINY, bf16, quantized=quantized)
     assert auto.decode_matmul == "dense" and "float32" in auto.decode_matmul_note
     q_only = {"layers.0.self_attn.q_proj.weight": quantized["layers.0.self_attn.q_proj.weight"]}
-    partial = LlamaModel(TINY, tensors, quantized=q_only)  # Q without K and V: no fused weight to pack
+    partial = Transformer(TINY, tensors, quantized=q_only)  # Q without K and V: no fused weight to pack
     assert partial.decode_matmul == "dense" and "no weight fits" in partial.decode_matmul_note
     with pytest.raises(ValueError, match="no weight fits"):
-        LlamaModel(TINY, tensors, quantized=q_only, decode_matmul="kernel")
+        Transformer(TINY, tensors, quantized=q_only, decode_matmul="kernel")
     with pytest.raises(ValueError, match="decode matmul must be one of"):
-        LlamaModel(TINY, tensors, quantized=quantized, decode_matmul="fast")
+        Transformer(TINY, tensors, quantized=quantized, decode_matmul="fast")
 
 
 def test_the_engine_names_its_decode_paths_at_start() -> None:

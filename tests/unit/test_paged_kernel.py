@@ -7,7 +7,7 @@ import torch
 from conftest import TINY, make_engine, tiny_model, tiny_tensors
 
 from kvfence.model import paged_kernel
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv
 
@@ -107,7 +107,7 @@ def test_engine_gives_the_same_tokens_with_the_kernel_and_with_sdpa() -> None:
 def test_kernel_is_used_only_where_it_can_run() -> None:
     assert tiny_model().decode_attention == "kernel"  # float32 on CPU: the default path
     bf16 = {name: t.to(torch.bfloat16) for name, t in tiny_tensors().items()}
-    auto = LlamaModel(TINY, bf16)
+    auto = Transformer(TINY, bf16)
     assert auto.decode_attention == "sdpa" and "float32" in auto.decode_attention_note
     with pytest.raises(ValueError, match="unavailable"):
-        LlamaModel(TINY, bf16, decode_attention="kernel")
+        Transformer(TINY, bf16, decode_attention="kernel")

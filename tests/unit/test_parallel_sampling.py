@@ -11,7 +11,7 @@ import torch
 from conftest import make_engine
 
 from kvfence.engine.engine import CONTEXT_LENGTH_EXCEEDED, FORKED, AdmissionError, LLMEngine
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.request import Request, Status, fork_id
 from kvfence.sampling import SamplingParams
 
@@ -36,11 +36,11 @@ def run_all(engine: LLMEngine, requests: list[Request]) -> None:
         engine.step()
 
 
-def solo(model: LlamaModel, params: SamplingParams) -> list[int]:
+def solo(model: Transformer, params: SamplingParams) -> list[int]:
     return make_engine(model).generate([PROMPT], params)[0].output_token_ids
 
 
-def test_forks_share_full_pages_and_copy_the_partial_one(tiny: LlamaModel) -> None:
+def test_forks_share_full_pages_and_copy_the_partial_one(tiny: Transformer) -> None:
     engine = make_engine(tiny, page_size=PAGE)
     parent = engine.add_request(PROMPT, SEEDED, "a", request_id="p", n=3)
     run_until_forked(engine, parent)
@@ -68,7 +68,7 @@ def test_forks_share_full_pages_and_copy_the_partial_one(tiny: LlamaModel) -> No
     engine.check_integrity()
 
 
-def test_a_prompt_ending_on_a_page_boundary_copies_nothing(tiny: LlamaModel) -> None:
+def test_a_prompt_ending_on_a_page_boundary_copies_nothing(tiny: Transformer) -> None:
     engine = make_engine(tiny, page_size=PAGE)
     parent = engine.add_request(PROMPT[:8], SEEDED, "a", request_id="p", n=2)
     run_until_forked(engine, parent)
@@ -80,7 +80,7 @@ def test_a_prompt_ending_on_a_page_boundary_copies_nothing(tiny: LlamaModel) -> 
 
 @pytest.mark.parametrize("params", [SEEDED, SamplingParams(max_tokens=8, ignore_eos=True)])
 def test_each_fork_samples_what_a_solo_request_with_its_seed_does(
-    tiny: LlamaModel, params: SamplingParams
+    tiny: Transformer, params: SamplingParams
 ) -> None:
     engine = make_engine(tiny, page_size=PAGE)
     parent = engine.add_request(PROMPT, params, "a", n=3)
@@ -93,7 +93,7 @@ def test_each_fork_samples_what_a_solo_request_with_its_seed_does(
     assert (len({tuple(o) for o in outputs}) == 1) == (params.seed is None)  # greedy forks agree
 
 
-def test_aborting_one_fork_leaves_the_others_alone(tiny: LlamaModel) -> None:
+def test_aborting_one_fork_leaves_the_others_alone(tiny: Transformer) -> None:
     engine = make_engine(tiny, page_size=PAGE)
     parent = engine.add_request(PROMPT, SEEDED, "a", n=3)
     run_until_forked(engine, parent)
@@ -108,7 +108,7 @@ def test_aborting_one_fork_leaves_the_others_alone(tiny: LlamaModel) -> None:
     engine.check_integrity()
 
 
-def test_aborting_the_parent_before_the_fork_starts_no_fork(tiny: LlamaModel) -> None:
+def test_aborting_the_parent_before_the_fork_starts_no_fork(tiny: Transformer) -> None:
     engine = make_engine(tiny, page_size=PAGE, max_num_batched_tokens=4)  # a prompt of three chunks
     parent = engine.add_request(PROMPT, SEEDED, "a", request_id="p", n=3)
     engine.step()
@@ -118,7 +118,7 @@ def test_aborting_the_parent_before_the_fork_starts_no_fork(tiny: LlamaModel) ->
     assert engine.allocator.num_free_pages == engine.pool.num_pages
 
 
-def test_forks_under_preemption_still_sample_their_solo_tokens(tiny: LlamaModel) -> None:
+def test_forks_under_preemption_still_sample_their_solo_tokens(tiny: Transformer) -> None:
     engine = make_engine(tiny, page_size=PAGE, num_pages=12)  # 48 tokens: the forks crowd the pool
     parent = engine.add_request(PROMPT, SEEDED, "a", n=3)
     other = engine.add_request(PROMPT[:7], SamplingParams(max_tokens=9, ignore_eos=True), "b")
@@ -130,7 +130,7 @@ def test_forks_under_preemption_still_sample_their_solo_tokens(tiny: LlamaModel)
     engine.check_integrity()
 
 
-def test_forks_that_cannot_fit_the_pool_are_refused_before_any_page(tiny: LlamaModel) -> None:
+def test_forks_that_cannot_fit_the_pool_are_refused_before_any_page(tiny: Transformer) -> None:
     engine = make_engine(tiny, page_size=PAGE, num_pages=12)
     with pytest.raises(AdmissionError) as err:
         engine.add_request(PROMPT, SamplingParams(max_tokens=20), "a", request_id="big", n=4)
@@ -139,7 +139,7 @@ def test_forks_that_cannot_fit_the_pool_are_refused_before_any_page(tiny: LlamaM
     assert engine.allocator.num_free_pages == engine.pool.num_pages
 
 
-def test_forks_count_against_the_tenant_limits_and_max_num_seqs(tiny: LlamaModel) -> None:
+def test_forks_count_against_the_tenant_limits_and_max_num_seqs(tiny: Transformer) -> None:
     """n is no way around a tenant's running limit or max_num_seqs: more forks than either allows are
     refused at admission, and a parent is admitted only when all its forks fit beside what runs."""
     engine = make_engine(tiny, page_size=PAGE, max_num_seqs=4, max_running_per_tenant=3)

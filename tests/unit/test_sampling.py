@@ -18,7 +18,7 @@ from kvfence.engine.sampler import (
     sample,
     token_logprobs,
 )
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.request import Status
 from kvfence.sampling import SamplingDefaults, SamplingParams
 
@@ -123,7 +123,7 @@ def test_logprobs_are_log_softmax_of_the_raw_logits_at_the_sampled_token() -> No
     assert found[2].top == [] and math.isclose(found[2].logprob, float(want[2, 7]), rel_tol=1e-6)
 
 
-def test_the_engine_reports_logprobs_of_the_logits_it_sampled_from(tiny: LlamaModel) -> None:
+def test_the_engine_reports_logprobs_of_the_logits_it_sampled_from(tiny: Transformer) -> None:
     engine = make_engine(tiny)
     recorder = LogitsRecorder(engine)
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=2, logprobs=2, ignore_eos=True)
@@ -141,7 +141,7 @@ def test_the_engine_reports_logprobs_of_the_logits_it_sampled_from(tiny: LlamaMo
         assert [t for t, _ in entry.top] == torch.topk(want, 2).indices.tolist()
 
 
-def test_penalised_requests_batched_equal_their_solo_runs(tiny: LlamaModel) -> None:
+def test_penalised_requests_batched_equal_their_solo_runs(tiny: Transformer) -> None:
     """Penalties read each request's own history, step after step, whatever shares the batch."""
     params = [
         SamplingParams(max_tokens=8, repetition_penalty=1.5, ignore_eos=True),

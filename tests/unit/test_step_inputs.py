@@ -13,7 +13,7 @@ from conftest import make_engine
 from kvfence.cache.fence import StepLayout
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.runner import ModelRunner
-from kvfence.model.llama import LlamaModel, PrefillSeq, StepInputs
+from kvfence.model.transformer import PrefillSeq, StepInputs, Transformer
 from kvfence.request import Request
 from kvfence.sampling import SamplingParams
 
@@ -73,7 +73,7 @@ def assert_same_inputs(ours: StepInputs, theirs: StepInputs) -> None:
         assert a.block_table is None or torch.equal(a.block_table, b.block_table)
 
 
-def small_engine(model: LlamaModel) -> LLMEngine:
+def small_engine(model: Transformer) -> LLMEngine:
     return make_engine(model, num_pages=24, max_num_batched_tokens=24, max_num_seqs=6, max_model_len=96)
 
 
@@ -92,7 +92,7 @@ def run(engine: LLMEngine) -> tuple[list[list[int]], list[str | None], list[dict
     return [r.output_token_ids for r in requests], [r.finish_reason for r in requests], events
 
 
-def test_array_form_inputs_equal_the_per_row_ones_at_every_step(tiny: LlamaModel) -> None:
+def test_array_form_inputs_equal_the_per_row_ones_at_every_step(tiny: Transformer) -> None:
     engine = small_engine(tiny)
     vectorised = engine.runner._model_inputs
     steps = []

@@ -43,7 +43,7 @@ from kvfence.disagg.messages import (
 )
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.disagg.router import Router
-from kvfence.model.llama import LlamaModel
+from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams
 
 BOUNDS = Bounds(max_tokens=48, vocab_size=256)
@@ -202,7 +202,7 @@ def test_out_of_bounds_fields_are_refused(fields: dict[str, Any], reason: str) -
     assert err.value.reason == reason
 
 
-def test_nesting_past_the_stack_is_a_bad_message(tiny: LlamaModel) -> None:
+def test_nesting_past_the_stack_is_a_bad_message(tiny: Transformer) -> None:
     """10 KB of brackets made json.loads raise RecursionError, which ended a worker's loop."""
     header = b'{"kind": "audit", "token": "t", "request_id": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     with pytest.raises(BadMessage) as err:
@@ -253,7 +253,7 @@ class Node:
     """A prefill and a decode worker on tiny engines over an in-memory network whose addresses carry
     roles, as keys would prove them."""
 
-    def __init__(self, model: LlamaModel, transfer_timeout_s: float = 30.0) -> None:
+    def __init__(self, model: Transformer, transfer_timeout_s: float = 30.0) -> None:
         self.hub = MemoryHub()
         self.router = self.hub.connector(ROUTER, "router")
         prefill, decode = (make_engine(model, HandoffEngine, enable_prefix_caching=False) for _ in range(2))
@@ -281,7 +281,7 @@ def frame(sender: str, role: str | None, message: Any) -> Received:
     return Received(sender, role, *encode(message))
 
 
-def test_role_rules_at_receipt(tiny: LlamaModel) -> None:
+def test_role_rules_at_receipt(tiny: Transformer) -> None:
     node = Node(tiny)
     before = node.state()
     prompt = [1, 2, 3, 4, 5, 6, 7]
@@ -298,7 +298,7 @@ def test_role_rules_at_receipt(tiny: LlamaModel) -> None:
     assert [r.KIND for r in node.replies()] == ["reserved"]
 
 
-def test_a_reserve_must_name_a_configured_prefill(tiny: LlamaModel) -> None:
+def test_a_reserve_must_name_a_configured_prefill(tiny: Transformer) -> None:
     node = Node(tiny)
     before = node.state()
     node.decode.handle(frame(ROUTER, "router", Reserve("r1", "A", [1, 2, 3], PARAMS, "tcp://unreachable:1")))
@@ -306,7 +306,7 @@ def test_a_reserve_must_name_a_configured_prefill(tiny: LlamaModel) -> None:
     assert node.decode.rejected["bad_peer"] == 1
 
 
-def test_only_the_reserving_router_may_abort(tiny: LlamaModel) -> None:
+def test_only_the_reserving_router_may_abort(tiny: Transformer) -> None:
     node = Node(tiny)
     node.decode.handle(frame(ROUTER, "router", Reserve("r1", "A", [1, 2, 3, 4, 5], PARAMS, PREFILL)))
     node.replies()
@@ -315,7 +315,7 @@ def test_only_the_reserving_router_may_abort(tiny: LlamaModel) -> None:
     assert "r1" in node.decode.engine.requests and node.decode.rejected["not_assigned"] == 1
 
 
-def test_malformed_frames_change_nothing(tiny: LlamaModel) -> None:
+def test_malformed_frames_change_nothing(tiny: Transformer) -> None:
     node = Node(tiny)
     node.decode.handle(frame(ROUTER, "router", Reserve("r1", "A", [1, 2, 3, 4, 5], PARAMS, PREFILL)))
     node.replies()
@@ -332,7 +332,7 @@ def test_malformed_frames_change_nothing(tiny: LlamaModel) -> None:
     assert sum(node.decode.rejected.values()) > 0
 
 
-def test_a_reservation_nobody_wrote_into_is_released_on_timeout(tiny: LlamaModel) -> None:
+def test_a_reservation_nobody_wrote_into_is_released_on_timeout(tiny: Transformer) -> None:
     node = Node(tiny, transfer_timeout_s=1.0)
     node.decode.handle(frame(ROUTER, "router", Reserve("r1", "A", [1] * 13, PARAMS, PREFILL)))
     (reserved,) = node.replies()
@@ -344,7 +344,7 @@ def test_a_reservation_nobody_wrote_into_is_released_on_timeout(tiny: LlamaModel
     assert "quarantined" not in kinds and kinds[-2:] == ["aborted", "released"]
 
 
-def test_a_started_transfer_keeps_the_drain_rule_on_timeout(tiny: LlamaModel) -> None:
+def test_a_started_transfer_keeps_the_drain_rule_on_timeout(tiny: Transformer) -> None:
     node = Node(tiny, transfer_timeout_s=1.0)
     prompt = [1] * 13
     node.decode.handle(frame(ROUTER, "router", Reserve("r1", "A", prompt, PARAMS, PREFILL)))
@@ -363,7 +363,7 @@ def test_a_started_transfer_keeps_the_drain_rule_on_timeout(tiny: LlamaModel) ->
     assert (node.decode.engine.pool.state[pages] == PageState.FREE).all()
 
 
-def test_one_tenant_cannot_hold_the_whole_decode_pool(tiny: LlamaModel) -> None:
+def test_one_tenant_cannot_hold_the_whole_decode_pool(tiny: Transformer) -> None:
     node = Node(tiny)
     cap = node.decode.max_reserved_pages
     assert cap < node.decode.engine.pool.num_pages
@@ -377,7 +377,7 @@ def test_one_tenant_cannot_hold_the_whole_decode_pool(tiny: LlamaModel) -> None:
     assert [r.KIND for r in node.replies()] == ["reserved"], "another tenant was starved"
 
 
-def test_the_router_takes_only_answers_to_its_own_questions(tiny: LlamaModel) -> None:
+def test_the_router_takes_only_answers_to_its_own_questions(tiny: Transformer) -> None:
     router = Router(PREFILL, DECODE, None, 256)  # type: ignore[arg-type]  # no tokenizer needed here
     forged = HelloReply("re0", "decode", 10**9, 10**9, 16, False, {"isolation": False})
     router._dispatch_safely(frame(DECODE, "decode", forged))
@@ -404,7 +404,7 @@ def test_non_loopback_without_keys_is_refused() -> None:
     assert resolve(None, "prefill", ["tcp://127.0.0.1:5600"], insecure=False) is None
 
 
-def test_page_payload_bounds_are_the_receivers_page(tiny: LlamaModel) -> None:
+def test_page_payload_bounds_are_the_receivers_page(tiny: Transformer) -> None:
     """A payload of the wrong size is refused before anything is written (the checksum covers the rest)."""
     node = Node(tiny)
     node.decode.handle(frame(ROUTER, "router", Reserve("r1", "A", [1] * 13, PARAMS, PREFILL)))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvfence.config import DECODE_ATTENTION, DECODE_MATMUL
 from kvfence.model import packed_matmul, paged_kernel, triton_attention
-from kvfence.model.gguf import GGUFModel, LlamaConfig, QuantizedWeight
+from kvfence.model.gguf import GGUFModel, ModelConfig, QuantizedWeight
 from kvfence.model.packed_matmul import PackedWeight
 from kvfence.model.paged_decode import PagedDecode
 
@@ -89,13 +89,13 @@ class StepInputs:
     logits_rows: torch.Tensor  # [S] indices into T whose logits are returned
 
 
-class LlamaModel:
+class Transformer:
     """`quantized` (GGUFModel.quantized) holds the GGUF's codes of the weights in `tensors`; without it,
     or with `decode_matmul="dense"`, every matmul runs on BLAS."""
 
     def __init__(
         self,
-        config: LlamaConfig,
+        config: ModelConfig,
         tensors: dict[str, torch.Tensor],
         decode_attention: str = "auto",
         quantized: dict[str, QuantizedWeight] | None = None,
@@ -138,7 +138,7 @@ class LlamaModel:
     @classmethod
     def from_gguf(
         cls, gguf: GGUFModel, decode_attention: str = "auto", decode_matmul: str = "auto"
-    ) -> LlamaModel:
+    ) -> Transformer:
         return cls(gguf.config, gguf.tensors, decode_attention, gguf.quantized, decode_matmul)
 
     def _choose_kernel(
