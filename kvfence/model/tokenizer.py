@@ -1,7 +1,9 @@
-"""Byte-level BPE tokenizer and chat template, rebuilt from a GGUF file's own metadata.
+"""Tokenizer and chat template, rebuilt from a GGUF file's own metadata: byte-level BPE
+(`tokenizer.ggml.model` "gpt2": SmolLM2, Llama 3, Qwen) or SentencePiece ("llama": Gemma 3, Mistral, Llama 2).
 
-Contract: `Tokenizer` encodes like llama.cpp does for the file (same vocab, merges, pre-tokenizer and
-special tokens), and `apply_chat_template` renders the file's jinja template as HF does.
+Contract: `Tokenizer` encodes like llama.cpp does for the file (same vocab, merges or scores, pre-tokenizer
+and special tokens), and `apply_chat_template` renders the file's jinja template (or the one given instead)
+as HF does. Control and user-defined tokens are matched whole in the text, as llama.cpp matches them.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
-from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
 if TYPE_CHECKING:
     from kvfence.model.gguf import GGUFModel
 
+_NORMAL = 1  # llama.cpp token type: an ordinary vocab entry, the only kind SentencePiece merges into
 _CONTROL = 3  # llama.cpp token type: control token (<|im_start|>, <|endoftext|>, ...)
 _USER_DEFINED = 4  # llama.cpp token type: added token that is matched whole but is not special
+_SPM_SPACE = "\u2581"  # SentencePiece's visible space: "▁"
 
 # Texts llama.cpp also treats as end-of-generation when they are control tokens (llama-vocab.cpp).
 _END_OF_GENERATION_TEXTS = frozenset(
@@ -31,6 +35,12 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# llama.cpp's regex for "qwen2" (Qwen 2, 2.5, 3): llama-bpe's, but every digit is its own pre-token.
+_QWEN2_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 
 
 def pre_tokenizer_for(pre_type: str) -> pre_tokenizers.PreTokenizer:
@@ -47,14 +57,83 @@ def pre_tokenizer_for(pre_type: str) -> pre_tokenizers.PreTokenizer:
         )
     if pre_type == "gpt-2":
         return pre_tokenizers.ByteLevel(add_prefix_space=False)
-    if pre_type == "llama-bpe":
+    if pre_type in _SPLITS:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(Regex(_SPLITS[pre_type]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    raise ValueError(f"unsupported GGUF pre-tokenizer {pre_type!r} (known: smollm, gpt-2, llama-bpe)")
+    raise ValueError(f"unsupported GGUF pre-tokenizer {pre_type!r} (known: smollm, gpt-2, llama-bpe, qwen2)")
+
+
+def spm_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to llama.cpp's SentencePiece merging (llm_tokenizer_spm), best first.
+
+    llama.cpp repeatedly joins the adjacent pair whose concatenation is the vocab entry of highest score;
+    as merges, that is every split of every normal token into two vocab entries, ranked by the token's
+    score, equal scores in vocab order. Only normal tokens are merge results: control and user-defined
+    ones are matched whole before merging, and byte tokens come from byte fallback, not from text.
+    """
+    index = {token: position for position, token in enumerate(tokens)}
+    ranked: list[tuple[float, int, str, str]] = []  # (-score, position, left, right): sorts best first
+    for position, token in enumerate(tokens):
+        if token_types[position] != _NORMAL:
+            continue
+        for cut in range(1, len(token)):
+            # A plain loop slicing each piece once: on Gemma's 262144 tokens this is the slow part.
+            left = token[:cut]
+            if left in index and (right := token[cut:]) in index:
+                ranked.append((-scores[position], position, left, right))
+    # One token's splits never compete (a span of text is split one way at a time): their order is moot.
+    ranked.sort()
+    return [(left, right) for _, _, left, right in ranked]
+
+
+# The `tokenizer.ggml.model` kinds built here, and whether a file without `tokenizer.ggml.add_bos_token`
+# gets BOS: llama.cpp adds it for SentencePiece.
+_DEFAULT_ADD_BOS = {"gpt2": False, "llama": True}
+
+
+def _byte_level_backend(metadata: Mapping[str, object], tokens: list[str]) -> tokenizers.Tokenizer:
+    """A byte-level BPE with the file's vocab, merges and pre-tokenizer."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizer_for(str(metadata.get("tokenizer.ggml.pre", "default")))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_backend(
+    metadata: Mapping[str, object], tokens: list[str], token_types: list[int]
+) -> tokenizers.Tokenizer:
+    """llama.cpp's SentencePiece tokenizer as a `tokenizers` BPE: spaces become "▁" (plus one in front
+    when the file sets `add_space_prefix`, llama.cpp's default), pieces merge by score (`spm_merges`),
+    and a character outside the vocab falls back to its <0xXX> byte tokens."""
+    scores = [float(score) for score in metadata["tokenizer.ggml.scores"]]
+    unknown = _optional_int(metadata.get("tokenizer.ggml.unknown_token_id"))
+    model = models.BPE(
+        vocab={token: index for index, token in enumerate(tokens)},
+        merges=spm_merges(tokens, scores, token_types),
+        unk_token=None if unknown is None else tokens[unknown],
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = tokenizers.Tokenizer(model)
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    spaces = normalizers.Replace(" ", _SPM_SPACE)
+    # tokenizers normalizes each stretch of text between added tokens on its own, so the prefix goes
+    # in front of every stretch: llama.cpp also prefixes the text after every special token.
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), spaces]) if prefix else spaces
+    pieces = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    # llama.cpp drops the prefix space again from the first piece it detokenizes.
+    backend.decoder = decoders.Sequence([*pieces, decoders.Strip(" ", 1, 0)] if prefix else pieces)
+    return backend
+
+
+class NoChatTemplateError(ValueError):
+    """The GGUF file has no `tokenizer.chat_template` and no template was given in its place."""
 
 
 def _raise_exception(message: str) -> None:
@@ -65,36 +144,39 @@ def _raise_exception(message: str) -> None:
 class Tokenizer:
     """Encode/decode text and render chat prompts for one GGUF model."""
 
-    def __init__(self, metadata: Mapping[str, object]) -> None:
-        """Build from GGUF metadata; needs `tokenizer.ggml.{model,tokens,merges,token_type,eos_token_id}`."""
+    def __init__(self, metadata: Mapping[str, object], chat_template: str | None = None) -> None:
+        """Build from GGUF metadata: `tokenizer.ggml.{model,tokens,token_type,eos_token_id}`, plus `merges`
+        for byte-level BPE or `scores` for SentencePiece. `chat_template` (jinja source) replaces the
+        file's `tokenizer.chat_template`."""
         tokenizer_model = metadata.get("tokenizer.ggml.model")
-        if tokenizer_model != "gpt2":
+        if tokenizer_model not in _DEFAULT_ADD_BOS:
             raise ValueError(
-                f"unsupported GGUF tokenizer model {tokenizer_model!r}: only byte-level BPE ('gpt2')"
+                f"unsupported GGUF tokenizer model {tokenizer_model!r}: "
+                "only byte-level BPE ('gpt2') and SentencePiece ('llama')"
             )
         self._tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
         token_types: list[int] = list(metadata["tokenizer.ggml.token_type"])
         self._backend = self._build_backend(metadata, token_types)
         self._bos_token_id = _optional_int(metadata.get("tokenizer.ggml.bos_token_id"))
-        self._add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        default_bos = _DEFAULT_ADD_BOS[str(tokenizer_model)]
+        self._add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
         self._eos_token_id = int(metadata["tokenizer.ggml.eos_token_id"])
         self._stop_token_ids = self._end_of_generation_ids(metadata, token_types)
-        template = metadata.get("tokenizer.chat_template")
+        template = chat_template if chat_template is not None else metadata.get("tokenizer.chat_template")
         self._template_source = None if template is None else str(template)
         self._chat_template = _compile_template(self._template_source)
 
     @classmethod
-    def from_gguf(cls, model: GGUFModel) -> Tokenizer:
-        """The tokenizer stored in a loaded GGUF model's metadata."""
-        return cls(model.metadata)
+    def from_gguf(cls, model: GGUFModel, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer stored in a loaded GGUF model's metadata (`chat_template` as in `__init__`)."""
+        return cls(model.metadata, chat_template)
 
     def _build_backend(self, metadata: Mapping[str, object], token_types: list[int]) -> tokenizers.Tokenizer:
-        """A `tokenizers` BPE with the file's vocab and merges; control tokens become special tokens."""
-        vocab = {token: index for index, token in enumerate(self._tokens)}
-        merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
-        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
-        backend.pre_tokenizer = pre_tokenizer_for(str(metadata.get("tokenizer.ggml.pre", "default")))
-        backend.decoder = decoders.ByteLevel()
+        """The file's kind of `tokenizers` model; control tokens become special tokens."""
+        if metadata["tokenizer.ggml.model"] == "llama":
+            backend = _sentencepiece_backend(metadata, self._tokens, token_types)
+        else:
+            backend = _byte_level_backend(metadata, self._tokens)
         # Both kinds are matched whole in raw text (as llama.cpp does) instead of being cut into pieces.
         backend.add_special_tokens(self._tokens_of_type(token_types, _CONTROL, special=True))
         backend.add_tokens(self._tokens_of_type(token_types, _USER_DEFINED, special=False))
@@ -154,6 +236,11 @@ class Tokenizer:
         return self._backend.to_str()
 
     @property
+    def has_chat_template(self) -> bool:
+        """Whether `apply_chat_template` can render (the file's template, or one given instead)."""
+        return self._chat_template is not None
+
+    @property
     def template_supports_tools(self) -> bool:
         """Whether the chat template renders a `tools` variable (else tools go into a system prompt)."""
         return self._template_source is not None and "tools" in self._template_source
@@ -164,10 +251,11 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}]) from the file's chat template;
-        `tools` (OpenAI's tool list) is passed to templates that render it, as HF does."""
+        """The prompt text for `messages` ([{"role": ..., "content": ...}]) from the chat template;
+        `tools` (OpenAI's tool list) is passed to templates that render it, as HF does.
+        NoChatTemplateError (a ValueError) when there is no template."""
         if self._chat_template is None:
-            raise ValueError("this GGUF file has no tokenizer.chat_template")
+            raise NoChatTemplateError("this GGUF file has no tokenizer.chat_template and none was given")
         return self._chat_template.render(
             messages=messages,
             tools=tools,

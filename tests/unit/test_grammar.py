@@ -121,19 +121,22 @@ def byte_alphabet() -> list[str]:
     return [chr(b if b in printable else next(extra)) for b in range(256)]
 
 
-def tiny_tokenizer() -> Tokenizer:
+def tiny_metadata() -> dict[str, Any]:
+    """A byte-level BPE vocab's GGUF metadata, with a ChatML template."""
     tokens = byte_alphabet() + [a + b for a, b in MERGES] + SPECIALS
-    return Tokenizer(
-        {
-            "tokenizer.ggml.model": "gpt2",
-            "tokenizer.ggml.pre": "gpt-2",
-            "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": [1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS),
-            "tokenizer.ggml.merges": [f"{a} {b}" for a, b in MERGES],
-            "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
-            "tokenizer.chat_template": CHATML,
-        }
-    )
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS),
+        "tokenizer.ggml.merges": [f"{a} {b}" for a, b in MERGES],
+        "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
+        "tokenizer.chat_template": CHATML,
+    }
+
+
+def tiny_tokenizer() -> Tokenizer:
+    return Tokenizer(tiny_metadata())
 
 
 @pytest.fixture(scope="module")
@@ -408,3 +411,24 @@ def test_http_strict_tools_need_a_forced_call(client: TestClient) -> None:
     assert reply.status_code == 400 and "strict tools" in reply.json()["error"]["message"], reply.text
     forced = client.post("/v1/chat/completions", json=request | {"tool_choice": "required"})
     assert forced.status_code == 200, forced.text  # forced calls under the grammar: tested above
+
+
+def test_http_chat_without_a_template_is_a_400_naming_the_ways_out() -> None:
+    """A model file without tokenizer.chat_template (Gemma 3's GGUF) still serves /v1/completions; chat is
+    an OpenAI-shaped 400 that says so and names --chat-template, until a template is given."""
+    metadata = tiny_metadata()
+    del metadata["tokenizer.chat_template"]
+    chat = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(build_app(AsyncEngine(tiny_engine(Tokenizer(metadata))), "tiny", None, None)) as bare:
+        reply = bare.post("/v1/chat/completions", json=chat)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "no_chat_template"
+        assert error["param"] == "messages"
+        for needle in ("no chat template", "/v1/completions", "--chat-template FILE"):
+            assert needle in error["message"]
+        completion = bare.post("/v1/completions", json={"model": "tiny", "max_tokens": 4, "prompt": "hi"})
+        assert completion.status_code == 200, completion.text
+    given = Tokenizer(metadata, chat_template=CHATML)  # what --chat-template FILE passes
+    with TestClient(build_app(AsyncEngine(tiny_engine(given)), "tiny", None, None)) as templated:
+        assert templated.post("/v1/chat/completions", json=chat).status_code == 200
