@@ -40,6 +40,7 @@ from kvfence.cli_options import (
     add_transport_options,
     address_list,
     engine_config,
+    model_file,
 )
 from kvfence.config import CapacityError, EngineConfig
 from kvfence.trail.events import EventLog
@@ -59,12 +60,14 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _load_engine(config: EngineConfig, events: EventLog | None = None) -> LLMEngine | None:
+def _load_engine(
+    config: EngineConfig, events: EventLog | None = None, chat_template: str | None = None
+) -> LLMEngine | None:
     """The engine, or None after printing why it refused to start (the window does not fit the pool)."""
     from kvfence.engine.engine import load_engine  # torch: only once a model is to be loaded
 
     try:
-        return load_engine(config, events, log=_log)
+        return load_engine(config, events, log=_log, chat_template=chat_template)
     except CapacityError as exc:
         _log(f"error: {exc}")
         return None
@@ -93,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.disaggregated:
         return _serve_disaggregated(args, config, front)
     events = EventLog(path=args.audit_log) if args.audit_log else None
-    engine = _load_engine(config, events)
+    engine = _load_engine(config, events, args.chat_template)
     if engine is None:
         return 2
     from kvfence.engine.async_engine import AsyncEngine
@@ -191,7 +194,7 @@ def _run_router(
     router = Router(
         prefill,
         decode,
-        Tokenizer(metadata),
+        Tokenizer(metadata, args.chat_template),  # the router renders chat prompts, not the workers
         config.vocab_size,
         isolation=args.isolation == "on",
         listen=listen,
@@ -257,6 +260,9 @@ def _generate(args: argparse.Namespace) -> int:
     assert tokenizer is not None, "load_engine always loads the tokenizer"
     if args.raw:
         prompt = tokenizer.encode(args.text, add_special_tokens=True)
+    elif not tokenizer.has_chat_template:
+        _log("error: this model file has no chat template: pass --raw to send the text as it is")
+        return 2
     else:
         messages = [{"role": "user", "content": args.text}]
         prompt = tokenizer.encode(
@@ -336,7 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
         "from them (default: its address in --keys, else a free loopback port)",
     )
     add_transport_options(router)
-    router.add_argument("--model", type=Path, help="GGUF file for the tokenizer (default: packaged SmolLM2)")
+    router.add_argument(
+        "--model", type=model_file, help="GGUF file for the tokenizer (default: packaged SmolLM2)"
+    )
     router.add_argument(
         "--isolation",
         choices=["on", "off"],
@@ -383,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit_parser.set_defaults(run=audit_cli.run)
 
     lab_parser = commands.add_parser("lab", help="the four-request isolation lab on the real model")
-    lab_parser.add_argument("--model", type=Path, help="GGUF file (default: the packaged SmolLM2)")
+    lab_parser.add_argument("--model", type=model_file, help="GGUF file (default: the packaged SmolLM2)")
     lab_parser.add_argument(
         "--mode",
         choices=["single", "disaggregated", "both"],

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import errno
 import math
-import mmap
 import os
 import resource
 import socket
@@ -24,7 +23,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 from kvfence.config import DTYPE_BYTES, CapacityError, EngineConfig, capacity_report, check_window
 from kvfence.sampling import SamplingDefaults
@@ -107,21 +106,6 @@ def _reason(exc: BaseException) -> str:
 
 # ---- the model file: its GGUF header, read fast --------------------------------------------------------
 
-_GGUF_SCALAR = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -133,69 +117,18 @@ class ModelShape:
     context_length: int
 
 
-def read_gguf_scalars(path: Path) -> dict[str, object]:
-    """The scalar metadata of a GGUF file (arrays skipped), in one pass over its header. gguf-py's reader
-    (`kvfence.model.gguf.read_header`) builds a numpy view per string of the tokenizer's arrays: seconds
-    for a 49k-token vocabulary, and the model load reads the header again."""
-    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError("no GGUF magic")
-        version, _, count = struct.unpack_from("<IQQ", buf, 4)
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is not supported")
-        found, offset = {}, 24
-        for _ in range(count):
-            key, offset = _gguf_value(buf, offset, _GGUF_STRING)
-            (kind,) = struct.unpack_from("<I", buf, offset)
-            found[key], offset = _gguf_value(buf, offset + 4, kind)
-    return {key: value for key, value in found.items() if value is not None}
-
-
-def _gguf_value(buf: mmap.mmap, offset: int, kind: int) -> tuple[Any, int]:
-    """The value of GGUF type `kind` at `offset` (None for an array: skipped) and the offset after it."""
-    if kind in _GGUF_SCALAR:
-        return struct.unpack_from(_GGUF_SCALAR[kind], buf, offset)[0], offset + struct.calcsize(
-            _GGUF_SCALAR[kind]
-        )
-    if kind == _GGUF_STRING:
-        (length,) = struct.unpack_from("<Q", buf, offset)
-        if offset + 8 + length > len(buf):
-            raise ValueError("the header is cut short")
-        return buf[offset + 8 : offset + 8 + length].decode("utf-8", "replace"), offset + 8 + length
-    if kind == _GGUF_ARRAY:
-        item, count = struct.unpack_from("<IQ", buf, offset)
-        offset += 12
-        if item in _GGUF_SCALAR:
-            return None, offset + count * struct.calcsize(_GGUF_SCALAR[item])
-        for _ in range(count):  # strings (or arrays): each has its own length
-            _, offset = _gguf_value(buf, offset, item)
-        return None, offset
-    raise ValueError(f"unknown GGUF value type {kind}")
-
-
 def model_shape(metadata: dict[str, object]) -> ModelShape:
-    """The shape from `llama.*` keys, with the defaults `kvfence.model.gguf` applies."""
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' models can be served")
+    """The shape as the model's architecture reads its header (ValueError for one kvfence does not serve)."""
+    from kvfence.model.archs import architecture
+    from kvfence.model.archs.base import Header
 
-    def key(name: str, default: object = None) -> int:
-        value = metadata.get(f"llama.{name}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks llama.{name}")
-        return int(value)  # type: ignore[call-overload]
-
-    heads = key("attention.head_count")
-    head_dim = key("attention.key_length", key("embedding_length") // heads)
-    if key("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError("partial rotary embeddings (rope dim < head dim) are unsupported")
-    return ModelShape(
-        key("block_count"), key("attention.head_count_kv", heads), head_dim, key("context_length")
-    )
+    architecture(metadata.get("general.architecture"))  # a one-line refusal naming the supported ones
+    return ModelShape(*Header(metadata, {}).kv_shape())
 
 
 def check_model(path: Path | None) -> ModelShape:
     """The model's shape, from its GGUF header only (no tensor data)."""
+    from kvfence.model.gguf_file import GGUFFile  # numpy only, and only once a model is named
     from kvfence.pins import default_model_path
 
     if path is None:
@@ -205,14 +138,15 @@ def check_model(path: Path | None) -> ModelShape:
             raise StartupError(f"--model: {_reason(exc)} (or give --model PATH)") from exc
     option = f"--model {path}"
     if not path.exists():
-        raise StartupError(f"{option}: no such file; give the path of a llama-architecture GGUF file")
+        raise StartupError(f"{option}: no such file; give the path of a GGUF file")
     if not path.is_file():
-        raise StartupError(f"{option}: not a file; give the path of a llama-architecture GGUF file")
+        raise StartupError(f"{option}: not a file; give the path of a GGUF file")
     try:
-        return model_shape(read_gguf_scalars(path))
+        return model_shape(GGUFFile(path, arrays=False).metadata)
     except (OSError, ValueError, struct.error, ZeroDivisionError, OverflowError) as exc:
         raise StartupError(
-            f"{option}: not a usable GGUF file ({_reason(exc)}); give a llama-architecture GGUF file"
+            f"{option}: not a usable GGUF file ({_reason(exc)}); "
+            "give a GGUF file (architecture llama, qwen2, qwen3 or gemma3)"
         ) from exc
 
 
@@ -386,12 +320,13 @@ def check_http(args: argparse.Namespace) -> Front:
 def check_sampling(args: argparse.Namespace) -> SamplingDefaults:
     """The sampling defaults of requests: --default-temperature / --default-top-p where given, else the
     model's general.sampling.* settings, else greedy (kvfence.sampling.SamplingDefaults)."""
+    from kvfence.model.gguf_file import GGUFFile
     from kvfence.pins import default_model_path
 
     path = args.model or default_model_path()
     overrides = {"temperature": args.default_temperature, "top_p": args.default_top_p}
     try:
-        return SamplingDefaults.resolve(read_gguf_scalars(path), overrides)
+        return SamplingDefaults.resolve(GGUFFile(path, arrays=False).metadata, overrides)
     except (OSError, ValueError, struct.error) as exc:
         raise StartupError(
             f"--model {path}: its general.sampling.* settings are unusable ({_reason(exc)}); "

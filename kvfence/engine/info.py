@@ -1,7 +1,7 @@
-"""What pins a running engine, reported by the server itself at GET /v1/audit/info: the code (version,
-git commit), the weights (file and sha256), the pool and the window, whether the fence is on, and whether
-decode is batch-invariant (`batch_invariant`: the audit's replay check fails any answer that changes under
-load only where it is true).
+"""What pins a running engine, reported by the server itself at GET /v1/audit/info: the code (version, git
+commit), the weights (file, sha256, architecture, tensors per storage type), the pool and the window, whether
+the fence is on, and whether decode is batch-invariant (`batch_invariant`: the audit's replay check fails any
+answer that changes under load only where it is true).
 
 An auditor compares these with what it expects; it never has to trust its own copy of the model file or
 guess the page size. Everything here is static after start-up, so it is safe to read from any thread.
@@ -25,6 +25,8 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
         "pid": os.getpid(),
         "model_file": str(path) if path else None,
         "model_sha256": file_sha256(path) if path else None,
+        "architecture": engine.model.config.architecture,
+        "quantization": engine.model.quantization,  # tensors per storage type: {"Q4_K": 27, "Q6_K": 9, ...}
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "device": str(engine.model.device),
         "decode_attention": engine.model.decode_attention,

@@ -1,10 +1,12 @@
-"""Load a llama-architecture GGUF file into HF-named float tensors.
+"""Load a GGUF file of any architecture in `archs` into GGUF-named tensors, quantized weights kept as codes.
 
-Contract: `load_gguf` returns every tensor dequantized, in torch Linear layout ([out_features, in_features]),
-named as in HF's `Transformer` without the "model." prefix, with the Q/K rows restored to HF's rotate_half
-RoPE order. The result is bit-identical (in float32) to what transformers loads from the same file.
-Weights stored in a 32-weight block format (Q4_0, Q4_1, Q8_0) are also kept as their codes, scales and
-offsets (`GGUFModel.quantized`), rows in the same order, for the decode-matmul kernel.
+Contract: `load_gguf` returns each tensor under its GGUF name ("blk.3.attn_q.weight") in torch Linear
+layout ([out_features, in_features]), llama's Q/K rows restored to HF's rotate-half RoPE order. A weight
+stored in a block format of the form code * scale + offset per group (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K) is kept only as its codes (`GGUFModel.quantized`, int8, about 1.3 bytes a weight), never as a
+float32 copy: `QuantizedWeight.dequantize()` gives, bit for bit, the float32 tensor transformers and
+gguf-py's reference dequantizer produce. Every other tensor (norms, F16/BF16/F32 weights, formats without
+that form) is dequantized into `GGUFModel.tensors`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,211 +23,193 @@ import gguf
 import numpy as np
 import torch
 
-# GGUF tensor name -> HF name; "{i}" is the layer index.
-_GLOBAL_NAMES = {
-    "token_embd.weight": "embed_tokens.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+from kvfence.model.archs import architecture
+from kvfence.model.archs.base import Header, ModelConfig
+from kvfence.model.gguf_file import GGUFFile, TensorInfo
+
 _Q = gguf.GGMLQuantizationType
-_BLOCK_FORMATS = (_Q.Q4_0, _Q.Q4_1, _Q.Q8_0)  # code * scale (+ offset) per 32 weights: QuantizedWeight
+_QK_ROWS = re.compile(r"blk\.\d+\.attn_[qk]\.(weight|bias)")
+_CHUNK_BLOCKS = 1 << 14  # blocks gguf-py dequantizes at once: a few MB of float32 at a time
 _PROGRESS_REPORTS = 6  # progress lines per load: a few layers apart, not one per tensor
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Hyper-parameters of a llama model, as the GGUF header states them."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    context_length: int
-    tie_word_embeddings: bool
+_F16_ONE, _F16_ZERO = np.float16(1).tobytes(), np.float16(0).tobytes()
+# K-quant 6-bit scale bytes that unpack (gguf.quants.Q4_K.get_scale_min) to scale 1 and min 0 everywhere.
+_UNIT_K_SCALES = bytes([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1])
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight as the GGUF stores it: w[n, k] = codes[n, k] * scales[n, k // 32] + offsets[n, k // 32].
+    """A weight as the GGUF stores it: w[n, k] = codes[n, k] * scales[n, k // g] + offsets[n, k // g],
+    g (`group`) weights sharing a scale: 32, or 16 for Q6_K.
 
-    In float32 that is bit for bit the dequantized tensor (the product of a code and a half-precision
-    scale is exact; the add rounds once, as the reference dequantizer's does). Kept for the formats of
-    that shape: Q4_0, Q4_1 and Q8_0, whose blocks are 32 weights."""
+    In float32 that is bit for bit the reference dequantization: each format's scale (for K-quants the
+    super-block scale times the 6- or 8-bit sub-block scale) times a code is exact or rounds once, as the
+    reference's product does, and the add rounds once, as the reference's add or subtract does."""
 
     codes: torch.Tensor  # [out_features, in_features] int8
-    scales: torch.Tensor  # [out_features, in_features // 32] float32
-    offsets: torch.Tensor  # [out_features, in_features // 32] float32
+    scales: torch.Tensor  # [out_features, in_features // group] float32
+    offsets: torch.Tensor  # [out_features, in_features // group] float32
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight ([out_features, in_features]), or only its `rows` (an embedding lookup)."""
+        codes, scales, offsets = self.codes, self.scales, self.offsets
+        if rows is not None:
+            codes, scales, offsets = codes[rows], scales[rows], offsets[rows]
+        n, k = codes.shape
+        blocks = codes.float().view(n, k // self.group, self.group)
+        return (blocks * scales[..., None] + offsets[..., None]).view(n, k)
 
 
 @dataclass
 class GGUFModel:
-    """A loaded GGUF: config, HF-named tensors, all key/value metadata as python values, and for the
-    weights stored in a block format `QuantizedWeight` knows, their codes (CPU tensors)."""
+    """A loaded GGUF: config, float tensors, quantized weights (CPU codes), the key/value metadata as
+    python values, and how many tensors each storage type holds (`quantization`, llama.cpp's load log)."""
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, object]
     path: Path
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    quantization: dict[str, int] = field(default_factory=dict)
 
 
-@functools.cache
 def load_gguf(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> GGUFModel:
-    """Read, dequantize (to float32, then `dtype`) and place on `device` every tensor of a llama GGUF.
+    """Read a GGUF: quantized weights as codes, every other tensor dequantized to `dtype` on `device`.
 
-    Raises ValueError for a non-llama architecture or a tensor this loader does not know (e.g. biases,
-    MoE experts, llama3 `rope_freqs`), rather than silently dropping weights the model would need.
-    The quantized codes are kept only for float32 on CPU, the one case the packed kernel serves.
-    """
+    Raises ValueError for an architecture `archs` does not know, or a tensor its forward would not read
+    (e.g. MoE experts), rather than silently dropping weights the model would need."""
     path = Path(path)
     report = progress or (lambda _message: None)
     start = time.perf_counter()
-    reader = gguf.GGUFReader(path)
-    metadata = _read_metadata(reader)
-    config = _config_from(metadata, reader)
-    report(f"{path.name}: header read, {len(reader.tensors)} tensors, {config.num_layers} layers")
+    file = GGUFFile(path)
+    config, metadata = _header(file)
+    report(f"{path.name}: header read, {len(file.tensors)} tensors, {config.num_layers} layers")
+    permute = architecture(config.architecture).permute_qk
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
-    keep_codes = dtype == torch.float32 and torch.device(device).type == "cpu"
-    report_every = max(1, len(reader.tensors) // _PROGRESS_REPORTS)
-    for done, tensor in enumerate(reader.tensors, start=1):
-        name = _hf_name(tensor.name)
-        weights = _unpermute_rope_rows(name, _dequantize(tensor), config)
-        tensors[name] = torch.from_numpy(weights).to(dtype=dtype, device=device)
-        blocks = read_blocks(tensor) if keep_codes else None
+    report_every = max(1, len(file.tensors) // _PROGRESS_REPORTS)
+    for done, info in enumerate(file.tensors, start=1):
+        fix = functools.partial(_unpermute_rope_rows, info.name, config) if permute else (lambda a: a)
+        blocks = read_blocks(_kind(info), info.shape, _raw(file, info))
         if blocks is not None:
-            codes, scales, offsets = (_unpermute_rope_rows(name, part, config) for part in blocks)
-            quantized[name] = QuantizedWeight(*(torch.from_numpy(part) for part in (codes, scales, offsets)))
-        if done % report_every == 0 or done == len(reader.tensors):
-            report(f"{path.name}: {done}/{len(reader.tensors)} tensors ({time.perf_counter() - start:.1f}s)")
-    return GGUFModel(config=config, tensors=tensors, metadata=metadata, path=path, quantized=quantized)
+            quantized[info.name] = QuantizedWeight(*(torch.from_numpy(fix(part)) for part in blocks))
+        else:
+            tensors[info.name] = torch.from_numpy(fix(_dequantize(file, info))).to(dtype=dtype, device=device)
+        if done % report_every == 0 or done == len(file.tensors):
+            report(f"{path.name}: {done}/{len(file.tensors)} tensors ({time.perf_counter() - start:.1f}s)")
+    kinds = Counter(_kind(info).name for info in file.tensors)
+    return GGUFModel(config, tensors, metadata, path, quantized, dict(sorted(kinds.items())))
 
 
 def read_header(path: str | Path) -> tuple[ModelConfig, dict[str, object]]:
     """Config and metadata without reading any tensor data (enough for a tokenizer: the router)."""
-    reader = gguf.GGUFReader(Path(path))
-    metadata = _read_metadata(reader)
-    return _config_from(metadata, reader), metadata
+    return _header(GGUFFile(Path(path)))
 
 
-def _read_metadata(reader: gguf.GGUFReader) -> dict[str, object]:
-    """Every key/value pair of the file; the "GGUF.*" header pseudo-fields are not metadata."""
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+def _header(file: GGUFFile) -> tuple[ModelConfig, dict[str, object]]:
+    """The config, checked against the file's tensors, and every key/value pair of the file."""
+    shapes = {info.name: info.shape for info in file.tensors}
+    arch = architecture(file.metadata.get("general.architecture"))
+    config = arch.config(Header(file.metadata, shapes))
+    arch.check_tensors(set(shapes), config.num_layers)
+    return config, file.metadata
 
 
-def _config_from(metadata: dict[str, object], reader: gguf.GGUFReader) -> ModelConfig:
-    """Build the config from `{arch}.*` keys; vocab size comes from the embedding matrix itself."""
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' models can be loaded")
-
-    def key(name: str) -> object:
-        if f"{arch}.{name}" not in metadata:
-            raise ValueError(f"GGUF metadata lacks required key {arch}.{name}")
-        return metadata[f"{arch}.{name}"]
-
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
-    rope_dim = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) unsupported")
-    names = {tensor.name: tensor for tensor in reader.tensors}
-    return ModelConfig(
-        vocab_size=int(names["token_embd.weight"].shape[1]),  # ggml shape is [hidden, vocab]
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        context_length=int(key("context_length")),
-        tie_word_embeddings="output.weight" not in names,
-    )
+def _kind(info: TensorInfo) -> _Q:
+    try:
+        return _Q(info.kind)
+    except ValueError:
+        raise ValueError(f"tensor {info.name}: unknown ggml type {info.kind}") from None
 
 
-def _hf_name(gguf_name: str) -> str:
-    """Map a GGUF tensor name to its HF name, or raise for one the llama model has no slot for."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise ValueError(f"unsupported tensor {gguf_name!r} in GGUF file (not a plain llama weight)")
+def _raw(file: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """The tensor's bytes as ggml stores them: [blocks, bytes per block] (a plain float type's block is one
+    element)."""
+    kind = _kind(info)
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    if info.shape[-1] % block_size:
+        raise ValueError(f"tensor {info.name}: rows of {info.shape[-1]} are not whole {kind.name} blocks")
+    return file.data(info, info.elements // block_size * block_bytes).reshape(-1, block_bytes)
 
 
-def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
-    """Float32 array in numpy order, which is ggml's dim order reversed, i.e. [out_features, in_features]."""
-    weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    weights = weights.reshape(tuple(reversed(tensor.shape.tolist())))
-    # F32 tensors come back as views of the read-only memory map; torch needs memory it may own.
-    return weights if weights.flags.writeable else weights.copy()
+def _dequantize(file: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """Float32 in numpy order ([out_features, in_features]), in memory torch may own."""
+    weights = _dequantize_blocks(_raw(file, info), _Q(info.kind)).reshape(info.shape)
+    return weights if weights.flags.writeable and weights.flags.owndata else weights.copy()
 
 
-def read_blocks(tensor: gguf.ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(codes int8, scales, offsets) as [out_features, in_features (// 32)] for a Q4_0, Q4_1 or Q8_0
-    tensor, None for any other type. The block layouts are ggml's: a float16 scale `d` (Q4_1: then a
-    float16 offset `m`), then the codes; 4-bit codes hold weight j in the low nibble of byte j and
-    weight j + 16 in its high nibble, and Q4_0 codes are stored plus 8."""
-    kind = tensor.tensor_type
-    if kind not in _BLOCK_FORMATS:
+def _dequantize_blocks(blocks: np.ndarray, kind: _Q, dtype: type = np.float32) -> np.ndarray:
+    """gguf-py's reference dequantizer over [blocks, bytes] -> [blocks * block_size] of `dtype`, in chunks
+    of `_CHUNK_BLOCKS` passed as one row each: given the blocks as rows, gguf-py works through them 16 at a
+    time (22 s for Gemma 3 270M's weights; in chunks, under 2), and a chunk at a time no whole tensor is
+    ever float32 on its way to int8 codes."""
+    chunks = (blocks[i : i + _CHUNK_BLOCKS].reshape(1, -1) for i in range(0, len(blocks), _CHUNK_BLOCKS))
+    out = [gguf.quants.dequantize(chunk, kind).reshape(-1).astype(dtype) for chunk in chunks]
+    return np.concatenate(out) if len(out) != 1 else out[0]
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 stored at byte `at` of each block, as float32 [blocks, 1]."""
+    return blocks[:, at : at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _scales_of(kind: _Q, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, bytes]]:
+    """(scales, offsets) [blocks, groups per block] of one format, and the byte patches that turn its
+    blocks into "unit" blocks (every scale 1, every offset 0), which dequantize to the codes themselves."""
+    if kind in (_Q.Q4_0, _Q.Q5_0, _Q.Q8_0):
+        return _f16(blocks, 0), np.zeros((len(blocks), 1), np.float32), {0: _F16_ONE}
+    if kind in (_Q.Q4_1, _Q.Q5_1):
+        return _f16(blocks, 0), _f16(blocks, 2), {0: _F16_ONE, 2: _F16_ZERO}
+    if kind in (_Q.Q4_K, _Q.Q5_K):  # d, dmin, then 8 packed 6-bit (scale, min) pairs: w = d*sc*q - dmin*m
+        sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        scales, offsets = (
+            _f16(blocks, 0) * sc.astype(np.float32),
+            -(_f16(blocks, 2) * mins.astype(np.float32)),
+        )
+        return scales, offsets, {0: _F16_ONE, 2: _F16_ZERO, 4: _UNIT_K_SCALES}
+    assert kind == _Q.Q6_K  # 128 + 64 bytes of codes, 16 int8 scales, then d: w = d*sc*(q - 32)
+    scales = _f16(blocks, 208) * blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    return scales, np.zeros_like(scales), {192: bytes([1] * 16), 208: _F16_ONE}
+
+
+BLOCK_FORMATS = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
+
+
+def read_blocks(
+    kind: _Q, shape: tuple[int, ...], blocks: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(codes int8, scales, offsets) as [out_features, in_features (// group)] for a weight of numpy
+    `shape` stored as `blocks` ([blocks, bytes per block]) in one of `BLOCK_FORMATS`; None for any other
+    type. The codes come from gguf-py's own dequantizer run on unit blocks, so no bit layout is decoded
+    twice."""
+    if kind not in BLOCK_FORMATS or len(shape) != 2:
         return None
-    out_features, in_features = reversed(tensor.shape.tolist())
-    blocks = np.asarray(tensor.data).reshape(out_features * in_features // 32, -1)
-    scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    offsets = np.zeros_like(scales)
-    if kind == _Q.Q8_0:
-        codes = blocks[:, 2:].copy().view(np.int8)
-    else:
-        packed = blocks[:, 4:] if kind == _Q.Q4_1 else blocks[:, 2:]
-        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int8)
-        if kind == _Q.Q4_1:
-            offsets = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        else:
-            codes -= 8
-    return (
-        codes.reshape(out_features, in_features),
-        scales.reshape(out_features, in_features // 32),
-        offsets.reshape(out_features, in_features // 32),
-    )
+    scales, offsets, patches = _scales_of(kind, blocks)
+    unit = blocks.copy()
+    for at, patch in patches.items():
+        unit[:, at : at + len(patch)] = np.frombuffer(patch, np.uint8)
+    codes = _dequantize_blocks(unit, kind, np.int8)
+    out_features = shape[0]
+    return codes.reshape(shape), scales.reshape(out_features, -1), offsets.reshape(out_features, -1)
 
 
-def _unpermute_rope_rows(name: str, weights: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation so rows follow HF's rotate_half RoPE layout.
+def _unpermute_rope_rows(name: str, config: ModelConfig, weights: np.ndarray) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (llama only) so rows follow HF's rotate_half RoPE layout.
 
     The converter interleaves each head's two rotary halves (rows [h, 2, d/2] -> [h, d/2, 2]) for
     ggml's pairwise RoPE; swapping the two middle axes back restores HF's [h, 2, d/2] order.
     """
-    if name.endswith("self_attn.q_proj.weight"):
-        heads = config.num_heads
-    elif name.endswith("self_attn.k_proj.weight"):
-        heads = config.num_kv_heads
-    else:
+    if not _QK_ROWS.fullmatch(name):
         return weights
-    out_features, in_features = weights.shape
-    grouped = weights.reshape(heads, out_features // heads // 2, 2, in_features)
-    return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(out_features, in_features)
+    heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+    rows = weights.shape[0]
+    grouped = weights.reshape(heads, rows // heads // 2, 2, -1)
+    return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(weights.shape)

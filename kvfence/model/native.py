@@ -1,11 +1,11 @@
 """Build and load the C kernels under csrc/: compiled on first use with the system C compiler, loaded
 with ctypes.
 
-Each library is built into a per-user cache, keyed by its source, the flags and this CPU (`-march=native`
-code must not run on a different CPU), and written under a temporary name then renamed, so concurrent
-processes never load a half-written library. No torch headers are involved: a build takes well under a
-second. The libraries link libgomp, which resolves to the OpenMP runtime torch has already loaded, so the
-kernels share torch's thread pool instead of competing with a second one.
+Each library is built into a per-user cache, keyed by its source and the flags (the instruction sets are named
+explicitly, from what this CPU reports: never `-march=native`), and written under a temporary name then
+renamed, so concurrent processes never load a half-written library. No torch headers are involved: a build
+takes well under a second. The libraries link libgomp, which resolves to the OpenMP runtime torch has already
+loaded, so the kernels share torch's thread pool instead of competing with a second one.
 
 `load_library()` returns None with the reason when a kernel cannot be used (no compiler, a build error):
 the model then takes its torch path, which computes the same thing.
@@ -24,16 +24,30 @@ import tempfile
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+# Instruction sets named explicitly, chosen at run time from what this CPU reports, never -march=native:
+# a library built on one machine (a cache on a shared home) then runs on any CPU that has the same sets.
+_ISA = (
+    ({"avx512f", "avx512bw", "fma"}, ("-mavx512f", "-mavx512bw", "-mfma")),
+    ({"avx2", "fma"}, ("-mavx2", "-mfma")),
+)
 
 
-def _cpu_signature() -> str:
-    """What `-march=native` depends on: the CPU's feature flags (Linux), else the platform's name."""
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty elsewhere, which builds the portable code."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line for line in lines if line.startswith("flags"))
+        return set(next(line for line in lines if line.startswith("flags")).split(":", 1)[1].split())
     except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+        return set()
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The widest instruction-set flags this CPU runs (x86-64 only; other machines get none)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ()
+    flags = _cpu_flags()
+    return next((isa for needed, isa in _ISA if needed <= flags), ())
 
 
 def _cache_dir() -> Path:
@@ -43,7 +57,7 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
     text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _cpu_signature().encode()]))
+    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode()]))
     target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -69,7 +83,7 @@ def load_library(name: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.C
     if compiler is None:
         return None, "no C compiler (cc) on PATH"
     try:
-        return ctypes.CDLL(str(_build(compiler, CSRC / f"{name}.c", FLAGS + extra_flags))), ""
+        return ctypes.CDLL(str(_build(compiler, CSRC / f"{name}.c", FLAGS + isa_flags() + extra_flags))), ""
     except subprocess.CalledProcessError as exc:
         return None, f"kernel build failed: {exc.stderr.strip()[-500:]}"
     except (OSError, subprocess.SubprocessError) as exc:

@@ -1,8 +1,10 @@
 """The decode-row matmul over the GGUF's own quantized weights (csrc/packed_matmul.c), built by `native`.
 
 `PackedWeight.pack` lays a weight's codes out in panels of output columns once, at load; the kernel
-then computes `x @ W.T` for a few rows reading 1.25 bytes per weight instead of BLAS's 4, with the same
-float32 weights (see `QuantizedWeight`). `load()` returns None with the reason when it cannot be used.
+then computes `x @ W.T` for any number of rows reading 1.25 bytes per weight (1.5 with Q6_K's groups of
+16) instead of BLAS's 4, with the same float32 weights (see `QuantizedWeight`). The packed codes are the
+only copy of a quantized weight (`PackedWeight.rows` reads embedding rows from them). `load()` returns
+None with the reason when the kernel cannot be used.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ import torch
 from kvfence.model import native
 from kvfence.model.gguf import QuantizedWeight
 
-PANEL, BLOCK = 32, 32  # as csrc/packed_matmul.c: output columns per panel, weights per scale
+PANEL = 32  # as csrc/packed_matmul.c: output columns per panel
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, ctypes.c_int]
+_ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """codes [panels, in_features, PANEL] int8 and scales / offsets [panels, in_features // BLOCK, PANEL]:
+    """codes [panels, in_features, PANEL] int8 and scales / offsets [panels, in_features // group, PANEL]:
     panel p holds output features [p * PANEL, (p + 1) * PANEL), k-major, as the kernel reads them."""
 
     codes: torch.Tensor
@@ -40,18 +42,38 @@ class PackedWeight:
     def out_features(self) -> int:
         return self.codes.shape[0] * PANEL
 
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 weight rows (output features) `ids`, [len(ids), in_features]: embedding rows of a
+        tied LM head, read from the panels so that the embedding is not held twice."""
+        panel, column = ids // PANEL, ids % PANEL
+        codes = self.codes[panel, :, column].float()  # [n, in_features]
+        n = len(ids)
+        scales, offsets = self.scales[panel, :, column], self.offsets[panel, :, column]
+        blocks = codes.view(n, -1, self.group) * scales[..., None] + offsets[..., None]
+        return blocks.view(n, self.in_features)
+
     @classmethod
     def pack(cls, parts: Sequence[QuantizedWeight | None]) -> PackedWeight | None:
         """The weights of `parts` stacked along output features (a fused projection), or None when one is
-        not quantized or the shape does not fit the panels."""
+        not quantized or the shape does not fit the panels. Parts with different groups (Q4_K's 32 beside
+        Q6_K's 16, as Q4_K_M files mix them) share the smallest: a scale repeated is the same weight."""
         present = [part for part in parts if part is not None]
         if len(present) < len(parts):
             return None
+        group = min(part.group for part in present)
+
+        def regrouped(t: torch.Tensor, part: QuantizedWeight) -> torch.Tensor:
+            return t.repeat_interleave(part.group // group, dim=1)
+
         codes = torch.cat([part.codes for part in present])
-        scales = torch.cat([part.scales for part in present])
-        offsets = torch.cat([part.offsets for part in present])
+        scales = torch.cat([regrouped(part.scales, part) for part in present])
+        offsets = torch.cat([regrouped(part.offsets, part) for part in present])
         out_features, in_features = codes.shape
-        if out_features % PANEL or in_features % BLOCK:
+        if out_features % PANEL or in_features % group:
             return None
 
         def panels(t: torch.Tensor) -> torch.Tensor:
@@ -85,6 +107,7 @@ class PackedMatmulKernel:
             weight.scales.data_ptr(),
             weight.offsets.data_ptr(),
             in_features,
+            weight.group,
             weight.codes.shape[0],
             out.data_ptr(),
             torch.get_num_threads(),

@@ -21,11 +21,15 @@ class PagedDecode(Protocol):
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """Attention of one query token per row over that row's pages, read in place in the pool (no
         gathered copy): q [rows, heads, head_dim]; k_cache, v_cache [pages, page_size, kv_heads, head_dim]
         (one layer's view of the pool); block_tables [rows, width], the pages the fence validated;
-        context_lens [rows], the tokens each row attends over (a row's last page may be partly written).
+        context_lens [rows], each row's context (a row's last page may be partly written); q.k is
+        multiplied by `scale`; `window` > 0 (a sliding-window layer) attends over the last `window` tokens
+        of the context only, and reads no page before them.
         Returns [rows, heads, head_dim], accumulated in float32, each row independent of the others
         (batch invariance). A kernel refuses a page outside the pool before reading anything."""
         ...

@@ -17,7 +17,7 @@ STATUS = {1: "a block table names a page outside the pool or a length beyond its
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]
-_ARGTYPES += [ctypes.c_float, ctypes.c_int]
+_ARGTYPES += [ctypes.c_float, _i64, ctypes.c_int]
 
 
 class PagedAttentionError(RuntimeError):
@@ -40,6 +40,8 @@ class PagedDecodeKernel:
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """q [rows, heads, head_dim]; caches [pages, page_size, kv_heads, head_dim]; block_tables
         [rows, width] int64; context_lens [rows] int64. Returns [rows, heads, head_dim]."""
@@ -70,7 +72,8 @@ class PagedDecodeKernel:
             num_kv_heads,
             head_dim,
             page_size,
-            head_dim**-0.5,
+            scale,
+            window,
             torch.get_num_threads(),
         )
         if status:

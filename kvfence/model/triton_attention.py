@@ -1,11 +1,11 @@
 """Paged decode attention in Triton: the GPU's counterpart of the C kernel (paged_kernel.py).
 
-Contract: `TritonPagedDecode` is a `paged_decode.PagedDecode`, as `PagedDecodeKernel` is: for each row of
-one query token, attention over the first `context_lens[row]` slots of the pages `block_tables[row]`
-names, read in place from the pool's layer views [pages, page_size, kv_heads, head_dim] (no gather into a
-padded copy), softmax and weighted sum accumulated in float32 whatever the cache dtype. One program
-computes one row and one KV head alone (all its query heads, GQA), in a fixed order, so a row's result
-does not depend on the others.
+Contract: `TritonPagedDecode` is a `paged_decode.PagedDecode`, as `PagedDecodeKernel` is: for each row of one
+query token, attention over the first `context_lens[row]` slots of the pages `block_tables[row]` names (only
+the last `window` of them for a sliding-window layer), read in place from the pool's layer views [pages,
+page_size, kv_heads, head_dim] (no gather into a padded copy), softmax and weighted sum accumulated in float32
+whatever the cache dtype. One program computes one row and one KV head alone (all its query heads, GQA), in a
+fixed order, so a row's result does not depend on the others.
 
 The tables are the ones the fence validated; the kernel still never reads outside them or the pool: it
 walks at most the table's width, and a page id outside [0, pages) contributes nothing (a row left with no
@@ -38,7 +38,7 @@ def _kernel() -> Any:
     @triton.jit
     def paged_decode(
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
-        num_pages, table_width, scale,
+        num_pages, table_width, scale, window,
         q_row, q_head, k_page, k_slot, k_head, t_row, o_row, o_head,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -54,17 +54,19 @@ def _kernel() -> Any:
         q_off = row * q_row + heads[:, None] * q_head + d[None, :]
         q = tl.load(q_ptr + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         length = tl.load(lens_ptr + row)
+        # A sliding window starts at `first`; the walk starts at its page, so no earlier page is read.
+        first = tl.where((window > 0) & (length > window), length - window, 0)
         # Never past the table, whatever the length says.
         n_pages = tl.minimum((length + PAGE_SIZE - 1) // PAGE_SIZE, table_width)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for j in range(0, n_pages):
+        for j in range(first // PAGE_SIZE, n_pages):
             page = tl.load(tables_ptr + row * t_row + j)
             # A page outside the pool holds no readable slot (and is not even addressed).
             limit = tl.where((page >= 0) & (page < num_pages), length, 0)
             page = tl.where(limit > 0, page, 0)
-            slot_ok = (j * PAGE_SIZE + s < limit) & (s < PAGE_SIZE)
+            slot_ok = (j * PAGE_SIZE + s < limit) & (j * PAGE_SIZE + s >= first) & (s < PAGE_SIZE)
             kv_off = page.to(tl.int64) * k_page + s[:, None] * k_slot + kv_head * k_head + d[None, :]
             kv_mask = slot_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
@@ -98,6 +100,8 @@ class TritonPagedDecode:
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """q [rows, heads, head_dim]; caches [pages, page_size, kv_heads, head_dim]; block_tables
         [rows, width] int32/int64; context_lens [rows]. Returns [rows, heads, head_dim] in q's dtype."""
@@ -112,7 +116,7 @@ class TritonPagedDecode:
         group = num_heads // num_kv_heads
         _kernel()[(rows, num_kv_heads)](
             q, k_cache, v_cache, block_tables, context_lens, out,
-            num_pages, block_tables.shape[1], head_dim**-0.5,
+            num_pages, block_tables.shape[1], scale, window,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,

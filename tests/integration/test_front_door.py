@@ -29,12 +29,13 @@ from conftest import make_engine
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 
-from kvfence.cli_checks import StartupError, check_engine, model_shape, read_gguf_scalars
+from kvfence.cli_checks import StartupError, check_engine, model_shape
 from kvfence.config import CapacityError, EngineConfig
 from kvfence.disagg.launch import free_ports
 from kvfence.harness.procs import KVFENCE, launch, stop
 from kvfence.harness.server import LOOPBACK, serve
 from kvfence.model.gguf import read_header
+from kvfence.model.gguf_file import GGUFFile
 from kvfence.model.transformer import Transformer
 
 READ_TIMEOUT_S = 2.0  # the front door's timeout in these tests (the default is 10 s)
@@ -357,7 +358,8 @@ def test_the_engine_suggests_what_it_can_start_with(tiny: Transformer) -> None:
 
 
 def test_the_fast_header_read_agrees_with_gguf_py(tmp_path: Path) -> None:
-    """`read_gguf_scalars` skips the tokenizer's arrays; the shape it finds is read_header's."""
+    """The start-up check reads the header's scalars only (`arrays=False`); the shape it finds is the
+    model loader's, and its metadata is gguf-py's, arrays left out."""
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     for add, value in [("block_count", 3), ("context_length", 96), ("embedding_length", 16)]:
@@ -368,13 +370,31 @@ def test_the_fast_header_read_agrees_with_gguf_py(tmp_path: Path) -> None:
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_token_list([f"tok{i}" for i in range(40)])
     writer.add_token_scores([0.0] * 40)
+    writer.add_token_types([1] * 39 + [3])
+    writer.add_add_bos_token(True)
     writer.add_tensor("token_embd.weight", np.zeros((40, 16), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(16, dtype=np.float32))
+    shapes = {"attn_q": (16, 16), "attn_k": (8, 16), "attn_v": (8, 16), "attn_output": (16, 16)}
+    shapes |= {
+        "ffn_gate": (24, 16),
+        "ffn_up": (24, 16),
+        "ffn_down": (16, 24),
+        "attn_norm": (16,),
+        "ffn_norm": (16,),
+    }
+    for layer in range(3):
+        for name, shape in shapes.items():
+            writer.add_tensor(f"blk.{layer}.{name}.weight", np.zeros(shape, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     config, _ = read_header(path)
-    shape = model_shape(read_gguf_scalars(path))
+    scalars = GGUFFile(path, arrays=False).metadata
+    expected = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
+    assert scalars == {k: v for k, v in expected.items() if not isinstance(v, list)}
+    assert GGUFFile(path).metadata == expected
+    shape = model_shape(scalars)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.context_length) == (
         config.num_layers,
         config.num_kv_heads,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import dequantize
+from hf_reference import gguf_name
 
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import IncrementalDecoder, Tokenizer
@@ -78,7 +78,7 @@ def test_smollm2_config_matches_gguf_header(smollm2: GGUFModel) -> None:
     assert (config.vocab_size, config.context_length) == (49152, 8192)
     assert config.rope_theta == 100000.0
     assert config.rms_norm_eps == pytest.approx(1e-5)
-    assert config.tie_word_embeddings and "lm_head.weight" not in smollm2.tensors
+    assert config.tie_word_embeddings and "output.weight" not in smollm2.tensors | smollm2.quantized
     assert smollm2.metadata["general.architecture"] == "llama"
     assert len(smollm2.metadata["tokenizer.ggml.tokens"]) == config.vocab_size
 
@@ -91,13 +91,16 @@ def test_every_tensor_equals_transformers_gguf_load(smollm2: GGUFModel, model_pa
     hf_model = AutoModelForCausalLM.from_pretrained(
         model_path.parent, gguf_file=model_path.name, dtype=torch.float32
     )
-    hf_tensors = {name.removeprefix("model."): t for name, t in hf_model.state_dict().items()}
+    hf_tensors = hf_model.state_dict()
     # transformers materialises the tied head as its own entry; ours is the embedding itself.
-    assert torch.equal(hf_tensors.pop("lm_head.weight"), smollm2.tensors["embed_tokens.weight"])
-    assert sorted(hf_tensors) == sorted(smollm2.tensors)
-    for name, ours in smollm2.tensors.items():
-        assert ours.dtype == torch.float32 and ours.shape == hf_tensors[name].shape, name
-        assert torch.equal(ours, hf_tensors[name]), name
+    embedding = smollm2.quantized["token_embd.weight"].dequantize()
+    assert torch.equal(hf_tensors.pop("lm_head.weight"), embedding)
+    ours = smollm2.tensors | {name: q.dequantize() for name, q in smollm2.quantized.items()}
+    assert sorted(gguf_name("llama", name) for name in hf_tensors) == sorted(ours)
+    for name, theirs in hf_tensors.items():
+        tensor = ours[gguf_name("llama", name)]
+        assert tensor.dtype == torch.float32 and tensor.shape == theirs.shape, name
+        assert torch.equal(tensor, theirs), name
 
 
 @real_model
@@ -162,8 +165,10 @@ def test_incremental_decoder_holds_back_split_characters(tokenizer: Tokenizer) -
 
 
 @real_model
-def test_every_quantized_smollm2_weight_is_exactly_its_float32_tensor(smollm2: GGUFModel) -> None:
-    # Q4_1 projections and the Q8_0 embedding (the tied LM head), Q/K rows un-permuted like the tensors.
+def test_every_projection_is_kept_only_as_its_codes(smollm2: GGUFModel) -> None:
+    """Q4_1 projections and the Q8_0 embedding (the tied LM head): codes only, no float32 copy (their
+    values are checked bit for bit against transformers above)."""
     assert len(smollm2.quantized) == 7 * smollm2.config.num_layers + 1
-    for name, q in smollm2.quantized.items():
-        assert torch.equal(dequantize(q), smollm2.tensors[name]), name
+    assert not smollm2.quantized.keys() & smollm2.tensors.keys()
+    assert smollm2.quantization == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
+    assert all(tensor.dim() == 1 for tensor in smollm2.tensors.values())  # only the norms are float

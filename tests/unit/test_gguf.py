@@ -8,7 +8,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import dequantize
 
 from kvfence.model.gguf import load_gguf
 from kvfence.model.tokenizer import pre_tokenizer_for
@@ -21,6 +20,9 @@ def test_pre_tokenizers_follow_llama_cpp_regexes() -> None:
     assert words("smollm", "x  12") == ["x", "ĠĠ", "1", "2"]
     assert words("gpt-2", "x  12") == ["x", "Ġ", "Ġ12"]
     assert words("llama-bpe", "x  12345") == ["x", "Ġ", "Ġ", "123", "45"]
+    # qwen2 is llama-bpe's regex with single digits; its case-blind contractions are spelled out as classes.
+    assert words("qwen2", "x  12345") == ["x", "Ġ", "Ġ", "1", "2", "3", "4", "5"]
+    assert words("qwen2", "I'LL") == words("llama-bpe", "I'LL") == ["I", "'LL"]
     with pytest.raises(ValueError, match="pre-tokenizer"):
         pre_tokenizer_for("default")
 
@@ -87,27 +89,24 @@ def test_synthetic_llama_file_unpermutes_qk_and_casts(tmp_path: Path) -> None:
         loaded.config.head_dim == 4 and loaded.config.vocab_size == 16 and loaded.config.rope_theta == 10000.0
     )
     assert loaded.config.tie_word_embeddings and messages
-    for gguf_name, hf_name in [
-        ("blk.0.attn_q.weight", "layers.0.self_attn.q_proj.weight"),
-        ("blk.0.attn_k.weight", "layers.0.self_attn.k_proj.weight"),
-        ("blk.0.ffn_down.weight", "layers.0.mlp.down_proj.weight"),
-    ]:
-        tensor = loaded.tensors[hf_name]
+    for gguf_name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight"):
+        tensor = loaded.tensors[gguf_name]
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, torch.from_numpy(original[gguf_name]).to(torch.bfloat16))
 
 
-def test_block_quantized_weights_keep_their_codes_for_float32_on_cpu(tmp_path: Path) -> None:
+def test_block_quantized_weights_are_kept_only_as_their_codes(tmp_path: Path) -> None:
     tensors = _tiny_llama_tensors()
     tensors["blk.0.ffn_down.weight"] = np.random.default_rng(1).standard_normal((8, 32)).astype(np.float32)
     _write_tiny_gguf(tmp_path / "q8.gguf", "llama", tensors, q8_0=frozenset({"blk.0.ffn_down.weight"}))
 
     loaded = load_gguf(tmp_path / "q8.gguf")
-    assert list(loaded.quantized) == ["layers.0.mlp.down_proj.weight"]
-    down = "layers.0.mlp.down_proj.weight"
-    assert torch.equal(dequantize(loaded.quantized[down]), loaded.tensors[down])
-    # Only float32 on CPU uses the codes (the packed kernel): other loads do not keep them.
-    assert load_gguf(tmp_path / "q8.gguf", dtype=torch.bfloat16).quantized == {}
+    down = "blk.0.ffn_down.weight"
+    assert list(loaded.quantized) == [down] and down not in loaded.tensors  # the codes are its only copy
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    reference = gguf.quants.dequantize(gguf.quants.quantize(tensors[down], q8_0), q8_0)
+    assert torch.equal(loaded.quantized[down].dequantize(), torch.from_numpy(reference.reshape(8, 32)))
+    assert loaded.quantization == {"F32": 10, "Q8_0": 1}
 
 
 def test_non_llama_architecture_is_rejected(tmp_path: Path) -> None:
@@ -116,8 +115,12 @@ def test_non_llama_architecture_is_rejected(tmp_path: Path) -> None:
         load_gguf(tmp_path / "other.gguf")
 
 
-def test_unknown_tensor_is_rejected(tmp_path: Path) -> None:
-    tensors = {**_tiny_llama_tensors(), "rope_freqs.weight": np.ones(2, dtype=np.float32)}
+@pytest.mark.parametrize(
+    "extra", ["blk.0.ffn_gate_exps.weight", "blk.0.attn_q.bias"], ids=["experts", "bias"]
+)
+def test_a_tensor_the_forward_would_not_read_is_refused(tmp_path: Path, extra: str) -> None:
+    """MoE experts, or a bias llama has no place for: serving without them would be a different model."""
+    tensors = {**_tiny_llama_tensors(), extra: np.ones(8, dtype=np.float32)}
     _write_tiny_gguf(tmp_path / "extra.gguf", "llama", tensors)
-    with pytest.raises(ValueError, match=r"rope_freqs\.weight"):
+    with pytest.raises(ValueError, match=f"not a llama model kvfence can serve: unknown tensors .*{extra}"):
         load_gguf(tmp_path / "extra.gguf")

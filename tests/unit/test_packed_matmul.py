@@ -9,18 +9,20 @@ import pytest
 import torch
 from conftest import (
     TINY,
-    FakeReaderTensor,
     LogitsRecorder,
+    dequantized,
     make_engine,
     quantize,
+    quantized_blocks,
     tiny_model,
     tiny_tensors,
 )
+from hf_reference import K_QUANTS, k_quant_blocks
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.model import packed_matmul
-from kvfence.model.gguf import QuantizedWeight, read_blocks
+from kvfence.model.gguf import BLOCK_FORMATS, QuantizedWeight, read_blocks
 from kvfence.model.packed_matmul import PackedWeight
 from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams
@@ -37,17 +39,28 @@ def kernel() -> packed_matmul.PackedMatmulKernel:
 
 def quantized_weight(out_features: int, in_features: int, kind: gguf.GGMLQuantizationType, seed: int = 0):
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
-    dense, quantized = quantize({"w.proj.weight": weight}, kind)
-    return dense["w.proj.weight"], quantized["w.proj.weight"]
+    _, quantized = quantize({"w.proj.weight": weight}, kind)
+    return quantized["w.proj.weight"].dequantize(), quantized["w.proj.weight"]
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
-def test_codes_times_scales_plus_offsets_are_the_dequantized_weights(kind: gguf.GGMLQuantizationType) -> None:
-    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
-    fake = FakeReaderTensor(weight, kind)
-    codes, scales, offsets = read_blocks(fake)  # type: ignore[arg-type, misc]
-    rebuilt = codes.astype(np.float32).reshape(64, 3, 32) * scales[..., None] + offsets[..., None]
-    assert np.array_equal(rebuilt.reshape(64, 96), gguf.quants.dequantize(fake.data, kind).reshape(64, 96))
+@pytest.mark.parametrize("kind", sorted(BLOCK_FORMATS), ids=lambda kind: kind.name)
+def test_codes_times_scales_plus_offsets_are_the_reference_dequantization(
+    kind: gguf.GGMLQuantizationType,
+) -> None:
+    """Bit for bit gguf-py's dequantizer, for every block format the loader keeps as codes (the K-quants
+    as random valid blocks: gguf-py cannot quantize them)."""
+    if kind in K_QUANTS:
+        blocks = k_quant_blocks(kind, 64, 512, std=0.1, seed=1)
+    else:
+        blocks = quantized_blocks(torch.randn(64, 512, generator=torch.Generator().manual_seed(1)), kind)
+    blocks = blocks.reshape(-1, gguf.GGML_QUANT_SIZES[kind][1])
+    codes, scales, offsets = read_blocks(kind, (64, 512), blocks)  # type: ignore[misc]
+    group = 512 // scales.shape[1]
+    assert group == (16 if kind == gguf.GGMLQuantizationType.Q6_K else 32)
+    rebuilt = codes.astype(np.float32).reshape(64, -1, group) * scales[..., None] + offsets[..., None]
+    assert np.array_equal(rebuilt.reshape(64, 512), gguf.quants.dequantize(blocks, kind).reshape(64, 512))
+    weight = QuantizedWeight(*(torch.from_numpy(part) for part in (codes, scales, offsets)))
+    assert torch.equal(weight.dequantize(), torch.from_numpy(rebuilt.reshape(64, 512)))
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
@@ -100,6 +113,31 @@ def test_pack_fuses_parts_and_refuses_what_it_cannot_hold() -> None:
     assert PackedWeight.pack([odd]) is None  # 16 output features: not a whole panel
 
 
+def k_quant_weight(kind: gguf.GGMLQuantizationType, out_features: int, seed: int) -> QuantizedWeight:
+    blocks = k_quant_blocks(kind, out_features, 256, std=0.1, seed=seed).reshape(
+        -1, gguf.GGML_QUANT_SIZES[kind][1]
+    )
+    return QuantizedWeight(
+        *(torch.from_numpy(part) for part in read_blocks(kind, (out_features, 256), blocks))
+    )  # type: ignore[misc]
+
+
+def test_parts_of_different_groups_fuse_into_one_packed_weight(
+    kernel: packed_matmul.PackedMatmulKernel,
+) -> None:
+    """Q4_K (groups of 32) beside Q6_K (groups of 16), as a Q4_K_M file fuses them: the pack shares the
+    smaller group, and the kernel matches float64 on the dequantized weights."""
+    parts = [
+        k_quant_weight(gguf.GGMLQuantizationType.Q4_K, 64, 8),
+        k_quant_weight(gguf.GGMLQuantizationType.Q6_K, 32, 9),
+    ]
+    packed = PackedWeight.pack(parts)
+    assert packed is not None and packed.group == 16
+    dense = torch.cat([part.dequantize() for part in parts])
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(10))
+    assert (kernel(x, packed) - (x.double() @ dense.double().T)).abs().max() < 1e-5
+
+
 def test_engine_gives_the_same_tokens_on_the_kernel_and_on_blas() -> None:
     models = {name: tiny_model(decode_matmul=name) for name in ("kernel", "dense")}
     assert [m.decode_matmul for m in models.values()] == ["kernel", "dense"]
@@ -148,7 +186,8 @@ def test_choices_and_fallbacks() -> None:
     bf16 = {name: t.to(torch.bfloat16) for name, t in tensors.items()}
     auto = Transformer(TINY, bf16, quantized=quantized)
     assert auto.decode_matmul == "dense" and "float32" in auto.decode_matmul_note
-    q_only = {"layers.0.self_attn.q_proj.weight": quantized["layers.0.self_attn.q_proj.weight"]}
+    q_only = {"blk.0.attn_q.weight": quantized["blk.0.attn_q.weight"]}
+    tensors = {name: t for name, t in dequantized(tensors, quantized).items() if name not in q_only}
     partial = Transformer(TINY, tensors, quantized=q_only)  # Q without K and V: no fused weight to pack
     assert partial.decode_matmul == "dense" and "no weight fits" in partial.decode_matmul_note
     with pytest.raises(ValueError, match="no weight fits"):

@@ -12,6 +12,7 @@ from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv
 
 PAGES, PAGE_SIZE, HEADS, KV_HEADS, HEAD_DIM = 40, 4, 6, 2, 16
+SCALE = HEAD_DIM**-0.5
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +40,20 @@ def paged_case(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 
 def dense_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    window: int = 0,
 ) -> torch.Tensor:
-    """float64 softmax attention over each row's tokens, read page by page; query head h uses KV head
-    h // (heads / kv_heads)."""
+    """float64 softmax attention over each row's tokens (its last `window` ones if set), read page by page;
+    query head h uses KV head h // (heads / kv_heads)."""
     out = []
     for row, n in enumerate(lengths.tolist()):
-        keys = k_cache[tables[row]].reshape(-1, KV_HEADS, HEAD_DIM)[:n].double()
-        values = v_cache[tables[row]].reshape(-1, KV_HEADS, HEAD_DIM)[:n].double()
+        first = max(0, n - window) if window else 0
+        keys = k_cache[tables[row]].reshape(-1, KV_HEADS, HEAD_DIM)[first:n].double()
+        values = v_cache[tables[row]].reshape(-1, KV_HEADS, HEAD_DIM)[first:n].double()
         kv_of_head = torch.arange(HEADS) // (HEADS // KV_HEADS)
         scores = torch.einsum("hd,thd->ht", q[row].double(), keys[:, kv_of_head]) / HEAD_DIM**0.5
         out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), values[:, kv_of_head]))
@@ -56,15 +63,32 @@ def dense_reference(
 def test_kernel_matches_dense_attention(kernel: paged_kernel.PagedDecodeKernel) -> None:
     # Lengths on and around page boundaries, a one-token context and a long one.
     case = paged_case([1, 3, 4, 5, 16, 37])
-    got = kernel(*case)
+    got = kernel(*case, SCALE)
     assert (got - dense_reference(*case)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 6, 40])
+def test_a_sliding_window_attends_over_the_last_positions_and_reads_no_page_before_them(
+    kernel: paged_kernel.PagedDecodeKernel, window: int
+) -> None:
+    """A window within a page, on a page boundary, across pages, and wider than every context. The pages
+    wholly before a row's window are filled with NaN: one read would turn the row's output NaN."""
+    q, k_cache, v_cache, tables, lengths = paged_case([1, 3, 4, 5, 16, 37], seed=4)
+    expected = dense_reference(q, k_cache, v_cache, tables, lengths, window)
+    for row, n in enumerate(lengths.tolist()):
+        before = tables[row, : max(0, n - window) // PAGE_SIZE]
+        k_cache[before], v_cache[before] = float("nan"), float("nan")
+    got = kernel(q, k_cache, v_cache, tables, lengths, SCALE, window)
+    assert (got - expected).abs().max() < 1e-5
 
 
 def test_a_row_is_computed_the_same_alone_and_in_a_batch(kernel: paged_kernel.PagedDecodeKernel) -> None:
     q, k_cache, v_cache, tables, lengths = paged_case([9, 30, 2, 17], seed=1)
-    batched = kernel(q, k_cache, v_cache, tables, lengths)
+    batched = kernel(q, k_cache, v_cache, tables, lengths, SCALE)
     for row in range(len(lengths)):
-        alone = kernel(q[row : row + 1], k_cache, v_cache, tables[row : row + 1], lengths[row : row + 1])
+        alone = kernel(
+            q[row : row + 1], k_cache, v_cache, tables[row : row + 1], lengths[row : row + 1], SCALE
+        )
         assert torch.equal(alone[0], batched[row])
 
 
@@ -72,8 +96,8 @@ def test_query_rows_may_be_a_strided_view(kernel: paged_kernel.PagedDecodeKernel
     """The model passes Q as a slice of its fused QKV rows: the row stride is not heads * head_dim."""
     q, k_cache, v_cache, tables, lengths = paged_case([7, 12], seed=2)
     qkv = torch.cat([q, torch.randn(2, 2 * KV_HEADS, HEAD_DIM)], dim=1)
-    strided = kernel(qkv[:, :HEADS], k_cache, v_cache, tables, lengths)
-    assert torch.equal(strided, kernel(q, k_cache, v_cache, tables, lengths))
+    strided = kernel(qkv[:, :HEADS], k_cache, v_cache, tables, lengths, SCALE)
+    assert torch.equal(strided, kernel(q, k_cache, v_cache, tables, lengths, SCALE))
 
 
 @pytest.mark.parametrize(
@@ -86,7 +110,7 @@ def test_a_bad_block_table_is_refused(kernel: paged_kernel.PagedDecodeKernel, pa
     q, k_cache, v_cache, tables, lengths = paged_case([5, 12], seed=3)
     tables[1, 0], lengths[1] = page, length
     with pytest.raises(paged_kernel.PagedAttentionError, match="outside the pool"):
-        kernel(q, k_cache, v_cache, tables, lengths)
+        kernel(q, k_cache, v_cache, tables, lengths, SCALE)
 
 
 def test_engine_gives_the_same_tokens_with_the_kernel_and_with_sdpa() -> None:

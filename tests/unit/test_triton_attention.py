@@ -17,16 +17,19 @@ triton = pytest.importorskip("triton", reason="triton is not installed: pip inst
 
 from kvfence.model import triton_attention  # noqa: E402
 
+SCALE = 16**-0.5  # the cases below with head_dim 16
 
-def reference(q, k_cache, v_cache, tables, lens):  # type: ignore[no-untyped-def]
-    """Float64 attention over each row's pages, gathered and cut at its length."""
+
+def reference(q, k_cache, v_cache, tables, lens, window=0):  # type: ignore[no-untyped-def]
+    """Float64 attention over each row's pages, gathered and cut at its length (and its window)."""
     rows, heads, _ = q.shape
     group = heads // k_cache.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
     for row in range(rows):
         n = int(lens[row])
-        keys = k_cache[tables[row]].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
-        values = v_cache[tables[row]].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1)
+        first = max(0, n - window) if window else 0
+        keys = k_cache[tables[row]].flatten(0, 1)[first:n].double().repeat_interleave(group, dim=1)
+        values = v_cache[tables[row]].flatten(0, 1)[first:n].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[row].double(), keys) * q.shape[-1] ** -0.5
         out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
     return out
@@ -74,23 +77,37 @@ def test_matches_float64_reference(
     page_size: int,
 ) -> None:
     q, k_cache, v_cache, tables, context_lens = random_case(lens, heads, kv_heads, head_dim, page_size)
-    out = kernel(q, k_cache, v_cache, tables, context_lens)
+    out = kernel(q, k_cache, v_cache, tables, context_lens, head_dim**-0.5)
     assert out.dtype == torch.float32
     assert_near(out, reference(q, k_cache, v_cache, tables, context_lens))
+
+
+@pytest.mark.parametrize("window", [1, 4, 6, 50])
+def test_a_sliding_window_reads_only_its_last_positions(
+    kernel: triton_attention.TritonPagedDecode, window: int
+) -> None:
+    """Within a page, on a boundary, across pages, wider than the context; pages wholly before a row's
+    window hold NaN, so reading one would show."""
+    q, k_cache, v_cache, tables, lens = random_case([1, 5, 13, 20], 4, 2, 16, 4)
+    expected = reference(q, k_cache, v_cache, tables, lens, window)
+    for row, n in enumerate(lens.tolist()):
+        before = tables[row, : max(0, n - window) // 4]
+        k_cache[before], v_cache[before] = float("nan"), float("nan")
+    assert_near(kernel(q, k_cache, v_cache, tables, lens, SCALE, window), expected)
 
 
 def test_reads_in_place_from_a_layer_view_in_int32_tables(kernel: triton_attention.TritonPagedDecode) -> None:
     """The pool's layer view (strided into [layers, 2, ...]) and int32 tables, as a CUDA graph's buffers."""
     q, k_cache, v_cache, tables, lens = random_case([6, 3], 4, 2, 16, 4)
     pool = torch.stack([torch.stack([k_cache, v_cache])] * 2)  # [layers, 2, pages, ps, kvh, hd]
-    out = kernel(q, pool[1, 0], pool[1, 1], tables.int(), lens.int())
+    out = kernel(q, pool[1, 0], pool[1, 1], tables.int(), lens.int(), SCALE)
     assert_near(out, reference(q, k_cache, v_cache, tables, lens))
 
 
 def test_a_row_does_not_depend_on_its_batch(kernel: triton_attention.TritonPagedDecode) -> None:
     q, k_cache, v_cache, tables, lens = random_case([5, 12, 9], 4, 2, 16, 4)
-    batched = kernel(q, k_cache, v_cache, tables, lens)
-    solo = kernel(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2])
+    batched = kernel(q, k_cache, v_cache, tables, lens, SCALE)
+    solo = kernel(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], SCALE)
     assert torch.equal(batched[1], solo[0])
 
 
@@ -98,8 +115,9 @@ def test_a_row_does_not_depend_on_its_batch(kernel: triton_attention.TritonPaged
 def test_never_reads_past_the_table_or_the_pool(kernel: triton_attention.TritonPagedDecode) -> None:
     """A length beyond the table is cut at the table; a page id outside the pool is read as nothing."""
     q, k_cache, v_cache, tables, lens = random_case([8, 8], 4, 2, 16, 4)
-    too_long = kernel(q, k_cache, v_cache, tables, torch.tensor([8, 99]))
-    torch.testing.assert_close(too_long, kernel(q, k_cache, v_cache, tables, lens))
+    too_long = kernel(q, k_cache, v_cache, tables, torch.tensor([8, 99]), SCALE)
+    torch.testing.assert_close(too_long, kernel(q, k_cache, v_cache, tables, lens, SCALE))
     outside = tables.clone()
     outside[0] = k_cache.shape[0] + 5
-    assert kernel(q, k_cache, v_cache, outside, lens)[0].isnan().all()  # aborted as non-finite, not a leak
+    # Read as nothing: the row comes out NaN, aborted as non-finite, not a leak.
+    assert kernel(q, k_cache, v_cache, outside, lens, SCALE)[0].isnan().all()

@@ -9,10 +9,10 @@
  *
  * Contract (packed once at load by packed_matmul.py):
  *   codes    [panels, in_features, PANEL] int8: output features in panels of PANEL columns
- *   scales   [panels, in_features / BLOCK, PANEL] float32; offsets likewise
+ *   scales   [panels, in_features / group, PANEL] float32; offsets likewise (group: 32, or 16 for Q6_K)
  *   x        [rows, in_features], rows x_stride floats apart
  *   y        [rows, panels * PANEL], contiguous
- * Each row accumulates alone, over k in order (a partial sum per block of 32, added to the row's total),
+ * Each row accumulates alone, over k in order (a partial sum per group, added to the row's total),
  * with fused multiply-adds, whatever tile it lands in: a row's result does not depend on how many rows
  * share the call (batch invariance). The AVX-512 path and
  * the portable one (KVF_PORTABLE, or any other CPU) perform the same operations and give the same bits.
@@ -25,7 +25,6 @@
 #define KVF_NO_MEMORY 2
 
 #define PANEL 32 /* output columns per panel: two 16-float vectors */
-#define BLOCK 32 /* weights per scale, as in GGUF's Q4_0, Q4_1 and Q8_0 */
 #define MAX_TILE 8
 
 #if defined(__AVX512F__) && !defined(KVF_PORTABLE)
@@ -80,14 +79,15 @@ static inline vec vec_codes(const int8_t *c) {
  * of in_features drifted up to 2.3e-4 from float64 in SmolLM2's logits, per block 5.1e-5 (BLAS: 5.5e-5). */
 static inline __attribute__((always_inline)) void tile(const int rows, const float *xt, const int8_t *codes,
                                                        const float *scales, const float *offsets,
-                                                       int64_t in_features, float *y, int64_t y_stride) {
+                                                       int64_t in_features, int64_t group, float *y,
+                                                       int64_t y_stride) {
     vec total[MAX_TILE][2], acc[MAX_TILE][2];
     for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = vec_zero();
-    for (int64_t b = 0; b < in_features / BLOCK; b++) {
+    for (int64_t b = 0; b < in_features / group; b++) {
         const float *s = scales + b * PANEL, *o = offsets + b * PANEL;
         const vec s0 = vec_load(s), s1 = vec_load(s + 16), o0 = vec_load(o), o1 = vec_load(o + 16);
         for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = vec_zero();
-        for (int64_t k = b * BLOCK; k < (b + 1) * BLOCK; k++) {
+        for (int64_t k = b * group; k < (b + 1) * group; k++) {
             const vec w0 = vec_fma(vec_codes(codes + k * PANEL), s0, o0);
             const vec w1 = vec_fma(vec_codes(codes + k * PANEL + 16), s1, o1);
 #pragma GCC unroll 8
@@ -108,11 +108,12 @@ static inline __attribute__((always_inline)) void tile(const int rows, const flo
     }
 }
 
-typedef void (*tile_fn)(const float *, const int8_t *, const float *, const float *, int64_t, float *, int64_t);
+typedef void (*tile_fn)(const float *, const int8_t *, const float *, const float *, int64_t, int64_t, float *,
+                        int64_t);
 #define TILE(ROWS)                                                                                        \
     static void tile_##ROWS(const float *xt, const int8_t *codes, const float *scales, const float *offsets, \
-                            int64_t in_features, float *y, int64_t y_stride) {                            \
-        tile(ROWS, xt, codes, scales, offsets, in_features, y, y_stride);                                 \
+                            int64_t in_features, int64_t group, float *y, int64_t y_stride) {             \
+        tile(ROWS, xt, codes, scales, offsets, in_features, group, y, y_stride);                          \
     }
 TILE(8)
 TILE(4)
@@ -127,8 +128,9 @@ static int tile_rows(int64_t remaining) {
 static tile_fn tile_for(int rows) { return rows == 8 ? tile_8 : rows == 4 ? tile_4 : rows == 2 ? tile_2 : tile_1; }
 
 int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const int8_t *codes, const float *scales,
-                  const float *offsets, int64_t in_features, int64_t panels, float *y, int num_threads) {
-    const int64_t out_features = panels * PANEL, blocks = in_features / BLOCK;
+                  const float *offsets, int64_t in_features, int64_t group, int64_t panels, float *y,
+                  int num_threads) {
+    const int64_t out_features = panels * PANEL, blocks = in_features / group;
     float *xt = malloc(sizeof(float) * rows * in_features);
     if (xt == NULL) return KVF_NO_MEMORY;
     for (int64_t first = 0; first < rows; first += tile_rows(rows - first)) {
@@ -142,7 +144,7 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const int8_t *
         const int8_t *c = codes + p * in_features * PANEL;
         const float *s = scales + p * blocks * PANEL, *o = offsets + p * blocks * PANEL;
         for (int64_t first = 0; first < rows; first += tile_rows(rows - first))
-            tile_for(tile_rows(rows - first))(xt + first * in_features, c, s, o, in_features,
+            tile_for(tile_rows(rows - first))(xt + first * in_features, c, s, o, in_features, group,
                                               y + first * out_features + p * PANEL, out_features);
     }
     free(xt);

@@ -8,7 +8,9 @@
  *   q             [rows, num_heads, head_dim], rows `q_row_stride` floats apart, heads contiguous
  *   k_cache/v_cache [num_pages, page_size, num_kv_heads, head_dim], contiguous (one layer of the pool)
  *   block_tables  [rows, table_width] int64; row r reads pages block_tables[r][0 .. ceil(ctx/page_size))
- *   context_lens  [rows] int64; tokens row r attends over
+ *   context_lens  [rows] int64; row r's context: its tokens [0, context_lens[r])
+ *   window        > 0: row r attends over its last `window` tokens only (a sliding-window layer), never
+ *                 reading the pages before them; 0: over its whole context
  *   out           [rows, num_heads, head_dim], contiguous
  * Query head h reads KV head h / (num_heads / num_kv_heads), as HF's repeat_kv does.
  *
@@ -41,18 +43,19 @@ static int tables_are_valid(const int64_t *block_tables, int64_t table_width, co
     return 1;
 }
 
-/* One row: scores[h][t] = q_h . k_t * scale, softmax over t, out_h = sum_t p[h][t] v_t. */
+/* One row over tokens [first, ctx): scores[h][t] = q_h . k_t * scale, softmax over t, out_h = sum_t p v_t.
+ * The walk goes page by page from the page holding `first`, so no page before the window is touched. */
 static int attend_row(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                      int64_t ctx, float *out, int64_t num_heads, int64_t group, int64_t head_dim,
-                      int64_t page_size, int64_t token_stride, float scale) {
-    const int64_t page_stride = page_size * token_stride;
-    float *scores = malloc(sizeof(float) * num_heads * (ctx + 2));
+                      int64_t first, int64_t ctx, float *out, int64_t num_heads, int64_t group,
+                      int64_t head_dim, int64_t page_size, int64_t token_stride, float scale) {
+    const int64_t page_stride = page_size * token_stride, span = ctx - first;
+    float *scores = malloc(sizeof(float) * num_heads * (span + 2));
     if (scores == NULL) return KVF_NO_MEMORY;
-    float *row_max = scores + num_heads * ctx, *row_sum = row_max + num_heads;
+    float *row_max = scores + num_heads * span, *row_sum = row_max + num_heads;
     for (int64_t h = 0; h < num_heads; h++) row_max[h] = -INFINITY;
-    for (int64_t start = 0; start < ctx; start += page_size) {
-        const float *page = k_cache + table[start / page_size] * page_stride;
-        const int64_t n = ctx - start < page_size ? ctx - start : page_size;
+    for (int64_t t = first; t < ctx;) {
+        const int64_t slot = t % page_size, n = ctx - t < page_size - slot ? ctx - t : page_size - slot;
+        const float *page = k_cache + table[t / page_size] * page_stride + slot * token_stride;
         for (int64_t j = 0; j < n; j++)
             for (int64_t h = 0; h < num_heads; h++) {
                 const float *k = page + j * token_stride + (h / group) * head_dim, *qh = q + h * head_dim;
@@ -60,32 +63,34 @@ static int attend_row(const float *q, const float *k_cache, const float *v_cache
 #pragma omp simd reduction(+ : dot)
                 for (int64_t i = 0; i < head_dim; i++) dot += qh[i] * k[i];
                 dot *= scale;
-                scores[h * ctx + start + j] = dot;
+                scores[h * span + t - first + j] = dot;
                 row_max[h] = dot > row_max[h] ? dot : row_max[h];
             }
+        t += n;
     }
     for (int64_t h = 0; h < num_heads; h++) {
-        float *s = scores + h * ctx, total = 0.f;
+        float *s = scores + h * span, total = 0.f;
         const float m = row_max[h];
 #pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < ctx; t++) {
+        for (int64_t t = 0; t < span; t++) {
             s[t] = expf(s[t] - m);
             total += s[t];
         }
         row_sum[h] = total;
     }
     for (int64_t i = 0; i < num_heads * head_dim; i++) out[i] = 0.f;
-    for (int64_t start = 0; start < ctx; start += page_size) {
-        const float *page = v_cache + table[start / page_size] * page_stride;
-        const int64_t n = ctx - start < page_size ? ctx - start : page_size;
+    for (int64_t t = first; t < ctx;) {
+        const int64_t slot = t % page_size, n = ctx - t < page_size - slot ? ctx - t : page_size - slot;
+        const float *page = v_cache + table[t / page_size] * page_stride + slot * token_stride;
         for (int64_t j = 0; j < n; j++)
             for (int64_t h = 0; h < num_heads; h++) {
                 const float *v = page + j * token_stride + (h / group) * head_dim;
-                const float p = scores[h * ctx + start + j];
+                const float p = scores[h * span + t - first + j];
                 float *o = out + h * head_dim;
 #pragma omp simd
                 for (int64_t i = 0; i < head_dim; i++) o[i] += p * v[i];
             }
+        t += n;
     }
     for (int64_t h = 0; h < num_heads; h++)
         for (int64_t i = 0; i < head_dim; i++) out[h * head_dim + i] /= row_sum[h];
@@ -97,14 +102,15 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_
                            int64_t num_pages, const int64_t *block_tables, int64_t table_width,
                            const int64_t *context_lens, float *out, int64_t rows, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t page_size, float scale,
-                           int num_threads) {
+                           int64_t window, int num_threads) {
     if (!tables_are_valid(block_tables, table_width, context_lens, rows, page_size, num_pages))
         return KVF_BAD_TABLE;
     int status = KVF_OK;
 #pragma omp parallel for schedule(static, 1) num_threads(num_threads)
     for (int64_t row = 0; row < rows; row++) {
+        const int64_t ctx = context_lens[row], first = window > 0 && ctx > window ? ctx - window : 0;
         const int row_status = attend_row(q + row * q_row_stride, k_cache, v_cache,
-                                          block_tables + row * table_width, context_lens[row],
+                                          block_tables + row * table_width, first, ctx,
                                           out + row * num_heads * head_dim, num_heads, num_heads / num_kv_heads,
                                           head_dim, page_size, num_kv_heads * head_dim, scale);
         if (row_status != KVF_OK) {

@@ -1,0 +1,115 @@
+"""Attention of one layer of one step over the paged pool: decode rows through a `PagedDecode` kernel (in
+place) or gathered pages and SDPA, prefill chunks through SDPA; every path honours the layer's scale and
+sliding window.
+
+Contract: the pages read are the ones in the step's block tables, which the fence validated; a
+sliding-window layer reads a subset of them (its last `window` positions), never a page outside them.
+Query i of a chunk at position p sees keys at positions j with j <= p and, in a window, p - j < window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvfence.model.paged_decode import PagedDecode
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What differs between layers: q.k's `scale` and the `window` (0: the whole context)."""
+
+    scale: float
+    window: int
+
+
+@dataclass
+class PrefillSeq:
+    """A prefill chunk: tokens [start, end) of the step, attending over `context_len` cached+new tokens.
+
+    `block_table` is None when the chunk is the whole context (nothing cached): K/V then come straight
+    from the step and attention is plainly causal."""
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor | None
+
+
+def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """The pages named by `block_tables` [..., n] as [..., n * page_size, kv_heads, head_dim].
+
+    index_select over whole flattened pages copies one contiguous run per page: ~3.5x faster than
+    advanced indexing `cache[block_tables]`, which walks the trailing dims element by element."""
+    ps, nkv, hd = cache.shape[1:]
+    pages = cache.view(cache.shape[0], -1).index_select(0, block_tables.flatten())
+    return pages.view(*block_tables.shape[:-1], block_tables.shape[-1] * ps, nkv, hd)
+
+
+def _visible(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+    """[len(queries), len(keys)] bool: key position j is visible from query position p."""
+    mask = keys[None, :] <= queries[:, None]
+    if window:
+        mask &= queries[:, None] - keys[None, :] < window
+    return mask
+
+
+def decode(
+    kernel: PagedDecode | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    spec: LayerAttention,
+) -> torch.Tensor:
+    """q [D, heads, hd] attends over each row's pages: in place with the kernel, else the pages gathered
+    (padded to the widest row) and SDPA with the padding, and the positions before a window, masked."""
+    if kernel is not None:
+        return kernel(q, k_cache, v_cache, block_tables, context_lens, spec.scale, spec.window)
+    keys = gather_pages(k_cache, block_tables).transpose(1, 2)
+    values = gather_pages(v_cache, block_tables).transpose(1, 2)
+    slots = torch.arange(keys.shape[2], device=q.device)
+    last = (context_lens - 1)[:, None]
+    mask = slots[None, :] <= last
+    if spec.window:
+        mask &= last - slots[None, :] < spec.window
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], enable_gqa=True, scale=spec.scale
+    )
+    return out.squeeze(2)
+
+
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq: PrefillSeq,
+    spec: LayerAttention,
+) -> torch.Tensor:
+    """One chunk's queries over its context: the step's own K/V when nothing was cached, else its pages."""
+    # SDPA gets a batch dim of 1: on CPU only 4-D inputs reach the fused flash kernel (~3x faster for
+    # a 512-token chunk than the 3-D fallback, which materialises the score matrix).
+    qs = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+    n_new, ctx = seq.end - seq.start, seq.context_len
+    if seq.block_table is None:
+        keys, values = k[seq.start : seq.end], v[seq.start : seq.end]
+    else:
+        keys = gather_pages(k_cache, seq.block_table)[:ctx]
+        values = gather_pages(v_cache, seq.block_table)[:ctx]
+    keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+    if seq.block_table is None and not spec.window:
+        out = F.scaled_dot_product_attention(
+            qs, keys, values, is_causal=True, enable_gqa=True, scale=spec.scale
+        )
+    else:
+        positions = torch.arange(ctx, device=q.device)
+        mask = _visible(positions[ctx - n_new :], positions, spec.window)
+        out = F.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=mask, enable_gqa=True, scale=spec.scale
+        )
+    return out[0].transpose(0, 1)

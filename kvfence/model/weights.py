@@ -1,0 +1,137 @@
+"""A model's weights as the forward multiplies them: the loader's GGUF-named tensors bound into fused
+projections, per-layer norms, the embedding and the LM head.
+
+Contract: `Binder` reads `tensors` (dense, [out_features, in_features]) and `quantized` (codes); a name is
+in one of the two, never both. Each layer gets one Q|K|V projection (with the file's Q/K/V biases, if any),
+O, gate|up and down, and the norms it holds (None where its architecture has none). A quantized
+projection that fits the packed kernel's panels is held only as packed codes when the kernel runs
+(`Projection.dense` None), so no float32 copy of the model stays resident. Every other projection is one
+dense [in_features, out_features] tensor (quantized ones dequantized, on the model's device, in its dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvfence.model.gguf import QuantizedWeight
+from kvfence.model.packed_matmul import PackedMatmulKernel, PackedWeight
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One (fused) weight: `packed` for the kernel, else `dense` ([in, out], BLAS's `x @ w`); never
+    neither. `bias` [out] is added after the matmul, whichever path ran."""
+
+    dense: torch.Tensor | None
+    packed: PackedWeight | None
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder block. Norms named as GGUF names them: `attn_norm` before attention, `ffn_norm` before
+    the MLP; Gemma's `post_attn_norm` / `post_ffn_norm` on each branch's output, Qwen 3's and Gemma's
+    `q_norm` / `k_norm` on each head before RoPE."""
+
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
+
+    def projections(self) -> tuple[Projection, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+class Binder:
+    """Reads the named weights out of the loader's two dicts, packed where `kernel` runs."""
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        quantized: dict[str, QuantizedWeight],
+        kernel: PackedMatmulKernel | None,
+    ) -> None:
+        both = sorted(tensors.keys() & quantized.keys())
+        if both:
+            raise ValueError(f"weights given both dense and quantized: {both[:4]}")
+        self.tensors, self.quantized, self.kernel = tensors, quantized, kernel
+        norm = tensors["output_norm.weight"]  # never quantized: its dtype and device are the model's
+        self.dtype, self.device = norm.dtype, norm.device
+
+    def dense(self, name: str) -> torch.Tensor:
+        """[out, in] in the model's dtype, on its device (dequantized if stored quantized)."""
+        if name in self.tensors:
+            return self.tensors[name]
+        return self.quantized[name].dequantize().to(self.dtype).to(self.device)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.tensors.get(name)
+
+    def projection(self, names: Sequence[str]) -> Projection:
+        """The weights `names` stacked along output features: packed if every one is quantized and the
+        kernel runs, else dense. Biases ("<name>.bias" beside "<name>.weight") stacked likewise."""
+        packed = None
+        if self.kernel is not None:
+            packed = PackedWeight.pack([self.quantized.get(name) for name in names])
+        dense = None if packed is not None else torch.cat([self.dense(n) for n in names]).T.contiguous()
+        biases = [self.tensors.get(name.removesuffix(".weight") + ".bias") for name in names]
+        bias = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
+        if bias is None and any(b is not None for b in biases):
+            raise ValueError(f"biases on only some of {list(names)}")
+        return Projection(dense, packed, bias)
+
+    def layer(self, i: int) -> Layer:
+        p = f"blk.{i}."
+        return Layer(
+            attn_norm=self.tensors[p + "attn_norm.weight"],
+            ffn_norm=self.tensors[p + "ffn_norm.weight"],
+            qkv=self.projection([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+            o=self.projection([p + "attn_output.weight"]),
+            gate_up=self.projection([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+            down=self.projection([p + "ffn_down.weight"]),
+            q_norm=self.optional(p + "attn_q_norm.weight"),
+            k_norm=self.optional(p + "attn_k_norm.weight"),
+            post_attn_norm=self.optional(p + "post_attention_norm.weight"),
+            post_ffn_norm=self.optional(p + "post_ffw_norm.weight"),
+        )
+
+    def lm_head(self) -> Projection:
+        """The output projection: `output.weight`, or the embedding when the file ties the two. Dense, it
+        is a transposed view ([hidden, vocab]) of the [vocab, hidden] table: no second copy."""
+        name = (
+            "output.weight"
+            if "output.weight" in self.tensors.keys() | self.quantized.keys()
+            else "token_embd.weight"
+        )
+        packed = PackedWeight.pack([self.quantized.get(name)]) if self.kernel is not None else None
+        return Projection(None if packed is not None else self.dense(name).T, packed)
+
+
+class Embedding:
+    """Token embeddings from whichever copy the model already holds: the LM head's when the file ties the
+    two (its packed rows, or its dense table), else the file's codes or its dense table."""
+
+    def __init__(self, binder: Binder, lm_head: Projection, tied: bool) -> None:
+        self.dtype, self.device = binder.dtype, binder.device
+        self._packed = lm_head.packed if tied else None
+        self._quantized = None if tied else binder.quantized.get("token_embd.weight")
+        self._dense = None
+        if self._packed is None and self._quantized is None:
+            self._dense = (
+                lm_head.dense.T if tied and lm_head.dense is not None else binder.dense("token_embd.weight")
+            )
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._dense is not None:
+            return self._dense[ids]
+        source = self._packed.rows if self._packed is not None else self._quantized.dequantize  # type: ignore[union-attr]
+        return source(ids.cpu()).to(self.dtype).to(self.device)
