@@ -5,8 +5,9 @@ it; the sampler itself is kvfence.engine.sampler.
 Contracts (kept by kvfence.engine.sampler):
 - `sample` turns one row of logits into one token per request. The order, as vLLM's: logit_bias, then the
   penalties (repetition over prompt + output, frequency and presence over the output), then greedy argmax
-  or temperature, min_p, top_k, top_p and a draw from the request's own torch.Generator, so that a seed
-  gives the same tokens whatever else shares the batch.
+  or temperature, min_p, top_k, top_p and a draw: a request with a `seed` draws from its own
+  torch.Generator, so that it gets the same tokens whatever else shares the batch; the others draw from
+  the batch's noise, all at once.
 - Rows that ask for no bias and no penalty cost nothing extra: greedy ones stay one argmax over the batch.
   Bias and penalties are applied to those rows only, vectorised over them.
 - One row's failure (non-finite logits, a NaN parameter, a bias id outside the vocabulary) answers None for

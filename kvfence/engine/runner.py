@@ -49,6 +49,10 @@ class ModelRunner:
         self.faults = faults
         self.observer: StepObserver | None = None
         self.logits_observer: LogitsObserver | None = None
+        # The draws of sampled requests without a seed (one exponential race over the batch); seeded ones
+        # draw from their own generator.
+        self.noise = torch.Generator(device=model.device)
+        self.noise.seed()
 
     def execute(self, requests: list[Request], num_new: list[int]) -> StepResult:
         layout = build_layout(requests, num_new, self.pool.page_size)
@@ -82,6 +86,7 @@ class ModelRunner:
             [r.generator for r in sampled_requests],
             [r.prompt_token_ids for r in sampled_requests],
             [r.output_token_ids for r in sampled_requests],
+            self.noise,
         )
         grammar_failed |= grammar_mask.advance(grammars, tokens)
         sampled = {}

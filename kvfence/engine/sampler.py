@@ -1,8 +1,10 @@
 """The sampler: one token per row of logits, and the log-probabilities reported to clients.
 
 The contracts are kvfence.sampling's (the parameters' module): bias, penalties, then greedy argmax or
-temperature, min_p, top_k, top_p and a draw from the request's own generator; one row's failure answers
-None for that row alone; logprobs are log-softmax of the raw logits.
+temperature, min_p, top_k, top_p and a draw; one row's failure answers None for that row alone; logprobs
+are log-softmax of the raw logits. Sampling is batched: the rows that sample are drawn together in a
+few tensor ops, top_p sorting only each row's best CANDIDATES tokens (vLLM's sampler likewise avoids a
+full sort); only a seeded row draws alone, from its own generator.
 """
 
 from __future__ import annotations
@@ -14,16 +16,18 @@ import torch
 
 from kvfence.sampling import SamplingParams, TokenLogprobs
 
+# Top-p's candidates: the `CANDIDATES` best tokens of a row are sorted, not its whole vocabulary; a row whose
+# nucleus is wider than that (a flat distribution) falls back to a full sort, alone.
+CANDIDATES = 1024
+
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A per-request generator; None for greedy requests (they need no randomness)."""
-    if params.greedy:
+    """A request's own generator when it sets a seed (its tokens then do not depend on the batch); None
+    otherwise: greedy rows need no randomness, and unseeded rows draw from the batch's noise."""
+    if params.greedy or params.seed is None:
         return None
     generator = torch.Generator(device=device)
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(params.seed)
+    generator.manual_seed(params.seed)
     return generator
 
 
@@ -33,38 +37,123 @@ def sample(
     generators: Sequence[torch.Generator | None],
     prompts: Sequence[Sequence[int]] | None = None,
     outputs: Sequence[Sequence[int]] | None = None,
+    noise: torch.Generator | None = None,
 ) -> list[int | None]:
     """One token per row of `logits` [batch, vocab] (float32); None for a row with a NaN or +inf logit,
     or only -inf ones, or whose own sampling values make sampling fail: there is nothing sound to sample,
     and the caller aborts that request alone. One row's failure never reaches another row.
 
     `prompts` and `outputs` are each row's token ids so far; only rows whose params `adjusts_logits` read
-    them (repetition_penalty reads both, frequency and presence penalties the output)."""
+    them (repetition_penalty reads both, frequency and presence penalties the output). Sampled rows are
+    drawn together (`draw`): from their own generator where they set a seed, else from `noise`."""
     best, argmax = logits.max(dim=-1)  # a NaN anywhere in a row makes its max NaN: one pass checks both
     finite = torch.isfinite(best).tolist()
     tokens: list[int | None] = argmax.tolist()
     adjusted = adjusted_rows(logits, params, finite, prompts, outputs)
-    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if row in adjusted:
-            tokens[row] = _pick(adjusted[row], p, generator)
-        elif not finite[row]:
+    drawn = []
+    for row, p in enumerate(params):
+        row_logits = adjusted[row] if row in adjusted else logits[row] if finite[row] else None
+        if row_logits is None:
             tokens[row] = None
         elif not p.greedy:
-            tokens[row] = _pick(logits[row], p, generator)
+            drawn.append(row)
+        elif row in adjusted:
+            top, token = row_logits.max(dim=-1)
+            tokens[row] = int(token) if torch.isfinite(top) else None
+    if drawn:
+        rows = torch.stack([adjusted.get(r, logits[r]) for r in drawn])  # type: ignore[misc]
+        picked = draw(rows, [params[r] for r in drawn], [generators[r] for r in drawn], noise)
+        for row, token in zip(drawn, picked, strict=True):
+            tokens[row] = token
     return tokens
 
 
-def _pick(logits: torch.Tensor | None, p: SamplingParams, generator: torch.Generator | None) -> int | None:
-    """One row's token from its (adjusted) logits, or None when there is nothing sound to pick."""
-    if logits is None:
-        return None
-    if p.greedy:
-        top, token = logits.max(dim=-1)
-        return int(token) if torch.isfinite(top) else None
-    try:
-        return _sample_row(logits, p, generator)
-    except (RuntimeError, ValueError):  # e.g. multinomial over NaN probabilities
-        return None
+def draw(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    noise: torch.Generator | None,
+) -> list[int | None]:
+    """A sampled token per row of `logits` [rows, vocab], the batch in a few tensor ops: temperature and
+    min_p over every row at once, top_k and top_p over each row's best candidates only (`candidates`).
+    A seeded row draws with torch.multinomial from its own generator, over the distribution
+    `probabilities` gives; the others race exponential clocks from `noise` (the argmax of p / E with
+    E ~ Exp(1) is a draw from p). None for a row that cannot be sampled."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
+    scaled = (logits.float() - logits.max(dim=-1, keepdim=True).values) / temperature
+    floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]).unsqueeze(1)
+    scaled = scaled.masked_fill(scaled < floor, -math.inf)
+    tokens: list[int | None] = [None] * len(params)
+    cut = [r for r, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    whole = [r for r in range(len(params)) if r not in set(cut)]
+    if whole:
+        probs = torch.softmax(scaled[whole], dim=-1)
+        ids = torch.arange(probs.shape[1]).expand(len(whole), -1)
+        for row, token in zip(whole, _pick(probs, ids, [generators[r] for r in whole], noise), strict=True):
+            tokens[row] = token
+    if cut:
+        probs, ids, wide = candidates(scaled[cut], [params[r] for r in cut])
+        picked = _pick(probs, ids, [generators[r] for r in cut], noise)
+        for i, (row, token) in enumerate(zip(cut, picked, strict=True)):
+            tokens[row] = token
+            if i in wide:  # the nucleus ran past the candidates: this row alone, fully sorted
+                full = probabilities(logits[row], params[row]).unsqueeze(0)
+                ids_row = torch.arange(full.shape[1]).unsqueeze(0)
+                tokens[row] = _pick(full, ids_row, [generators[row]], noise)[0]
+    return tokens
+
+
+def candidates(
+    scaled: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor, set[int]]:
+    """(probabilities [rows, K], token ids [rows, K], rows whose nucleus is wider than K) after top_k and
+    top_p over each row's K best tokens: K covers every top_k asked for, and CANDIDATES for top_p alone.
+    The probabilities are normalised over the tokens kept, as `probabilities` does."""
+    vocab = scaled.shape[1]
+    top_k = [p.top_k or vocab for p in params]
+    needed = [k if p.top_p >= 1.0 else min(k, CANDIDATES) for k, p in zip(top_k, params, strict=True)]
+    width = min(vocab, max(needed))
+    values, ids = torch.topk(scaled, width, dim=-1)  # sorted, best first
+    column = torch.arange(width)
+    keep = column < torch.tensor(top_k).unsqueeze(1)
+    # top_p's mass is over what top_k and min_p left: all among the candidates where top_k <= width, else
+    # (top_p alone) the whole row.
+    survivors = values.masked_fill(~keep, -math.inf)
+    whole_row = torch.tensor([k > width for k in top_k]).unsqueeze(1)
+    total = torch.where(whole_row, scaled.logsumexp(-1, keepdim=True), survivors.logsumexp(-1, keepdim=True))
+    mass = torch.exp(survivors - total)
+    before = mass.cumsum(-1) - mass
+    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    # Drop a token once the mass before it reaches top_p, never the first (a top_p below float32's range
+    # is 0 here, and 0 < 0 would drop every token).
+    keep &= (before < top_p) | (column == 0)
+    short = (before[:, -1] + mass[:, -1] < top_p[:, 0]) & whole_row[:, 0]  # the nucleus goes on past K
+    wide = set(torch.nonzero(short).flatten().tolist())
+    return torch.softmax(values.masked_fill(~keep, -math.inf), dim=-1), ids, wide
+
+
+def _pick(
+    probs: torch.Tensor,
+    ids: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    noise: torch.Generator | None,
+) -> list[int | None]:
+    """One token per row of `probs` [rows, width] (`ids`: each column's token): a seeded row by
+    multinomial over the whole vocabulary, the others by one exponential race. None where a row's
+    probabilities are no distribution (a NaN, say)."""
+    sound = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
+    clocks = torch.empty_like(probs).exponential_(generator=noise)
+    raced = ids.gather(1, (probs / clocks).argmax(dim=-1, keepdim=True)).squeeze(1).tolist()
+    tokens: list[int | None] = []
+    for row, generator in enumerate(generators):
+        if not sound[row]:
+            tokens.append(None)
+        elif generator is None:
+            tokens.append(int(raced[row]))
+        else:
+            full = torch.zeros(int(ids[row].max()) + 1).scatter(0, ids[row], probs[row])
+            tokens.append(int(torch.multinomial(full, 1, generator=generator)))
+    return tokens
 
 
 def adjusted_rows(
@@ -122,10 +211,6 @@ def _counts(sub: torch.Tensor, histories: list[Sequence[int]]) -> torch.Tensor:
 
 def _column(sub: torch.Tensor, values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=sub.dtype, device=sub.device).unsqueeze(1)
-
-
-def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probabilities(logits, p), 1, generator=generator).item())
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

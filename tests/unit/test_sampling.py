@@ -11,7 +11,10 @@ from conftest import LogitsRecorder, make_engine
 
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.sampler import (
+    CANDIDATES,
+    _pick,
     adjusted_rows,
+    candidates,
     make_generator,
     probabilities,
     raw_logprobs,
@@ -187,3 +190,58 @@ def test_defaults_an_override_then_the_gguf_then_greedy() -> None:
     assert got == SamplingDefaults(temperature=0.3, top_p=0.95, top_k=40)
     with pytest.raises(ValueError, match="top_p"):
         SamplingDefaults.resolve({"general.sampling.top_p": 0.0}, {})
+
+
+def batch_probabilities(rows: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What `candidates` keeps of each row, scattered back over the vocabulary."""
+    temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    scaled = (rows - rows.max(dim=-1, keepdim=True).values) / temperature
+    floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]).unsqueeze(1)
+    probs, ids, wide = candidates(scaled.masked_fill(scaled < floor, -math.inf), params)
+    assert not wide
+    return torch.zeros_like(rows).scatter(1, ids, probs)
+
+
+def test_batched_truncation_keeps_what_the_per_row_formulas_keep() -> None:
+    """top_k, top_p and min_p over a batch's candidates give each row the distribution `probabilities`
+    gives it alone (sorting the whole vocabulary): the same tokens kept, the same probabilities."""
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.randn(64, 3000, generator=gen) * 4
+    params = [
+        SamplingParams(
+            temperature=float(0.2 + 1.5 * torch.rand(1, generator=gen)),
+            top_k=int(torch.randint(0, 60, (1,), generator=gen)),
+            top_p=float(0.05 + 0.95 * torch.rand(1, generator=gen)),
+            min_p=float(0.2 * torch.rand(1, generator=gen)) if i % 3 == 0 else 0.0,
+        )
+        for i in range(len(rows))
+    ]
+    got = batch_probabilities(rows, params)
+    for row, p in enumerate(params):
+        want = probabilities(rows[row], p)
+        assert torch.equal(got[row] > 0, want > 0), f"row {row}: another set of tokens kept"
+        torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_nucleus_wider_than_the_candidates_is_sorted_whole() -> None:
+    """A flat row with top_p 0.99 keeps far more than CANDIDATES tokens: `candidates` says so, and `sample`
+    then draws that row from the full sort (a token beyond the first CANDIDATES can come out)."""
+    flat = torch.zeros(2, 4 * CANDIDATES)
+    params = [SamplingParams(temperature=1.0, top_p=0.99, seed=5), SamplingParams(temperature=1.0, top_p=0.2)]
+    _, _, wide = candidates(flat, params)
+    assert wide == {0}  # a fifth of the row is 819 tokens: within the candidates
+    generators = [make_generator(p, flat.device) for p in params]
+    tokens = [sample(flat, params, generators)[0] for _ in range(20)]
+    assert all(t is not None for t in tokens) and max(tokens) >= CANDIDATES
+
+
+def test_the_exponential_race_draws_from_the_distribution() -> None:
+    """Unseeded rows race exponential clocks: over 20,000 draws with fixed noise, each token comes out at
+    its probability (within four standard deviations)."""
+    probs = torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]).expand(20_000, -1).contiguous()
+    ids = torch.arange(5).expand(20_000, -1)
+    noise = torch.Generator().manual_seed(3)
+    drawn = torch.tensor(_pick(probs, ids, [None] * 20_000, noise))
+    freq = torch.bincount(drawn, minlength=5).float() / 20_000
+    sigma = (probs[0] * (1 - probs[0]) / 20_000).sqrt()
+    assert ((freq - probs[0]).abs() < 4 * sigma).all(), freq
