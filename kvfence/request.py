@@ -39,7 +39,7 @@ _ALLOWED = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # one request is one object: equal and hashed by identity, so it can live in a set
 class Request:
     request_id: str
     tenant: str

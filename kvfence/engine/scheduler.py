@@ -152,8 +152,8 @@ class Scheduler:
     def _victim(self, scheduled: list[Request]) -> Request:
         """Whom to preempt when pages run out: among running requests not already in this step's batch,
         the most recently admitted one of the tenant holding the most pages."""
-        held = self._held()
-        candidates = [r for r in self.running if r not in scheduled]
+        held, taken = self._held(), set(scheduled)
+        candidates = [r for r in self.running if r not in taken]
         heaviest = max({r.tenant for r in candidates}, key=lambda t: held[t])
         return next(r for r in reversed(candidates) if r.tenant == heaviest)
 
