@@ -65,13 +65,14 @@ THREADS_HELP = (
 )
 
 
-def load_weights(threads: int | None = None) -> GGUFModel:
-    """Load the packaged SmolLM2 GGUF in float32, once; build every engine from it. `threads` (None: leave
-    torch's setting alone) is global, so HF transformers in the same process runs with the same number."""
+def load_weights(threads: int | None = None, path: Path | None = None) -> GGUFModel:
+    """Load a GGUF (default: the packaged SmolLM2) in float32, once; build every engine from it. `threads`
+    (None: leave torch's setting alone) is global, so HF transformers in the same process runs with the
+    same number."""
     if threads is not None:
         torch.set_num_threads(threads)
     started = time.perf_counter()
-    gguf = load_gguf(default_model_path())
+    gguf = load_gguf(path or default_model_path())
     seconds = time.perf_counter() - started
     print(f"loaded {gguf.path.name} in {seconds:.1f}s; torch threads {torch.get_num_threads()}")
     return gguf
@@ -282,6 +283,50 @@ def run_kvfence(
 def warm_up(engine: LLMEngine, tokenizer: Tokenizer) -> None:
     """A short mixed prefill/decode run so one-off allocations and kernel choices are not measured."""
     run_kvfence(engine, make_prompts(tokenizer, 4, 48, salt=-1), max_tokens=8, concurrency=4)
+
+
+# ---- memory bandwidth ------------------------------------------------------------------------------------
+
+
+def read_bandwidth(threads: int, size: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s at which `threads` torch threads read a 1 GiB float32 array (a sum: one pass, no writes), the
+    best of `repeats`: the ceiling a decode step reading every weight once can approach."""
+    data = torch.ones(size // 4)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    return size / best / 1e9
+
+
+def decode_matmul_bandwidth(model: Transformer, threads: int, repeats: int = 5) -> tuple[float, float]:
+    """(GB/s, MB read) of the packed decode matmul at one row over every packed projection of the model (a
+    decode step's weights, the LM head included), the best of `repeats`; (0, 0) when it does not run."""
+    kernel = model.packed_matmul
+    weights = [p.packed for layer in model.layers for p in layer.projections()] + [model.lm_head.packed]
+    weights = [w for w in weights if w is not None]
+    if kernel is None or not weights:
+        return 0.0, 0.0
+    read = sum(w.codes.numel() + 4 * (w.scales.numel() + w.offsets.numel()) for w in weights)
+    rows = {w.in_features: torch.randn(1, w.in_features) for w in weights}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for weight in weights:
+                kernel(rows[weight.in_features], weight)
+            best = min(best, time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    return read / best / 1e9, read / 1e6
 
 
 # ---- HF transformers baseline ----------------------------------------------------------------------------

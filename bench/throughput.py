@@ -2,6 +2,12 @@
 
     .venv/bin/python bench/throughput.py [--quick] [--workloads W1,W2] [--requests N]
                                          [--sequential-requests N] [--retries N] [--threads N]
+                                         [--model FILE|smollm2|gemma3-270m] [--no-hf]
+
+`--model` serves another GGUF (HF loads the same file with its own GGUF support; `--no-hf` leaves HF out,
+and the c16 ratio's verdict with it). Before the workloads, the decode matmul's GB/s at one row (every
+packed projection once, as a decode step reads them) is set beside the machine's measured read bandwidth
+at 1 and at --threads threads.
 
 W1 is decode-heavy (64 prompt tokens, 128 output tokens), W2 prefill-heavy (512 prompt, 16 output); both
 32 distinct prompts. Every system gets the same token ids and produces exactly max_tokens tokens (greedy,
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from common import (
@@ -30,11 +37,13 @@ from common import (
     Workload,
     build_engine,
     contention_threshold,
+    decode_matmul_bandwidth,
     exit_status,
     load_hf_model,
     load_weights,
     make_prompts,
     quietly,
+    read_bandwidth,
     run_cells,
     run_hf,
     run_kvfence,
@@ -43,6 +52,7 @@ from common import (
     write_json,
 )
 
+from kvfence.cli_options import model_file
 from kvfence.harness.tables import print_table
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import Tokenizer
@@ -65,25 +75,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sequential-requests", type=int, default=8, help="requests for conc/batch 1 rows")
     parser.add_argument("--retries", type=int, default=1, help="reruns of a row run on a busy machine")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
+    parser.add_argument("--model", type=model_file, help="GGUF file or packaged name (default: smollm2)")
+    parser.add_argument("--no-hf", action="store_true", help="kvfence rows only (no transformers model)")
     return parser.parse_args()
 
 
 class Bench:
     """The loaded weights, the HF model and the tokenizer, shared by every row."""
 
-    def __init__(self, threads: int) -> None:
-        self.gguf: GGUFModel = load_weights(threads)
+    def __init__(self, threads: int, path: Path | None, hf: bool) -> None:
+        self.gguf: GGUFModel = load_weights(threads, path)
         self.model = Transformer.from_gguf(self.gguf)  # holds no per-engine state: one for every engine
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
-        self.hf_model: torch.nn.Module = load_hf_model(self.gguf)
+        self.hf_model: torch.nn.Module | None = load_hf_model(self.gguf) if hf else None
         self.pad_id = self.tokenizer.eos_token_id
-        run_hf(self.hf_model, make_prompts(self.tokenizer, 2, 48, salt=-1), 4, 2, self.pad_id)  # warm-up
+        if self.hf_model is not None:  # warm-up
+            run_hf(self.hf_model, make_prompts(self.tokenizer, 2, 48, salt=-1), 4, 2, self.pad_id)
+        self.rows = [(system, width) for system, width in RUN_ORDER if hf or system != "hf"]
 
     def runner(
         self, system: str, width: int, prompts: list[list[int]], max_tokens: int
     ) -> Callable[[], RunResult]:
         if system == "hf":
-            return lambda: run_hf(self.hf_model, prompts, max_tokens, width, self.pad_id)
+            assert self.hf_model is not None
+            hf_model = self.hf_model
+            return lambda: run_hf(hf_model, prompts, max_tokens, width, self.pad_id)
 
         def run() -> RunResult:
             engine = build_engine(self.gguf, model=self.model)  # fresh: an empty prefix cache
@@ -96,7 +112,7 @@ class Bench:
 def run_workload(bench: Bench, workload: Workload, sequential: int, retries: int) -> list[RunResult]:
     prompts = make_prompts(bench.tokenizer, workload.num_requests, workload.prompt_len)
     results = []
-    for system, width in RUN_ORDER:
+    for system, width in bench.rows:
         subset = prompts[:sequential] if width == 1 else prompts
         run = bench.runner(system, width, subset, workload.max_tokens)
         result, discarded = quietly(run, lambda r: r.foreign_cpu, retries)
@@ -120,14 +136,40 @@ def c16_ratio(results: list[RunResult]) -> float:
     return find("kvfence").tok_per_s / find("hf").tok_per_s
 
 
+def bandwidth(bench: Bench, threads: int) -> dict[str, float]:
+    """The decode matmul's GB/s at one row beside the machine's read bandwidth, printed and returned."""
+    one, many = read_bandwidth(1), read_bandwidth(threads)
+    matmul_one, mb = decode_matmul_bandwidth(bench.model, 1)
+    matmul_many, _ = decode_matmul_bandwidth(bench.model, threads)
+    print_table(
+        ("threads", "memory read GB/s", "decode matmul GB/s (1 row)", "matmul / memory"),
+        [
+            [n, f"{memory:.1f}", f"{matmul:.1f}", f"{matmul / memory:.0%}"]
+            for n, memory, matmul in ((1, one, matmul_one), (threads, many, matmul_many))
+        ],
+    )
+    print(f"(the decode matmul reads {mb:.0f} MB a step: codes, scales and offsets of every packed weight)")
+    return {
+        "memory_read_gb_s_1_thread": one,
+        f"memory_read_gb_s_{threads}_threads": many,
+        "decode_matmul_gb_s_1_thread": matmul_one,
+        f"decode_matmul_gb_s_{threads}_threads": matmul_many,
+        "decode_matmul_mb_per_step": mb,
+    }
+
+
 def main() -> int:
     args = parse_args()
-    bench = Bench(args.threads)
+    bench = Bench(args.threads, args.model, hf=not args.no_hf)
     count = args.requests or (4 if args.quick else None)
     sequential = min(args.sequential_requests, count or args.sequential_requests)
     paths = {"decode_attention": bench.model.decode_attention, "decode_matmul": bench.model.decode_matmul}
     print(f"kvfence decode paths: {paths}")
     payload: dict[str, object] = {
+        "model": bench.gguf.path.name,
+        "architecture": bench.model.config.architecture,
+        "quantization": bench.model.quantization,
+        "bandwidth": bandwidth(bench, args.threads),
         "quick": args.quick,
         "hf_ttft": "timing streamer in the same generate()",
         "kvfence_decode_paths": paths,
@@ -139,13 +181,13 @@ def main() -> int:
         print(f"{workload}", flush=True)
         results = run_workload(bench, workload, sequential, args.retries)
         table += [row(workload, r) for r in results]
-        ratios[workload.name] = c16_ratio(results)
-        payload[workload.name] = {
-            "workload": workload,
-            "runs": [r.summary() for r in results],
-            "ratio_kvfence_c16_over_hf_b16": ratios[workload.name],
-            "target": TARGETS[workload.name],
-        }
+        payload[workload.name] = {"workload": workload, "runs": [r.summary() for r in results]}
+        if bench.hf_model is not None:
+            ratios[workload.name] = c16_ratio(results)
+            payload[workload.name] |= {  # type: ignore[operator]
+                "ratio_kvfence_c16_over_hf_b16": ratios[workload.name],
+                "target": TARGETS[workload.name],
+            }
     print("\nms columns. TTFT: arrival (add_request / the batch's generate() call) to first token.")
     print(
         "TPOT: mean time per output token after the first. HF TTFT: timing streamer in the same generate()."
@@ -163,7 +205,7 @@ def main() -> int:
         )
         for name, ratio in ratios.items()
     ]
-    write_json("throughput", payload)
+    write_json("throughput" if args.model is None else f"throughput-{bench.gguf.path.stem}", payload)
     return exit_status()
 
 
