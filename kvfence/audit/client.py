@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvfence.audit.tokens import Step, logprobs_request, read_steps
 from kvfence.audit.trail import PoolState, Trail, pool_state, settled
 from kvfence.harness.sse import MalformedEvent, decode_event
 
@@ -63,6 +64,7 @@ class Exchange:
     transport_error: str | None = None
     planted: str | None = None  # the canary this request planted
     elapsed_s: float = 0.0
+    steps: list[Step] | None = None  # the answer's tokens and their logprobs, where asked for and given
 
     @property
     def has_error(self) -> bool:
@@ -176,26 +178,39 @@ class ProbeClient:
     def headers(self, key_index: int) -> dict[str, str]:
         return {"authorization": f"Bearer {self.target.api_keys[key_index]}"}
 
-    def body(self, endpoint: str, prompt: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
-        """A greedy request for `prompt` (a chat with one user message, or a plain completion)."""
+    def body(
+        self, endpoint: str, prompt: str, max_tokens: int, stream: bool = False, logprobs: bool = False
+    ) -> dict[str, Any]:
+        """A greedy request for `prompt` (a chat with one user message, or a plain completion); with
+        `logprobs`, asking for each token's log-probability and its best alternatives'."""
         body: dict[str, Any] = {"model": self.target.model, "max_tokens": max_tokens, "temperature": 0}
         if endpoint == "chat":
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
+        if logprobs:
+            body |= logprobs_request(endpoint)
         return body | ({"stream": True} if stream else {})
 
     def send(
-        self, label: str, key_index: int, endpoint: str, prompt: str, max_tokens: int, stream: bool = False
+        self,
+        label: str,
+        key_index: int,
+        endpoint: str,
+        prompt: str,
+        max_tokens: int,
+        stream: bool = False,
+        logprobs: bool = False,
     ) -> Exchange:
         """One request, read to the end. A connection that fails before any answer (a kept-alive
         connection the server closed) is retried once on a fresh one."""
         exchange = self._new(label, key_index, endpoint, prompt, max_tokens, stream)
+        body = self.body(endpoint, prompt, max_tokens, stream, logprobs)
         for _ in range(2):
             exchange.transport_error = None
             timed = _Timed(exchange)
             with timed:
-                self._request(exchange, endpoint, self.body(endpoint, prompt, max_tokens, stream), key_index)
+                self._request(exchange, endpoint, body, key_index)
             if not timed.unanswered:
                 break
         return exchange
@@ -306,6 +321,7 @@ def _read_body(exchange: Exchange, response: httpx.Response) -> None:
     if choices:
         exchange.text = _choice_text(choices[0])
         exchange.finish_reason = choices[0].get("finish_reason")
+        exchange.steps = read_steps(choices[0])
     _read_usage(exchange, data.get("usage"))
 
 
@@ -325,6 +341,8 @@ def _read_events(exchange: Exchange, lines: Iterable[str]) -> None:
             exchange.choices = max(exchange.choices, 1)
             exchange.text += _choice_text(choice)
             exchange.finish_reason = choice.get("finish_reason") or exchange.finish_reason
+            if (steps := read_steps(choice)) is not None:
+                exchange.steps = (exchange.steps or []) + steps
         _read_usage(exchange, event.get("usage"))
 
 

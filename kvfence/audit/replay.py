@@ -33,10 +33,11 @@ from __future__ import annotations
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfence.audit.client import MAX_WORKERS, Exchange, ProbeClient
+from kvfence.audit.neartie import Departure, Margin, departure, jitter
 from kvfence.audit.result import CheckResult, inconclusive
 from kvfence.audit.trail import ENGINE, Trail, by_where, event_pages, tenant_of
 
@@ -84,6 +85,7 @@ LOAD_ATTEMPTS = 2  # tries under load of a prompt the fence aborts (while the wa
 BUSY_RETRIES = 5  # 503s (server busy: nothing started) a prompt under load is sent again after
 BUSY_WAIT_S = 1.0
 WAVES = 2
+CALIBRATION_BATCHES = (2, 8)  # batch sizes the short probes are answered in without churn
 WAVE_DROPS = 2
 WAVE_TWINS = 2
 WAVE_SHORTS = 6
@@ -113,16 +115,20 @@ class Probe:
     solo: Exchange | None = None
     attempts: list[Exchange] = field(default_factory=list)  # every solo try, the answer last
     replays: list[Exchange] = field(default_factory=list)
+    calibration: list[Exchange] = field(default_factory=list)  # answers in batches without churn
     busy: int = 0  # 503s under load, sent again
+    logprobs: bool = False  # ask for each token's logprobs (the near-tie oracle reads them)
 
     @property
     def long(self) -> bool:
         return self.planted is not None
 
-    def send(self, client: ProbeClient, alone: bool) -> Exchange:
-        stage = "alone" if alone else "load"
+    def send(self, client: ProbeClient, stage: str) -> Exchange:
+        """One request of this probe; `stage` (alone, load, batch) names it in the label."""
         label = f"replay:long-{stage}" if self.long else f"replay:{stage}"
-        exchange = client.send(label, self.key_index, self.endpoint, self.prompt, self.max_tokens)
+        exchange = client.send(
+            label, self.key_index, self.endpoint, self.prompt, self.max_tokens, logprobs=self.logprobs
+        )
         exchange.planted = self.planted
         return exchange
 
@@ -160,7 +166,7 @@ def answer_alone(client: ProbeClient, probes: list[Probe]) -> None:
     """Each probe alone, one request at a time; an integrity abort or a transport error is retried."""
     for probe in probes:
         for _ in range(SOLO_ATTEMPTS):
-            exchange = probe.send(client, alone=True)
+            exchange = probe.send(client, "alone")
             probe.attempts.append(exchange)
             if exchange.outcome == "answer":
                 probe.solo = exchange
@@ -196,7 +202,7 @@ def _replay(client: ProbeClient, probe: Probe) -> None:
     never started) after BUSY_WAIT_S, up to BUSY_RETRIES times, counted but not compared."""
     tries = 0
     while tries < LOAD_ATTEMPTS:
-        exchange = probe.send(client, alone=False)
+        exchange = probe.send(client, "load")
         if exchange.status == 503 and probe.busy < BUSY_RETRIES:
             probe.busy += 1
             time.sleep(BUSY_WAIT_S)
@@ -212,16 +218,42 @@ def _short() -> str:
     return f"[{secrets.token_hex(6)}] Say yes."
 
 
+def offers_logprobs(client: ProbeClient) -> bool:
+    """Whether the server answers a greedy request's logprobs (one short request, a fresh first page)."""
+    exchange = client.send("replay:logprobs", 0, "completions", _short(), 2, logprobs=True)
+    return exchange.outcome == "answer" and bool(exchange.steps)
+
+
+def calibrate(client: ProbeClient, probes: list[Probe]) -> None:
+    """The short probes again, in concurrent batches of CALIBRATION_BATCHES sizes and nothing else (no
+    drops, twins or page-recycling shorts): how far the server's own numerics move an answer between
+    batch shapes (`neartie.jitter`)."""
+    short = [p for p in probes if not p.long]
+    for size in CALIBRATION_BATCHES:
+        for first in range(0, len(short), size):
+            group = short[first : first + size]
+            with ThreadPoolExecutor(min(MAX_WORKERS, len(group))) as pool:
+                answers = list(pool.map(lambda probe: probe.send(client, "batch"), group))
+            for probe, exchange in zip(group, answers, strict=True):
+                probe.calibration.append(exchange)
+
+
 def run_replay(
     client: ProbeClient, long_prompts: list[tuple[str, str]], declared: bool
 ) -> tuple[CheckResult, list[Probe]]:
-    """The whole check: answers alone, WAVES churn waves, the verdict. `long_prompts`: per tenant (by
-    key) a canary victim near the window and its canary (canaries.py)."""
+    """The whole check: answers alone, calibration batches (for the near-tie oracle: where the server
+    declares no batch invariance and answers logprobs), WAVES churn waves, the verdict. `long_prompts`:
+    per tenant (by key) a canary victim near the window and its canary (canaries.py)."""
     probes = new_probes(len(client.target.api_keys), long_prompts)
+    logprobs = not declared and offers_logprobs(client)
+    for probe in probes:
+        probe.logprobs = logprobs
     answer_alone(client, probes)
+    if logprobs:
+        calibrate(client, probes)
     for wave in range(WAVES):
         churn_wave(client, probes, wave)
-    return judge(probes, declared), probes
+    return judge(probes, declared, logprobs), probes
 
 
 # ---- the verdict ------------------------------------------------------------------------------------
@@ -251,16 +283,22 @@ def probe_rows(probes: list[Probe]) -> list[dict[str, Any]]:
     return rows
 
 
-def judge(probes: list[Probe], declared: bool) -> CheckResult:
-    """FAIL on any changed answer when `declared`; PASS when every compared answer (at least MIN_COMPARED)
-    is the same; else (not declared, or too few to compare) INCONCLUSIVE with the change rate."""
-    verdicts = [(p, e, p.compare(e)) for p in probes for e in p.replays]
+def judge(probes: list[Probe], declared: bool, logprobs: bool = False) -> CheckResult:
+    """The answers in batches and under load against the solo ones, by the first oracle that applies:
+    `exact` where the server declares batch invariance (any change FAILs); `near-tie` where it answers
+    logprobs (a change FAILs where the solo run was surer than the calibrated margin: `neartie`); else
+    none (INCONCLUSIVE, with the change rate). A PASS needs MIN_COMPARED answers compared."""
+    answers = [(p, e) for p in probes for e in (*p.calibration, *p.replays)]
+    verdicts = [(p, e, p.compare(e)) for p, e in answers]
     changed = [(p, e) for p, e, v in verdicts if v == "changed"]
     compared = sum(v in ("same", "changed") for _, _, v in verdicts)
     aborted = sum(v == "fenced" for _, _, v in verdicts) + sum(e.fenced for p in probes for e in p.attempts)
     rate = len(changed) / compared if compared else 0.0
-    summary = {
+    oracle = "exact" if declared else "near-tie" if logprobs else "none"
+    summary: dict[str, Any] = {
+        "oracle": oracle,
         "declared_batch_invariant": declared,
+        "logprobs": logprobs,
         "probes": len(probes),
         "baselines": sum(p.solo is not None for p in probes),
         "compared": compared,
@@ -270,32 +308,97 @@ def judge(probes: list[Probe], declared: bool) -> CheckResult:
         "busy_retries": sum(p.busy for p in probes),
         "other": sum(v not in ("same", "changed", "fenced") for _, _, v in verdicts),
     }
-    evidence: list[dict[str, Any]] = [summary, *[_mismatch(p, e) for p, e in changed], *probe_rows(probes)]
-    ids = [str(e.request_id) for p in probes for e in (*p.attempts, *p.replays) if e.request_id]
+    ids = [
+        str(e.request_id) for p in probes for e in (*p.attempts, *p.calibration, *p.replays) if e.request_id
+    ]
     counted = (
-        f"{len(changed)} of {compared} answers under load differ from the same prompt alone ({rate:.0%})"
+        f"{len(changed)} of {compared} answers in batches and under load differ from the same prompt alone"
     )
-    fenced = f"; {aborted} aborted by the fence (kv_integrity_error)" if aborted else ""
-    if not declared:
-        return inconclusive("replay", f"{counted}{fenced}; {UNDECLARED}", evidence, ids)
+    counted += f" ({rate:.0%})" + (
+        f"; {aborted} aborted by the fence (kv_integrity_error)" if aborted else ""
+    )
+    if oracle == "near-tie":
+        return _near_tie(probes, changed, compared, summary, counted, ids)
+    evidence: list[dict[str, Any]] = [summary, *[_mismatch(p, e) for p, e in changed], *probe_rows(probes)]
+    if oracle == "none":
+        return inconclusive("replay", f"{counted}; {UNDECLARED}", evidence, ids)
     if changed:
         named = ", ".join(f"{e.request_id} (probe {p.index}, key #{p.key_index})" for p, e in changed[:4])
         more = f" +{len(changed) - 4} more" if len(changed) > 4 else ""
-        return CheckResult("replay", False, f"{counted}: {named}{more}{fenced}", evidence, ids)
+        return CheckResult("replay", False, f"exact oracle: {counted}: {named}{more}", evidence, ids)
     if compared < MIN_COMPARED:
         why = f"only {compared} answers under load to compare with one alone (a PASS needs {MIN_COMPARED})"
-        return inconclusive("replay", f"{why}{fenced}", evidence, ids)
-    ok = f"{compared} answers under load equal their solo answers ({len(probes)} prompts, {WAVES} waves)"
-    ok += fenced
+        return inconclusive("replay", f"exact oracle: {why}", evidence, ids)
+    ok = f"exact oracle: {counted} ({len(probes)} prompts, {WAVES} waves)"
     return CheckResult("replay", True, ok, evidence, ids)
 
 
-def _mismatch(probe: Probe, exchange: Exchange) -> dict[str, Any]:
+def _near_tie(
+    probes: list[Probe],
+    changed: list[tuple[Probe, Exchange]],
+    compared: int,
+    summary: dict[str, Any],
+    counted: str,
+    ids: list[str],
+) -> CheckResult:
+    """The near-tie verdict: the margin from the calibration batches, then each change's departure."""
+    margin = Margin.measured(
+        jitter(p.solo.steps, e.steps)
+        for p in probes
+        for e in p.calibration
+        if p.solo and p.solo.steps and e.steps and e.outcome == "answer"
+    )
+    judged = [(p, e, *_departure(p, e, margin)) for p, e in changed]
+    kinds = [kind for *_, kind in judged]
+    summary |= margin.evidence() | {k: kinds.count(k) for k in ("explained", "beyond", "undecided")}
+    evidence: list[dict[str, Any]] = [summary]
+    evidence += [_mismatch(p, e, found, kind) for p, e, found, kind in judged]
+    evidence += probe_rows(probes)
+    head = f"near-tie oracle, {margin.describe()}"
+    beyond = [(p, e, found) for p, e, found, kind in judged if kind == "beyond"]
+    if beyond:
+        named = "; ".join(
+            f"{e.request_id} (probe {p.index}) {found.describe()}" for p, e, found in beyond[:3]
+        )
+        more = f" +{len(beyond) - 3} more" if len(beyond) > 3 else ""
+        details = f"{counted}, {len(beyond)} beyond the margin: {named}{more}; {head}"
+        return CheckResult("replay", False, details, evidence, ids)
+    if "undecided" in kinds:
+        why = f"{kinds.count('undecided')} changed answers end where the solo one goes on (no gap to judge)"
+        return inconclusive("replay", f"{counted}; {why}; {head}", evidence, ids)
+    if compared < MIN_COMPARED:
+        why = f"only {compared} answers under load to compare with one alone (a PASS needs {MIN_COMPARED})"
+        return inconclusive("replay", f"{why}; {head}", evidence, ids)
+    explained = ", every change at a near-tie within the margin" if changed else ""
+    return CheckResult("replay", True, f"{counted}{explained}; {head}", evidence, ids)
+
+
+def _departure(probe: Probe, exchange: Exchange, margin: Margin) -> tuple[Departure | None, str]:
+    """Where a changed answer departs from its solo answer, and the margin's word on it."""
+    solo = probe.solo
+    if solo is None or solo.steps is None or exchange.steps is None:
+        return None, "undecided"
+    found = departure(solo.steps, exchange.steps)
+    return (found, margin.judge(found)) if found else (None, "undecided")
+
+
+def _mismatch(
+    probe: Probe, exchange: Exchange, found: Departure | None = None, kind: str = "changed"
+) -> dict[str, Any]:
+    """A changed answer as evidence: a `problem` (the exact rule's changes, a departure beyond the margin
+    or one left undecided), or `explained` (a near-tie within it)."""
     solo = probe.solo
     assert solo is not None
+    what = (
+        f"{exchange.request_id}: probe {probe.index} (key #{probe.key_index}) answered "
+        f"{exchange.text[:40]!r} in a batch or under load, {solo.text[:40]!r} alone ({solo.request_id})"
+    )
+    if found is not None:
+        what += f"; {found.describe()}"
     return {
-        "problem": f"{exchange.request_id}: probe {probe.index} (key #{probe.key_index}) answered "
-        f"{exchange.text[:40]!r} under load, {solo.text[:40]!r} alone ({solo.request_id})",
+        "explained" if kind == "explained" else "problem": what,
+        "verdict": kind,
+        "departure": None if found is None else asdict(found),
         "request_id": exchange.request_id,
         "solo_request_id": solo.request_id,
         "probe": probe.index,

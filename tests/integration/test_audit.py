@@ -170,13 +170,17 @@ STAND_IN_WINDOW = 256  # words (one "token" per word)
 STAND_IN_ADMIN = "stand-in-admin"
 
 
-def stand_in(leaky: bool, load_sensitive: bool = False, declares: bool = False) -> FastAPI:
+def stand_in(
+    leaky: bool, load_sensitive: bool = False, declares: bool = False, gap: float | None = None
+) -> FastAPI:
     """A minimal OpenAI-compatible server. It counts words as tokens and refuses prompt + max_tokens
     beyond its window with a 400. The leaky one answers every request with the previous prompt another
     API key sent (as a recycled, unfenced KV page would); the clean one answers deterministically, except
     that a `load_sensitive` one answers otherwise while another request is in flight (as batch-dependent
     numerics, or another tenant's KV, would). `declares`: it pins batch invariance in its model card and
-    at /v1/audit/info (admin key STAND_IN_ADMIN), and has no audit trails."""
+    at /v1/audit/info (admin key STAND_IN_ADMIN), and has no audit trails. `gap` set: it answers logprobs
+    (when asked), scripted so that at every step the other answer's word trails the chosen one by `gap`
+    nats; without it, no logprobs (the field is ignored)."""
     app = FastAPI()
     last_prompt: dict[str, str] = {}
     in_flight = [0]
@@ -213,12 +217,17 @@ def stand_in(leaky: bool, load_sensitive: bool = False, declares: bool = False) 
         others = [p for k, p in last_prompt.items() if k != key]
         last_prompt[key] = prompt
         words = (others[-1].split() if leaky and others else [f"w{i}" for i in range(8)])[:budget]
+        others_word = "busy"
         if load_sensitive:
             in_flight[0] += 1
             await asyncio.sleep(0.05)  # long enough for concurrent requests to overlap
-            words = [f"{'busy' if in_flight[0] > 1 else 'w'}{i}" for i in range(8)][:budget]
+            busy = in_flight[0] > 1
+            words = [f"{'busy' if busy else 'w'}{i}" for i in range(8)][:budget]
+            others_word = "w" if busy else "busy"
             in_flight[0] -= 1
         answer = _Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, words, tokens)
+        if gap is not None and body.get("logprobs"):
+            answer.script_logprobs([f"{others_word}{i}" for i in range(len(words))], gap)
         if body.get("stream"):
             return StreamingResponse(answer.events(), media_type="text/event-stream", headers=answer.headers)
         return JSONResponse(answer.body(), headers=answer.headers)
@@ -254,6 +263,25 @@ class _Answer:
     def __init__(self, request_id: str, chat: bool, words: list[str], prompt_tokens: int) -> None:
         self.id, self.chat, self.words, self.prompt_tokens = request_id, chat, words, prompt_tokens
         self.headers = {"x-request-id": request_id}
+        self.logprobs: dict[str, Any] | None = None
+
+    def script_logprobs(self, runners_up: list[str], gap: float) -> None:
+        """Every word at logprob -0.1, its runner-up at -0.1 - gap, in the endpoint's OpenAI shape."""
+        tokens = [f" {w}" if i else w for i, w in enumerate(self.words)]
+        seconds = [f" {w}" if i else w for i, w in enumerate(runners_up)]
+        tops = [{t: -0.1, r: -0.1 - gap} for t, r in zip(tokens, seconds, strict=True)]
+        if self.chat:
+            content = [
+                {
+                    "token": t,
+                    "logprob": -0.1,
+                    "top_logprobs": [{"token": k, "logprob": v} for k, v in top.items()],
+                }
+                for t, top in zip(tokens, tops, strict=True)
+            ]
+            self.logprobs = {"content": content}
+        else:
+            self.logprobs = {"tokens": tokens, "token_logprobs": [-0.1] * len(tokens), "top_logprobs": tops}
 
     def choice(self, text: str, finish: str | None) -> dict[str, Any]:
         if self.chat:
@@ -262,7 +290,8 @@ class _Answer:
 
     def body(self) -> dict[str, Any]:
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.words)}
-        return {"id": self.id, "choices": [self.choice(" ".join(self.words), "length")], "usage": usage}
+        choice = self.choice(" ".join(self.words), "length") | {"logprobs": self.logprobs}
+        return {"id": self.id, "choices": [choice], "usage": usage}
 
     async def events(self) -> AsyncIterator[str]:
         for i, word in enumerate(self.words):
@@ -311,10 +340,37 @@ def test_replay_is_inconclusive_against_a_server_that_declares_nothing(tmp_path:
     replay = check(report, "replay")
     assert replay["status"] == "INCONCLUSIVE" and status == 3
     summary = replay["evidence"][0]
-    assert summary["declared_batch_invariant"] is False
+    assert summary["declared_batch_invariant"] is False and summary["oracle"] == "none"
     assert summary["changed"] > 0 and summary["change_rate"] > 0, summary
-    assert f"{summary['changed']} of {summary['compared']} answers under load differ" in replay["details"]
+    counted = f"{summary['changed']} of {summary['compared']} answers in batches and under load differ"
+    assert counted in replay["details"]
     assert "does not declare batch invariance" in replay["details"]
+
+
+@pytest.mark.parametrize(
+    ("gap", "verdict"), [(0.001, "PASS"), (3.0, "FAIL")], ids=["near tie", "wide margin"]
+)
+def test_the_near_tie_oracle_explains_a_flip_at_a_near_tie_and_fails_one_at_a_wide_margin(
+    tmp_path: Path, gap: float, verdict: str
+) -> None:
+    """The same undeclared, load-sensitive server, now answering logprobs: where its solo run chose each
+    word over the one given under load by `gap` nats, a flip within the calibrated margin (floor 0.02:
+    the stand-in's batched answers never agree long enough to measure jitter) is numerics, a flip the
+    solo run was 3 nats sure against is not, and the check names the request and the step."""
+    with serving(stand_in(leaky=False, load_sensitive=True, gap=gap)) as url:
+        status, report = audit(url, tmp_path, "--black-box")
+    replay = check(report, "replay")
+    summary = replay["evidence"][0]
+    assert summary["oracle"] == "near-tie" and summary["margin_nats"] == 0.02, summary
+    assert summary["changed"] > 0 and replay["status"] == verdict, replay["details"]
+    if verdict == "PASS":
+        assert summary["explained"] == summary["changed"] and summary["beyond"] == 0
+        assert "every change at a near-tie within the margin" in replay["details"]
+    else:
+        assert status == 1 and summary["beyond"] == summary["changed"]
+        named = [item for item in replay["evidence"] if item.get("verdict") == "beyond"]
+        assert named and named[0]["request_id"] in replay["details"]
+        assert "step 0: 'busy0' where the solo run chose 'w0' by 3 nats" in replay["details"]
 
 
 def test_replay_fails_a_server_that_declares_batch_invariance_and_changes(tmp_path: Path) -> None:

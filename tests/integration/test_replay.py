@@ -25,7 +25,8 @@ from conftest import LogitsRecorder, real_engine
 
 from kvfence.audit.canaries import new_canary, victim_prompt
 from kvfence.audit.cli import add_arguments, run
-from kvfence.audit.replay import REPLAY_MAX_TOKENS, REPLAY_PROMPTS
+from kvfence.audit.client import ProbeClient, Target, discover
+from kvfence.audit.replay import REPLAY_MAX_TOKENS, REPLAY_PROMPTS, run_replay
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.info import engine_info
@@ -195,3 +196,43 @@ def test_audit_passes_kvfence_with_the_fence_on_under_the_same_faults(
     summary = replay["evidence"][0]
     assert replay["status"] == "PASS" and summary["compared"] >= 8 and summary["changed"] == 0, summary
     assert summary["integrity_aborts"] > 0, "the faults fired and the fence aborted nothing?"
+
+
+def replay_alone(url: str) -> dict[str, Any]:
+    """The replay check by itself (no other probe), as a tenant sees the server: its pin read from the
+    model card; each tenant's long canary victim (12 records, about 280 tokens) fills pages with other
+    text, as the audit's earlier probes do, so a stale read has something else to find."""
+    served = discover(url, "key-a")
+    client = ProbeClient(Target(url, tuple(KEYS), served.model))
+    long_prompts = [(victim_prompt(canary, 12), canary) for canary in (new_canary(), new_canary())]
+    try:
+        result, _ = run_replay(client, long_prompts, served.batch_invariant)
+    finally:
+        client.close()
+    return {"status": result.status, "details": result.details, "evidence": result.evidence}
+
+
+# One fault here (bench/audit_faults.py --hide-pin measures every fault's catch rate over several runs).
+@pytest.mark.parametrize("fault", ["cross_tenant_prefix_hit", None], ids=["cross_tenant_prefix_hit", "clean"])
+def test_the_near_tie_oracle_judges_kvfence_with_its_pin_hidden(
+    smollm2: GGUFModel, fault: str | None
+) -> None:
+    """kvfence hiding its batch-invariance pin (`--hide-batch-invariance`) is judged as any engine that
+    answers logprobs: with the fence off and a fault armed, answers from stale KV depart from their solo
+    answers where the solo run was sure (FAIL, beyond the margin); clean, it passes. The pin is hidden in
+    the model card, so the exact rule cannot decide."""
+    faults = {fault: FAULTS[fault]} if fault else {}
+    engine = real_engine(
+        smollm2, isolation=fault is None, faults=faults, declare_batch_invariance=False, **SMALL
+    )
+    with cluster(engine, api_keys=KEYS, admin_key=ADMIN) as running:
+        assert discover(running.url, "key-a").batch_invariant is False
+        replay = replay_alone(running.url)
+    summary = replay["evidence"][0]
+    assert summary["oracle"] == "near-tie" and summary["calibration_answers"] > 0, summary
+    if fault is None:
+        assert replay["status"] == "PASS" and summary["beyond"] == 0, replay["details"]
+        assert summary["margin_nats"] < 0.1, "fp32 CPU jitter is ~1e-5: the margin stays at its floor"
+    else:
+        assert replay["status"] == "FAIL" and summary["beyond"] > 0, replay["details"]
+        assert "beyond the margin" in replay["details"]
