@@ -95,7 +95,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--decode-matmul",
         choices=DECODE_MATMUL,
         default=defaults.decode_matmul,
-        help="kernel: decode rows multiply by the GGUF's quantized weights (Q4_0/Q4_1/Q8_0) in a C kernel "
+        help="kernel: rows multiply by the GGUF's quantized weights (any block format) in a C kernel "
         "(float32 on CPU); dense: BLAS over the dequantized weights; auto: the kernel where it can run "
         "(default: %(default)s)",
     )
@@ -103,6 +103,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--trace-pages",
         action="store_true",
         help="audit which pages each request reads and whose data they hold (lab, audits)",
+    )
+    g.add_argument(
+        "--hide-batch-invariance",
+        action="store_true",
+        help="leave the batch_invariant pin out of /v1/models and /v1/audit/info, as an engine that does not "
+        "pin its numerics (testing the audit's near-tie oracle)",
     )
     _add_tenant_options(parser, defaults)
 
@@ -161,6 +167,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         decode_attention=args.decode_attention,
         decode_matmul=args.decode_matmul,
         trace_pages=args.trace_pages,
+        declare_batch_invariance=not args.hide_batch_invariance,
         max_waiting_per_tenant=args.max_waiting_per_tenant,
         max_running_per_tenant=args.max_running_per_tenant,
         max_pages_per_tenant=args.max_pages_per_tenant,

@@ -37,6 +37,7 @@ class EngineConfig:
     decode_matmul: str = "auto"  # auto | kernel | dense (see DECODE_MATMUL)
     decode_graphs: bool = False  # a scratch page in the pool for captured decode graphs' padding rows
     trace_pages: bool = False  # audit `pages_read` events: which pages each request reads, whose data
+    declare_batch_invariance: bool = True  # False: the `batch_invariant` pin is left out (audit tests)
     # Per-tenant limits (None: only the engine's own). Waiting requests beyond the queue limit are refused
     # with 429; the running and page limits keep a tenant's further requests waiting.
     max_waiting_per_tenant: int | None = 1024

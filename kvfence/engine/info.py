@@ -39,7 +39,10 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
         "prefix_caching": engine.prefix is not None,
         # Decode rows computed one at a time, in a fixed reduction order, by the C kernels (packed matmul for
         # every projection and the LM head, paged attention): what shares the batch cannot change them.
-        "batch_invariant": _decode_rows_alone(engine.model),
+        # None (no pin) where the operator hid it (--hide-batch-invariance).
+        "batch_invariant": _decode_rows_alone(engine.model)
+        if engine.config.declare_batch_invariance
+        else None,
     }
 
 
