@@ -181,6 +181,17 @@ def smollm2() -> GGUFModel:
     return load_gguf(default_model_path())
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2: GGUFModel) -> torch.nn.Module:
+    """transformers' own load of the same SmolLM2 GGUF (its GGUF support dequantizes it), float32, once per
+    session: the golden reference (about 15 s to load)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2.path.parent), gguf_file=smollm2.path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
 def real_engine(gguf: GGUFModel, **overrides: object) -> LLMEngine:
     settings: dict[str, object] = {"num_pages": 256, "max_model_len": 2048}
     settings.update(overrides)

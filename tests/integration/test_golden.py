@@ -25,15 +25,6 @@ CHATS = [
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm2: GGUFModel) -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2.path.parent), gguf_file=smollm2.path.name, dtype=torch.float32
-    )
-    return model.eval()
-
-
 def hf_greedy(
     model: torch.nn.Module, prompt: list[int], new_tokens: int
 ) -> tuple[list[int], list[torch.Tensor]]:
@@ -51,7 +42,7 @@ def hf_greedy(
     return tokens, logits
 
 
-def test_greedy_tokens_and_logits_match_transformers(smollm2: GGUFModel, hf_model: torch.nn.Module) -> None:
+def test_greedy_tokens_and_logits_match_transformers(smollm2: GGUFModel, hf_smollm2: torch.nn.Module) -> None:
     engine = real_engine(smollm2)
     recorder = LogitsRecorder(engine)
     tok = engine.tokenizer
@@ -60,7 +51,7 @@ def test_greedy_tokens_and_logits_match_transformers(smollm2: GGUFModel, hf_mode
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt in prompts:
         request = engine.generate([prompt], params)[0]
-        ref_tokens, ref_logits = hf_greedy(hf_model, prompt, NEW_TOKENS)
+        ref_tokens, ref_logits = hf_greedy(hf_smollm2, prompt, NEW_TOKENS)
         assert len(request.output_token_ids) == NEW_TOKENS
         assert_same_greedy(
             request.output_token_ids, recorder.steps[request.request_id], ref_tokens, ref_logits

@@ -84,14 +84,9 @@ def test_smollm2_config_matches_gguf_header(smollm2: GGUFModel) -> None:
 
 
 @real_model
-def test_every_tensor_equals_transformers_gguf_load(smollm2: GGUFModel, model_path: Path) -> None:
+def test_every_tensor_equals_transformers_gguf_load(smollm2: GGUFModel, hf_smollm2: torch.nn.Module) -> None:
     """Bit-identical to transformers, which also undoes llama.cpp's Q/K row permutation."""
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        model_path.parent, gguf_file=model_path.name, dtype=torch.float32
-    )
-    hf_tensors = hf_model.state_dict()
+    hf_tensors = dict(hf_smollm2.state_dict())
     # transformers materialises the tied head as its own entry; ours is the embedding itself.
     embedding = smollm2.quantized["token_embd.weight"].dequantize()
     assert torch.equal(hf_tensors.pop("lm_head.weight"), embedding)
