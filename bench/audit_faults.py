@@ -2,7 +2,12 @@
 isolation off and on, on the real model.
 
     .venv/bin/python bench/audit_faults.py [--rate 0.3] [--faults a,b] [--no-admin-key] [--threads 1]
+                                           [--hide-pin --runs N]
     .venv/bin/python bench/audit_faults.py --disaggregated      # the incident: placeholder_transfer, PD
+
+`--hide-pin` serves with `--hide-batch-invariance`, so the replay is judged by the near-tie oracle (the
+exact rule needs the pin), and adds a clean run (no fault, isolation on); `--runs N` repeats every run
+and prints each row's catch rate (isolation off: FAIL in how many runs) and pass rate.
 
 Per fault and isolation setting: a fresh engine (SmolLM2, 64 pages, a 512-token window) serving in this
 process with the fault armed at `--rate`, then the whole black-box audit against it, as `kvfence audit`
@@ -46,17 +51,23 @@ KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 ADMIN = "bench-admin"
 
 
-def audit_once(gguf: GGUFModel, fault: str, rate: float, isolation: bool, admin: bool) -> dict[str, Any]:
-    """One single-node engine in this process, `fault` armed, audited."""
-    config = EngineConfig(num_pages=64, max_model_len=512, isolation=isolation, faults={fault: rate})
+def audit_once(
+    gguf: GGUFModel, fault: str | None, rate: float, isolation: bool, admin: bool, pin: bool = True
+) -> dict[str, Any]:
+    """One single-node engine in this process, `fault` armed (None: clean), audited; `pin` False hides
+    the batch-invariance pin."""
+    faults = {fault: rate} if fault else {}
+    config = EngineConfig(
+        num_pages=64, max_model_len=512, isolation=isolation, faults=faults, declare_batch_invariance=pin
+    )
     engine = LLMEngine(config, Transformer.from_gguf(gguf), Tokenizer.from_gguf(gguf), log=lambda _: None)
     engine.model_file = gguf.path
     started = time.perf_counter()
     with cluster(engine, api_keys=KEYS, admin_key=ADMIN) as running:
         result = audit(running.url, admin)
     return {
-        "fault": fault,
-        "rate": rate,
+        "fault": fault or "none",
+        "rate": rate if fault else 0.0,
         "isolation": isolation,
         **result,
         "effects": len(engine.faults.effects),
@@ -101,6 +112,33 @@ def audit(url: str, admin: bool) -> dict[str, Any]:
     return {"exit": status, "checks": {c["name"]: c["status"] for c in report["checks"]}, "replay": replay}
 
 
+def rates(runs: list[dict[str, Any]]) -> list[list[object]]:
+    """Per (fault, isolation): the replay's verdicts over the runs, and the margins the oracle set."""
+    rows: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for r in runs:
+        rows.setdefault((f"{r['fault']}:{r['rate']}", r["isolation"]), []).append(r)
+    table = []
+    for (fault, isolation), group in rows.items():
+        verdicts = [r["checks"]["replay"] for r in group]
+        margins = [
+            r["replay"].get("margin_nats") for r in group if r["replay"].get("margin_nats") is not None
+        ]
+        table.append(
+            [
+                fault,
+                "on" if isolation else "off",
+                f"{verdicts.count('FAIL')}/{len(group)}",
+                f"{verdicts.count('PASS')}/{len(group)}",
+                f"{verdicts.count('INCONCLUSIVE')}/{len(group)}",
+                group[0]["replay"].get("oracle"),
+                f"{max(margins):.3g}" if margins else "-",
+                sum(r["replay"].get("beyond", 0) for r in group),
+                sum(r["replay"].get("explained", 0) for r in group),
+            ]
+        )
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -114,6 +152,10 @@ def main() -> None:
         help="instead: the incident's deployment, placeholder_transfer at --rate (default 1.0 there)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument(
+        "--hide-pin", action="store_true", help="no batch-invariance pin: the near-tie oracle"
+    )
+    parser.add_argument("--runs", type=int, default=1, help="repeat every run (default: %(default)s)")
     args = parser.parse_args()
     admin = not args.no_admin_key
     if args.disaggregated:
@@ -123,10 +165,12 @@ def main() -> None:
     else:
         gguf = load_weights(args.threads)
         rate = 0.3 if args.rate is None else args.rate
+        cases = [(fault, isolation) for fault in args.faults.split(",") for isolation in (False, True)]
+        cases += [(None, True)] if args.hide_pin else []
         runs = [
-            audit_once(gguf, fault, rate, isolation, admin)
-            for fault in args.faults.split(",")
-            for isolation in (False, True)
+            audit_once(gguf, fault, rate, isolation, admin, pin=not args.hide_pin)
+            for _ in range(args.runs)
+            for fault, isolation in cases
         ]
     print_table(
         [
@@ -154,7 +198,23 @@ def main() -> None:
             for r in runs
         ],
     )
-    write_json("audit_faults", {"admin_key": admin, "runs": runs})
+    if args.runs > 1 or args.hide_pin:
+        print_table(
+            [
+                "fault",
+                "isolation",
+                "FAIL",
+                "PASS",
+                "INCONCLUSIVE",
+                "oracle",
+                "max margin",
+                "beyond",
+                "explained",
+            ],
+            rates(runs),
+        )
+    name = "audit_faults" + ("_hidden_pin" if args.hide_pin else "")
+    write_json(name, {"admin_key": admin, "pin_hidden": args.hide_pin, "runs": runs})
 
 
 if __name__ == "__main__":
