@@ -55,17 +55,18 @@ def _cache_dir() -> Path:
     return Path(base) / "kvfence" / "kernels"
 
 
-def _build(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
-    text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode()]))
-    target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+def _build(compiler: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> Path:
+    """One shared library from `sources` (the first names it), cached under a key of every source's text
+    and the flags."""
+    key = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in sources), " ".join(flags).encode()]))
+    target = _cache_dir() / f"{sources[0].stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *flags, str(source), "-o", str(built), "-lm"],
+            [compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -76,14 +77,17 @@ def _build(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
 
 
 @functools.cache
-def load_library(name: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
-    """(csrc/`name`.c built and loaded, "") or (None, why not). Built once per process and per machine;
-    `extra_flags` (e.g. a -D switch) give a separately cached build."""
+def load_library(
+    name: str, extra_flags: tuple[str, ...] = (), with_sources: tuple[str, ...] = ()
+) -> tuple[ctypes.CDLL | None, str]:
+    """(csrc/`name`.c, linked with csrc/`with_sources`.c, built and loaded, "") or (None, why not). Built
+    once per process and per machine; `extra_flags` (e.g. a -D switch) give a separately cached build."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, "no C compiler (cc) on PATH"
     try:
-        return ctypes.CDLL(str(_build(compiler, CSRC / f"{name}.c", FLAGS + isa_flags() + extra_flags))), ""
+        sources = tuple(CSRC / f"{source}.c" for source in (name, *with_sources))
+        return ctypes.CDLL(str(_build(compiler, sources, FLAGS + isa_flags() + extra_flags))), ""
     except subprocess.CalledProcessError as exc:
         return None, f"kernel build failed: {exc.stderr.strip()[-500:]}"
     except (OSError, subprocess.SubprocessError) as exc:

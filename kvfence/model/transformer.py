@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from kvfence.config import DECODE_ATTENTION, DECODE_MATMUL
 from kvfence.model import attention, packed_matmul, paged_kernel, triton_attention
 from kvfence.model.attention import LayerAttention, PrefillSeq
+from kvfence.model.decoder_layer import DecoderLayers, StepBuffers
 from kvfence.model.gguf import GGUFModel, ModelConfig, QuantizedWeight
 from kvfence.model.packed_matmul import PackedMatmulKernel
 from kvfence.model.paged_decode import PagedDecode
+from kvfence.model.paged_kernel import PagedDecodeKernel
 from kvfence.model.weights import Binder, Embedding, Layer, Projection
 
 K = TypeVar("K")
@@ -145,15 +147,19 @@ class Transformer:
             LayerAttention(config.attention_scale, config.window(i)) for i in range(config.num_layers)
         ]
         divisors = tensors.get("rope_freqs.weight", 1.0)  # Llama 3's per-frequency RoPE scaling
-        global_rope = Rope(
+        self._rope = Rope(
             config.head_dim, config.rope_theta, divisors * config.rope_linear_factor, self.device
         )
-        local_rope = (
+        self._local_rope = (
             Rope(config.head_dim, config.local_rope_theta, 1.0, self.device) if config.local_layers else None
         )
-        self._ropes = [
-            local_rope if i in config.local_layers else global_rope for i in range(config.num_layers)
-        ]
+        # Every layer's row-wise work in C, where every matmul and the decode attention run in the C kernels
+        # (CPU float32): one call per layer around attention, one per step for every layer when all rows
+        # decode. Elsewhere, the torch forward below.
+        self._c_layers: DecoderLayers | None = None
+        if self._packed_kernel is not None and isinstance(self._kernel, PagedDecodeKernel):
+            windows = [spec.window for spec in self._attention]
+            self._c_layers, _ = DecoderLayers.build(self.layers, windows, set(config.local_layers))
 
     @property
     def packed_matmul(self) -> PackedMatmulKernel | None:
@@ -215,15 +221,61 @@ class Transformer:
         h = self.embed(inputs.input_ids)
         if cfg.embedding_scale != 1.0:
             h = h * torch.tensor(cfg.embedding_scale, dtype=h.dtype)
-        angles = {id(rope): rope.cos_sin(inputs.positions, self.dtype) for rope in set(self._ropes) if rope}
-        for li, layer in enumerate(self.layers):
-            attn = self._attend(li, layer, self._rms_norm(h, layer.attn_norm), inputs, kv, angles)
-            out = self._linear(attn, layer.o)
-            h = h + (out if layer.post_attn_norm is None else self._rms_norm(out, layer.post_attn_norm))
-            gate, up = self._linear(self._rms_norm(h, layer.ffn_norm), layer.gate_up).chunk(2, dim=-1)
-            out = self._linear(self._act(gate) * up, layer.down)
-            h = h + (out if layer.post_ffn_norm is None else self._rms_norm(out, layer.post_ffn_norm))
+        angles = self._rope.cos_sin(inputs.positions, self.dtype)
+        local = self._local_rope.cos_sin(inputs.positions, self.dtype) if self._local_rope else angles
+        if self._c_layers is not None:
+            h = self._layers_in_c(self._c_layers, h.contiguous(), inputs, kv, (*angles, *local))
+        else:
+            for li, layer in enumerate(self.layers):
+                rope = local if li in cfg.local_layers else angles
+                attn = self._attend(li, layer, self._rms_norm(h, layer.attn_norm), inputs, kv, rope)
+                out = self._linear(attn, layer.o)
+                h = h + (out if layer.post_attn_norm is None else self._rms_norm(out, layer.post_attn_norm))
+                gate, up = self._linear(self._rms_norm(h, layer.ffn_norm), layer.gate_up).chunk(2, dim=-1)
+                out = self._linear(self._act(gate) * up, layer.down)
+                h = h + (out if layer.post_ffn_norm is None else self._rms_norm(out, layer.post_ffn_norm))
         return self._linear(self._rms_norm(h[inputs.logits_rows], self.norm), self.lm_head).float()
+
+    def _layers_in_c(
+        self,
+        c_layers: DecoderLayers,
+        h: torch.Tensor,
+        inputs: StepInputs,
+        kv: torch.Tensor,
+        angles: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
+        """Every layer through the C layer: one call for the step when every row decodes, else per layer
+        the C layer around attention here (the paged kernel for decode rows, SDPA for prefill chunks)."""
+        cfg = self.config
+        rows, nq, nkv, hd = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        buffers = StepBuffers(
+            x=torch.empty(rows, cfg.hidden_size),
+            qkv=torch.empty(rows, (nq + 2 * nkv) * hd),
+            attn=torch.empty(rows, nq * hd),
+            gate_up=torch.empty(rows, 2 * cfg.intermediate_size),
+            slots=inputs.slot_mapping.contiguous(),
+            angles=[angle.reshape(rows, hd).contiguous() for angle in angles],
+        )
+        if not inputs.prefills:
+            tables, lens = inputs.decode_block_tables.contiguous(), inputs.decode_context_lens.contiguous()
+            c_layers.decode(DecoderLayers.step(cfg, buffers, kv, tables, lens), h)
+            return h
+        step = DecoderLayers.step(cfg, buffers, kv)
+        q, k, v = buffers.qkv.view(rows, nq + 2 * nkv, hd).split([nq, nkv, nkv], dim=1)
+        attn = buffers.attn.view(rows, nq, hd)
+        for li in range(cfg.num_layers):
+            c_layers.qkv(step, li, h)
+            k_cache, v_cache, spec = kv[li, 0], kv[li, 1], self._attention[li]
+            if inputs.decode_rows.numel():
+                tables, lens = inputs.decode_block_tables, inputs.decode_context_lens
+                rows_q = q[inputs.decode_rows]
+                attn[inputs.decode_rows] = attention.decode(
+                    self._kernel, rows_q, k_cache, v_cache, tables, lens, spec
+                )
+            for seq in inputs.prefills:
+                attn[seq.start : seq.end] = attention.prefill(q, k, v, k_cache, v_cache, seq, spec)
+            c_layers.out(step, li, h)
+        return h
 
     def _attend(
         self,
@@ -232,17 +284,18 @@ class Transformer:
         x: torch.Tensor,
         inputs: StepInputs,
         kv: torch.Tensor,
-        angles: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        angles: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """Layer `li`'s attention block up to the output projection: Q/K/V, their norms and RoPE, the new
-        K/V stored in their slots, attention over the pool. Returns [T, heads * head_dim]."""
+        """Layer `li`'s attention block up to the output projection: Q/K/V, their norms and RoPE at the
+        layer's `angles` (cos, sin), the new K/V stored in their slots, attention over the pool. Returns
+        [T, heads * head_dim]."""
         cfg = self.config
         nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self._linear(x, layer.qkv).view(-1, nq + 2 * nkv, hd)
         q, k, v = qkv.split([nq, nkv, nkv], dim=1)
         if layer.q_norm is not None and layer.k_norm is not None:
             q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
-        cos, sin = angles[id(self._ropes[li])]
+        cos, sin = angles
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache, v_cache = kv[li, 0], kv[li, 1]
         k_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, k)
