@@ -13,9 +13,9 @@ prompts (replay.py), and rounds of concurrent plants, dropped plants and over-lo
 
 The positive control: the share of answered plants that echo their own canary. Below
 POSITIVE_CONTROL_MIN the model does not copy, so the absence of a leak proves nothing: INCONCLUSIVE, with
-the measured rate. On a server that does not declare batch invariance (replay.py) a clean scan is
-INCONCLUSIVE too: the replay oracle cannot back it up there, and canaries alone prove no isolation. A
-leak is a FAIL everywhere. HTTP only (client.py): no torch.
+the measured rate. A clean scan is a PASS only where the replay check backs it (replay.py: the server
+declares batch invariance, or the near-tie oracle passed its answers); elsewhere INCONCLUSIVE, since
+canaries alone prove no isolation. A leak is a FAIL everywhere. HTTP only (client.py): no torch.
 """
 
 from __future__ import annotations
@@ -163,10 +163,10 @@ def _leaks(exchanges: list[Exchange], planted: list[tuple[int, str]]) -> list[di
     return problems
 
 
-def scan_canaries(exchanges: list[Exchange], declared: bool) -> CheckResult:
+def scan_canaries(exchanges: list[Exchange], backed: bool) -> CheckResult:
     """No answer (or partial stream) of any tenant may contain a fragment of another tenant's canary: FAIL
-    when one does. Otherwise PASS only when the positive control holds and the server declares batch
-    invariance (`declared`); else INCONCLUSIVE, saying why."""
+    when one does. Otherwise PASS only when the positive control holds and the replay check `backed` it
+    (the exact oracle's pin, or a near-tie PASS); else INCONCLUSIVE, saying why."""
     planted = [(e.key_index, str(e.planted)) for e in exchanges if e.planted]
     tenants = len({key for key, _ in planted})
     if tenants < 2:
@@ -196,9 +196,9 @@ def scan_canaries(exchanges: list[Exchange], declared: bool) -> CheckResult:
         )
         why += "nothing"
         result = inconclusive("canary_scan", f"{seen} ({control['rate']:.0%}), {why}", [], ids)
-    elif not declared:
-        why = "but the server does not declare batch invariance: no replay backs this, and canaries alone "
-        why += "prove nothing"
+    elif not backed:
+        why = "but no replay backs this (the server declares no batch invariance and the near-tie oracle "
+        why += "did not pass its answers), and canaries alone prove nothing"
         result = inconclusive("canary_scan", f"{seen}; {why}", [], ids)
     else:
         result = verdict("canary_scan", [], seen, ids)
