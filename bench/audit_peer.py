@@ -1,0 +1,107 @@
+"""`kvfence audit --black-box` against a peer engine: llama.cpp's llama-server on the same GGUF.
+
+    .venv/bin/python bench/audit_peer.py [--llama-server PATH | --build] [--model FILE|smollm2|gemma3-270m]
+                                         [--runs 3] [--threads 2] [--slots 16] [--context 8192]
+
+llama-server (built from the llama-cpp-python 0.3.36 sdist by ../shared/peers/build-llama-server.sh, or
+the binary given) serves the model with two API keys, continuous batching over `--slots` slots; the whole
+black-box audit runs against it `--runs` times, as an operator would run it. llama-server declares no batch
+invariance, so the replay check is decided by the near-tie oracle from the logprobs it answers. Prints one
+row per run (exit status, every check's verdict, the replay's oracle, margin and departures) and writes
+bench/results/audit_peer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common import write_json
+
+from kvfence.audit.cli import add_arguments, run
+from kvfence.cli_options import model_file
+from kvfence.harness.peers import llama_server, llama_server_binary
+from kvfence.harness.tables import print_table
+from kvfence.pins import default_model_path
+
+KEYS = ("peer-key-a", "peer-key-b")
+
+
+def audit(url: str) -> dict[str, Any]:
+    """One black-box audit: exit status, each check's verdict, the replay's summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        out = Path(tmp, "report.json")
+        argv = ["--url", url, "--black-box", "--json", str(out), *(a for k in KEYS for a in ("--api-key", k))]
+        status = run(parser.parse_args(argv))
+        report = json.loads(out.read_text(encoding="utf-8"))
+    checks = {c["name"]: c for c in report["checks"]}
+    return {
+        "exit": status,
+        "checks": {name: c["status"] for name, c in checks.items()},
+        "replay": checks["replay"]["evidence"][0],
+        "replay_details": checks["replay"]["details"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--llama-server", type=Path, help="the binary (default: $KVFENCE_LLAMA_SERVER or cache)"
+    )
+    parser.add_argument("--build", action="store_true", help="build llama-server if none is found (~10 min)")
+    parser.add_argument("--model", type=model_file, help="GGUF file or packaged name (default: smollm2)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--context", type=int, default=8192)
+    args = parser.parse_args()
+    binary = llama_server_binary(args.llama_server, build=args.build)
+    model = args.model or default_model_path()
+    runs = []
+    with llama_server(binary, model, args.threads, args.slots, args.context, KEYS) as url:
+        for index in range(args.runs):
+            runs.append(audit(url))
+            print(f"run {index + 1}: exit {runs[-1]['exit']}: {runs[-1]['replay_details']}", flush=True)
+    print_table(
+        [
+            "run",
+            "exit",
+            "replay",
+            "oracle",
+            "margin",
+            "changed/compared",
+            "beyond",
+            "explained",
+            "other checks",
+        ],
+        [
+            [
+                i + 1,
+                r["exit"],
+                r["checks"]["replay"],
+                r["replay"].get("oracle"),
+                r["replay"].get("margin_nats", "-"),
+                f"{r['replay']['changed']}/{r['replay']['compared']}",
+                r["replay"].get("beyond", "-"),
+                r["replay"].get("explained", "-"),
+                ", ".join(f"{k} {v}" for k, v in r["checks"].items() if k != "replay"),
+            ]
+            for i, r in enumerate(runs)
+        ],
+    )
+    write_json(
+        "audit_peer", {"peer": "llama-server", "binary": str(binary), "model": model.name, "runs": runs}
+    )
+    return 0 if all(r["checks"]["replay"] == "PASS" for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
