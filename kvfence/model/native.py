@@ -78,15 +78,16 @@ def _build(compiler: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> 
 
 @functools.cache
 def load_library(
-    name: str, extra_flags: tuple[str, ...] = (), with_sources: tuple[str, ...] = ()
+    name: str, extra_flags: tuple[str, ...] = (), with_sources: tuple[str, ...] = (), csrc: Path = CSRC
 ) -> tuple[ctypes.CDLL | None, str]:
-    """(csrc/`name`.c, linked with csrc/`with_sources`.c, built and loaded, "") or (None, why not). Built
-    once per process and per machine; `extra_flags` (e.g. a -D switch) give a separately cached build."""
+    """(`csrc`/`name`.c, linked with `csrc`/`with_sources`.c, built and loaded, "") or (None, why not).
+    Built once per process and per machine; `extra_flags` (e.g. a -D switch) give a separately cached
+    build. `csrc`: another package's C sources (the fence's, cache/csrc)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, "no C compiler (cc) on PATH"
     try:
-        sources = tuple(CSRC / f"{source}.c" for source in (name, *with_sources))
+        sources = tuple(csrc / f"{source}.c" for source in (name, *with_sources))
         return ctypes.CDLL(str(_build(compiler, sources, FLAGS + isa_flags() + extra_flags))), ""
     except subprocess.CalledProcessError as exc:
         return None, f"kernel build failed: {exc.stderr.strip()[-500:]}"
