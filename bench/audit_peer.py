@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/audit_peer.py [--llama-server PATH | --build] [--model FILE|smollm2|gemma3-270m]
                                          [--runs 3] [--threads 2] [--slots 16] [--context 8192]
+    .venv/bin/python bench/audit_peer.py --url http://127.0.0.1:8911 --peer vllm   # any running server
 
 llama-server (built from the llama-cpp-python 0.3.36 sdist by ../shared/peers/build-llama-server.sh, or
 the binary given) serves the model with two API keys, continuous batching over `--slots` slots; the whole
@@ -62,14 +63,29 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--url", help="audit this running server instead of starting llama-server")
+    parser.add_argument("--peer", default="llama-server", help="its name in the results (with --url)")
     args = parser.parse_args()
+    if args.url:
+        runs = audit_runs(args.url, args.runs)
+        return finish(args.peer, runs, {"url": args.url})
     binary = llama_server_binary(args.llama_server, build=args.build)
     model = args.model or default_model_path()
-    runs = []
     with llama_server(binary, model, args.threads, args.slots, args.context, KEYS) as url:
-        for index in range(args.runs):
-            runs.append(audit(url))
-            print(f"run {index + 1}: exit {runs[-1]['exit']}: {runs[-1]['replay_details']}", flush=True)
+        runs = audit_runs(url, args.runs)
+    return finish("llama-server", runs, {"binary": str(binary), "model": model.name})
+
+
+def audit_runs(url: str, count: int) -> list[dict[str, Any]]:
+    runs = []
+    for index in range(count):
+        runs.append(audit(url))
+        print(f"run {index + 1}: exit {runs[-1]['exit']}: {runs[-1]['replay_details']}", flush=True)
+    return runs
+
+
+def finish(peer: str, runs: list[dict[str, Any]], about: dict[str, str]) -> int:
+    """The table, the JSON (bench/results/audit_peer[_NAME].json), and 0 when every replay passed."""
     print_table(
         [
             "run",
@@ -97,9 +113,8 @@ def main() -> int:
             for i, r in enumerate(runs)
         ],
     )
-    write_json(
-        "audit_peer", {"peer": "llama-server", "binary": str(binary), "model": model.name, "runs": runs}
-    )
+    name = "audit_peer" if peer == "llama-server" else f"audit_peer_{peer}"
+    write_json(name, {"peer": peer, **about, "runs": runs})
     return 0 if all(r["checks"]["replay"] == "PASS" for r in runs) else 1
 
 
