@@ -3,8 +3,9 @@
 The contracts are kvfence.sampling's (the parameters' module): bias, penalties, then greedy argmax or
 temperature, min_p, top_k, top_p and a draw; one row's failure answers None for that row alone; logprobs
 are log-softmax of the raw logits. Sampling is batched: the rows that sample are drawn together in a
-few tensor ops, top_p sorting only each row's best CANDIDATES tokens (vLLM's sampler likewise avoids a
-full sort); only a seeded row draws alone, from its own generator.
+few tensor ops, top_p sorting only each row's best CANDIDATES tokens, or bisecting a threshold over a row
+whose nucleus is wider (vLLM's sampler likewise avoids a full sort); only a seeded row draws alone, from
+its own generator.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from kvfence.sampling import SamplingParams, TokenLogprobs
 
 # Top-p's candidates: the `CANDIDATES` best tokens of a row are sorted, not its whole vocabulary; a row whose
-# nucleus is wider than that (a flat distribution) falls back to a full sort, alone.
+# nucleus is wider than that (a flat distribution) is cut by a threshold instead (`nucleus`).
 CANDIDATES = 1024
 
 
@@ -75,10 +76,10 @@ def draw(
     noise: torch.Generator | None,
 ) -> list[int | None]:
     """A sampled token per row of `logits` [rows, vocab], the batch in a few tensor ops: temperature and
-    min_p over every row at once, top_k and top_p over each row's best candidates only (`candidates`).
-    A seeded row draws with torch.multinomial from its own generator, over the distribution
-    `probabilities` gives; the others race exponential clocks from `noise` (the argmax of p / E with
-    E ~ Exp(1) is a draw from p). None for a row that cannot be sampled."""
+    min_p over every row at once; top_k and top_p over each row's best candidates (`candidates`), or, for a
+    nucleus wider than them, by a threshold over the whole row (`nucleus`). A seeded row draws with
+    torch.multinomial from its own generator; the others in one torch.multinomial from `noise`. None for
+    a row that cannot be sampled."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
     scaled = (logits.float() - logits.max(dim=-1, keepdim=True).values) / temperature
     floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]).unsqueeze(1)
@@ -88,19 +89,41 @@ def draw(
     whole = [r for r in range(len(params)) if r not in set(cut)]
     if whole:
         probs = torch.softmax(scaled[whole], dim=-1)
-        ids = torch.arange(probs.shape[1]).expand(len(whole), -1)
-        for row, token in zip(whole, _pick(probs, ids, [generators[r] for r in whole], noise), strict=True):
-            tokens[row] = token
+        _place(tokens, whole, _pick(probs, None, [generators[r] for r in whole], noise))
     if cut:
         probs, ids, wide = candidates(scaled[cut], [params[r] for r in cut])
-        picked = _pick(probs, ids, [generators[r] for r in cut], noise)
-        for i, (row, token) in enumerate(zip(cut, picked, strict=True)):
-            tokens[row] = token
-            if i in wide:  # the nucleus ran past the candidates: this row alone, fully sorted
-                full = probabilities(logits[row], params[row]).unsqueeze(0)
-                ids_row = torch.arange(full.shape[1]).unsqueeze(0)
-                tokens[row] = _pick(full, ids_row, [generators[row]], noise)[0]
+        narrow = [i for i in range(len(cut)) if i not in wide]
+        if narrow:
+            picked = _pick(probs[narrow], ids[narrow], [generators[cut[i]] for i in narrow], noise)
+            _place(tokens, [cut[i] for i in narrow], picked)
+        if wide:
+            rows = [cut[i] for i in sorted(wide)]
+            top_p = torch.tensor([params[r].top_p for r in rows]).unsqueeze(1)
+            picked = _pick(nucleus(scaled[rows], top_p), None, [generators[r] for r in rows], noise)
+            _place(tokens, rows, picked)
     return tokens
+
+
+def _place(tokens: list[int | None], rows: Sequence[int], picked: Sequence[int | None]) -> None:
+    for row, token in zip(rows, picked, strict=True):
+        tokens[row] = token
+
+
+def nucleus(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top_p over whole rows without sorting them: softmax(scaled) [rows, vocab] keeping, per row, the
+    tokens at least as probable as the least probable one `probabilities` keeps (the same set, but for
+    exact ties at the edge, which it keeps all of), renormalised. The edge is found by bisection over the
+    float32 bits of the probabilities (ordered as the floats for values >= 0): at most 31 passes."""
+    probs = torch.softmax(scaled, dim=-1)
+    bits = probs.view(torch.int32)
+    low = torch.zeros(len(probs), dtype=torch.int32)  # mass(p >= low) >= top_p: p >= 0 is everything
+    high = bits.max(dim=-1).values + 1  # mass(p >= high) = 0 < top_p
+    while bool((high - low > 1).any()):
+        middle = low + (high - low) // 2
+        reaches = (probs * (bits >= middle[:, None])).sum(dim=-1) >= top_p[:, 0]
+        low, high = torch.where(reaches, middle, low), torch.where(reaches, high, middle)
+    kept = probs.masked_fill(bits < low[:, None], 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def candidates(
@@ -108,20 +131,21 @@ def candidates(
 ) -> tuple[torch.Tensor, torch.Tensor, set[int]]:
     """(probabilities [rows, K], token ids [rows, K], rows whose nucleus is wider than K) after top_k and
     top_p over each row's K best tokens: K covers every top_k asked for, and CANDIDATES for top_p alone.
-    The probabilities are normalised over the tokens kept, as `probabilities` does."""
+    The probabilities are normalised over the tokens kept, as the per-row definition (sort the row, keep
+    a token while the mass before it is under top_p) does."""
     vocab = scaled.shape[1]
     top_k = [p.top_k or vocab for p in params]
     needed = [k if p.top_p >= 1.0 else min(k, CANDIDATES) for k, p in zip(top_k, params, strict=True)]
     width = min(vocab, max(needed))
-    values, ids = torch.topk(scaled, width, dim=-1)  # sorted, best first
+    # One softmax over the rows (a fused kernel: a separate logsumexp costs twice as much), then the best.
+    values, ids = torch.topk(torch.softmax(scaled, dim=-1), width, dim=-1)  # sorted, best first
     column = torch.arange(width)
     keep = column < torch.tensor(top_k).unsqueeze(1)
     # top_p's mass is over what top_k and min_p left: all among the candidates where top_k <= width, else
-    # (top_p alone) the whole row.
-    survivors = values.masked_fill(~keep, -math.inf)
+    # (top_p alone) the whole row, whose softmax it already is.
     whole_row = torch.tensor([k > width for k in top_k]).unsqueeze(1)
-    total = torch.where(whole_row, scaled.logsumexp(-1, keepdim=True), survivors.logsumexp(-1, keepdim=True))
-    mass = torch.exp(survivors - total)
+    survivors = values * keep
+    mass = torch.where(whole_row, survivors, survivors / survivors.sum(dim=-1, keepdim=True))
     before = mass.cumsum(-1) - mass
     top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
     # Drop a token once the mass before it reaches top_p, never the first (a top_p below float32's range
@@ -129,29 +153,36 @@ def candidates(
     keep &= (before < top_p) | (column == 0)
     short = (before[:, -1] + mass[:, -1] < top_p[:, 0]) & whole_row[:, 0]  # the nucleus goes on past K
     wide = set(torch.nonzero(short).flatten().tolist())
-    return torch.softmax(values.masked_fill(~keep, -math.inf), dim=-1), ids, wide
+    kept = values * keep
+    return kept / kept.sum(dim=-1, keepdim=True), ids, wide
 
 
 def _pick(
     probs: torch.Tensor,
-    ids: torch.Tensor,
+    ids: torch.Tensor | None,
     generators: Sequence[torch.Generator | None],
     noise: torch.Generator | None,
 ) -> list[int | None]:
-    """One token per row of `probs` [rows, width] (`ids`: each column's token): a seeded row by
-    multinomial over the whole vocabulary, the others by one exponential race. None where a row's
-    probabilities are no distribution (a NaN, say)."""
-    sound = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
-    clocks = torch.empty_like(probs).exponential_(generator=noise)
-    raced = ids.gather(1, (probs / clocks).argmax(dim=-1, keepdim=True)).squeeze(1).tolist()
+    """One token per row of `probs` [rows, width] (`ids`: each column's token; None: the column is the
+    token): seeded rows by multinomial from their own generator, over the whole vocabulary as the per-row
+    sampler drew, the others in one multinomial from `noise`. None where a row's probabilities are no
+    distribution (a NaN, say)."""
+    sound = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    safe = torch.where(sound[:, None], probs, 1.0)  # an unsound row draws from anything: it is dropped
+    drawn = torch.multinomial(safe, 1, generator=noise)
+    drawn = (drawn if ids is None else ids.gather(1, drawn)).squeeze(1).tolist()
     tokens: list[int | None] = []
     for row, generator in enumerate(generators):
         if not sound[row]:
             tokens.append(None)
         elif generator is None:
-            tokens.append(int(raced[row]))
+            tokens.append(int(drawn[row]))
         else:
-            full = torch.zeros(int(ids[row].max()) + 1).scatter(0, ids[row], probs[row])
+            full = (
+                probs[row]
+                if ids is None
+                else torch.zeros(int(ids[row].max()) + 1).scatter(0, ids[row], probs[row])
+            )
             tokens.append(int(torch.multinomial(full, 1, generator=generator)))
     return tokens
 
@@ -211,29 +242,6 @@ def _counts(sub: torch.Tensor, histories: list[Sequence[int]]) -> torch.Tensor:
 
 def _column(sub: torch.Tensor, values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=sub.dtype, device=sub.device).unsqueeze(1)
-
-
-def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled (not greedy) row draws from: softmax(logits / temperature), without the
-    tokens min_p, top_k and top_p drop, in that order."""
-    # The top token scores exactly 0 after the shift and keeps probability > 0 however small the
-    # temperature, min_p or top_p: the distribution can never become all -inf (NaN), so multinomial cannot
-    # fail on its account.
-    scaled = (logits.float() - logits.max()) / p.temperature
-    if p.min_p > 0:
-        # probability < min_p x top probability  <=>  scaled logit < log(min_p) (the top one scores 0)
-        scaled = scaled.masked_fill(scaled < math.log(p.min_p), float("-inf"))
-    if p.top_k > 0:
-        kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass before it already reaches top_p; the first token always stays.
-        drop = (probs.cumsum(-1) - probs) >= p.top_p
-        drop[0] = False
-        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.softmax(scaled, dim=-1)
 
 
 def raw_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> dict[int, torch.Tensor]:

@@ -16,7 +16,7 @@ from kvfence.engine.sampler import (
     adjusted_rows,
     candidates,
     make_generator,
-    probabilities,
+    nucleus,
     raw_logprobs,
     sample,
     token_logprobs,
@@ -65,14 +65,33 @@ def test_rows_without_bias_or_penalty_are_left_alone() -> None:
     assert adjusted_rows(logits(2), params, [True, True], None, None) == {}
 
 
+def reference_probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The per-row definition the batched sampler must meet (kvfence's sampler before it was batched):
+    softmax(logits / temperature) without the tokens min_p, top_k and top_p drop, in that order, top_p
+    over the whole row sorted: a token is dropped when the mass before it already reaches top_p."""
+    scaled = (logits.float() - logits.max()) / p.temperature
+    if p.min_p > 0:
+        scaled = scaled.masked_fill(scaled < math.log(p.min_p), float("-inf"))
+    if p.top_k > 0:
+        kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        drop[0] = False
+        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.softmax(scaled, dim=-1)
+
+
 def test_min_p_and_top_k_drop_what_their_formulas_drop() -> None:
-    row = logits(1)[0]
-    full = torch.softmax(row / 0.8, dim=-1)
-    by_min_p = probabilities(row, SamplingParams(temperature=0.8, min_p=0.05))
+    row = logits(1)
+    full = torch.softmax(row[0] / 0.8, dim=-1)
+    by_min_p = batch_probabilities(row, [SamplingParams(temperature=0.8, min_p=0.05, top_k=VOCAB)])[0]
     kept = full >= 0.05 * full.max()
     torch.testing.assert_close(by_min_p, torch.where(kept, full, 0.0) / full[kept].sum())
-    by_top_k = probabilities(row, SamplingParams(temperature=0.8, top_k=4))
-    top = torch.topk(row, 4).indices
+    by_top_k = batch_probabilities(row, [SamplingParams(temperature=0.8, top_k=4)])[0]
+    top = torch.topk(row[0], 4).indices
     want = torch.zeros_like(full)
     want[top] = full[top] / full[top].sum()
     torch.testing.assert_close(by_top_k, want)
@@ -218,26 +237,32 @@ def test_batched_truncation_keeps_what_the_per_row_formulas_keep() -> None:
     ]
     got = batch_probabilities(rows, params)
     for row, p in enumerate(params):
-        want = probabilities(rows[row], p)
+        want = reference_probabilities(rows[row], p)
         assert torch.equal(got[row] > 0, want > 0), f"row {row}: another set of tokens kept"
         torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-7)
 
 
-def test_a_nucleus_wider_than_the_candidates_is_sorted_whole() -> None:
-    """A flat row with top_p 0.99 keeps far more than CANDIDATES tokens: `candidates` says so, and `sample`
-    then draws that row from the full sort (a token beyond the first CANDIDATES can come out)."""
-    flat = torch.zeros(2, 4 * CANDIDATES)
-    params = [SamplingParams(temperature=1.0, top_p=0.99, seed=5), SamplingParams(temperature=1.0, top_p=0.2)]
-    _, _, wide = candidates(flat, params)
-    assert wide == {0}  # a fifth of the row is 819 tokens: within the candidates
-    generators = [make_generator(p, flat.device) for p in params]
-    tokens = [sample(flat, params, generators)[0] for _ in range(20)]
-    assert all(t is not None for t in tokens) and max(tokens) >= CANDIDATES
+def test_a_nucleus_wider_than_the_candidates_is_cut_by_a_threshold_over_the_whole_row() -> None:
+    """Flat rows keep far more than CANDIDATES tokens at top_p 0.9: `candidates` says so, and `nucleus`
+    keeps, without sorting, exactly the tokens the per-row definition keeps; `sample` then draws such a
+    row from all of them (tokens beyond the first CANDIDATES come out)."""
+    gen = torch.Generator().manual_seed(8)
+    flat = torch.randn(6, 4 * CANDIDATES, generator=gen) * 0.5
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in (0.9, 0.5, 0.99, 0.95, 0.7, 0.6)]
+    _, _, wide = candidates(flat - flat.max(dim=-1, keepdim=True).values, params)
+    assert wide == set(range(6))
+    got = nucleus(flat - flat.max(dim=-1, keepdim=True).values, torch.tensor([[p.top_p] for p in params]))
+    for row, p in enumerate(params):
+        want = reference_probabilities(flat[row], p)
+        assert torch.equal(got[row] > 0, want > 0), f"row {row}: another set of tokens kept"
+        torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-8)
+    tokens = sample(flat[:1].expand(200, -1), params[:1] * 200, [None] * 200)
+    assert all(t is not None for t in tokens) and max(tokens) >= CANDIDATES  # type: ignore[type-var]
 
 
-def test_the_exponential_race_draws_from_the_distribution() -> None:
-    """Unseeded rows race exponential clocks: over 20,000 draws with fixed noise, each token comes out at
-    its probability (within four standard deviations)."""
+def test_unseeded_rows_draw_from_their_distribution() -> None:
+    """Unseeded rows are drawn in one multinomial from the batch's noise: over 20,000 draws with fixed
+    noise, each token comes out at its probability (within four standard deviations)."""
     probs = torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]).expand(20_000, -1).contiguous()
     ids = torch.arange(5).expand(20_000, -1)
     noise = torch.Generator().manual_seed(3)
