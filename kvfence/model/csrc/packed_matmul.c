@@ -26,6 +26,9 @@
 
 #define PANEL 32 /* output columns per panel: two 16-float vectors */
 #define MAX_TILE 8
+#ifndef KVF_PARALLEL_WORK
+#define KVF_PARALLEL_WORK (4L << 20) /* multiply-adds below which one thread does a product alone */
+#endif
 
 #if defined(__AVX512F__) && !defined(KVF_PORTABLE)
 #include <immintrin.h>
@@ -139,7 +142,10 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const int8_t *
             for (int64_t k = 0; k < in_features; k++)
                 xt[first * in_features + k * n + i] = x[(first + i) * x_stride + k];
     }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    /* Threads only where each gets enough to do: a small product (one decode row of a small model's
+     * projection) finishes in the time a second thread takes to join, and on a machine with as many
+     * threads as cores a thread the kernel preempts stalls the others at the join. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features * out_features >= KVF_PARALLEL_WORK)
     for (int64_t p = 0; p < panels; p++) {
         const int8_t *c = codes + p * in_features * PANEL;
         const float *s = scales + p * blocks * PANEL, *o = offsets + p * blocks * PANEL;

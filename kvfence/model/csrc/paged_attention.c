@@ -106,7 +106,7 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_
     if (!tables_are_valid(block_tables, table_width, context_lens, rows, page_size, num_pages))
         return KVF_BAD_TABLE;
     int status = KVF_OK;
-#pragma omp parallel for schedule(static, 1) num_threads(num_threads)
+#pragma omp parallel for schedule(static, 1) num_threads(num_threads) if (rows > 1)
     for (int64_t row = 0; row < rows; row++) {
         const int64_t ctx = context_lens[row], first = window > 0 && ctx > window ? ctx - window : 0;
         const int row_status = attend_row(q + row * q_row_stride, k_cache, v_cache,
