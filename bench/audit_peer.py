@@ -71,8 +71,8 @@ def main() -> int:
         return finish(args.peer, runs, {"url": args.url})
     binary = llama_server_binary(args.llama_server, build=args.build)
     model = args.model or default_model_path()
-    with llama_server(binary, model, args.threads, args.slots, args.context, KEYS) as url:
-        runs = audit_runs(url, args.runs)
+    with llama_server(binary, model, args.threads, args.slots, args.context, KEYS) as peer:
+        runs = audit_runs(peer.url, args.runs)
     return finish("llama-server", runs, {"binary": str(binary), "model": model.name})
 
 

@@ -7,6 +7,7 @@ lives in kvfence.harness. Nothing below is duplicated in the scripts. Times come
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import json
@@ -26,6 +27,7 @@ import torch
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.load import WORDS
+from kvfence.harness.streams import GREEDY, Sampling, drive
 from kvfence.model.gguf import GGUFModel, load_gguf
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.model.transformer import Transformer
@@ -238,6 +240,23 @@ def request_timing(request: Request) -> RequestTiming:
         latency=request.finish_time - request.arrival_time,
         num_output=n,
     )
+
+
+def run_streams(
+    url: str,
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    model: str | None = None,
+    sampling: Sampling = GREEDY,
+) -> tuple[list[str], list[RequestTiming], float]:
+    """`prompts` streamed to a running server (kvfence.harness.streams), at most `concurrency` at once:
+    the request ids, each request's timing and the wall time. `model` defaults to the packaged SmolLM2's."""
+    done, wall = asyncio.run(
+        drive(url, model or default_model_path().stem, list(prompts), max_tokens, concurrency, sampling)
+    )
+    timings = [RequestTiming(t.ttft, t.tpot, t.latency, t.tokens) for t in done]
+    return [t.request_id for t in done], timings, wall
 
 
 # ---- the kvfence offline runner --------------------------------------------------------------------------

@@ -46,7 +46,6 @@ requests) beside it. Writes bench/results/disagg_scale.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import os
 import statistics
@@ -56,7 +55,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import kv_transport
 import numpy as np
 import torch
@@ -67,11 +65,11 @@ from common import (
     VERDICTS,
     W1,
     ForeignCpu,
-    RequestTiming,
     RunResult,
     exit_status,
     make_prompts,
     run_cells,
+    run_streams,
     wait_for_quiet,
     write_json,
 )
@@ -84,7 +82,6 @@ from kvfence.disagg.launch import free_ports
 from kvfence.disagg.messages import Bounds, Page, decode
 from kvfence.harness.cluster import cluster
 from kvfence.harness.procs import Proc, descendants
-from kvfence.harness.sse import aiter_events
 from kvfence.harness.tables import print_table
 from kvfence.model.gguf import ModelConfig, read_header
 from kvfence.model.tokenizer import Tokenizer
@@ -128,54 +125,6 @@ def _cmdline(pid: int) -> bytes:
 # ---- load through the HTTP API --------------------------------------------------------------------------
 
 
-async def stream_one(
-    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
-) -> tuple[str, RequestTiming]:
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    started = time.monotonic()
-    first = last = None
-    tokens = 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        request_id = response.headers["x-request-id"]
-        async for chunk in aiter_events(response.aiter_lines()):
-            if "error" in chunk:
-                raise RuntimeError(f"{request_id} aborted: {chunk['error']}")
-            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-            if any(choice["text"] for choice in chunk["choices"]) and first is None:
-                first = time.monotonic()
-            if chunk["choices"]:
-                last = time.monotonic()
-    assert first is not None and last is not None and tokens == max_tokens, (request_id, tokens)
-    timing = RequestTiming(first - started, (last - first) / (tokens - 1), last - started, tokens)
-    return request_id, timing
-
-
-async def drive(
-    url: str, prompts: list[list[int]], max_tokens: int, concurrency: int
-) -> tuple[list[str], list[RequestTiming], float]:
-    """Every prompt, at most `concurrency` in flight; returns request ids, timings and the wall time."""
-    gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-
-        async def one(prompt: list[int]) -> tuple[str, RequestTiming]:
-            async with gate:
-                return await stream_one(client, url, prompt, max_tokens)
-
-        started = time.monotonic()
-        done = await asyncio.gather(*(one(p) for p in prompts))
-        wall = time.monotonic() - started
-    return [d[0] for d in done], [d[1] for d in done], wall
-
-
 @dataclass
 class SystemRun:
     result: RunResult
@@ -216,10 +165,10 @@ def run_system(
         if label in TRANSPORTS:
             transport = server_transport(server)
             assert transport == TRANSPORTS[label], f"{label} runs {transport}, not {TRANSPORTS[label]}"
-        asyncio.run(drive(url, warm, 8, 2))
+        run_streams(url, warm, 8, 2)
         tree = [server.pid, *descendants(server.pid)]
         before, foreign = {p: cpu_seconds(p) for p in tree}, ForeignCpu()
-        ids, timings, wall = asyncio.run(drive(url, prompts, max_tokens, concurrency))
+        ids, timings, wall = run_streams(url, prompts, max_tokens, concurrency)
         used = {p: cpu_seconds(p) - before[p] for p in tree}
         own_share = sum(used.values()) / (wall * (os.cpu_count() or 1))
         names = process_names(server, tree, worker_list(SYSTEMS[label]))

@@ -26,7 +26,6 @@ any failed.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import importlib.util
 import sys
@@ -48,6 +47,7 @@ from common import (
     load_weights,
     make_prompts,
     run_kvfence,
+    run_streams,
     write_json,
 )
 
@@ -359,10 +359,8 @@ def server_rows(device: str, tokenizer: Tokenizer, quick: bool) -> list[Row]:
 
 def tpot_row(url: str, tokenizer: Tokenizer, clients: int, requests: int, max_tokens: int) -> Row:
     """`requests` fresh W1 prompts streamed by `clients` concurrent clients: TPOT p50 and p95."""
-    from disagg import drive  # needs fastapi, through the harness's cluster
-
     prompts = make_prompts(tokenizer, requests, W1.prompt_len, salt=100 + clients)
-    _, timings, wall = asyncio.run(drive(url, prompts, max_tokens, clients))
+    _, timings, wall = run_streams(url, prompts, max_tokens, clients)
     result = RunResult("server", clients, len(timings), wall, len(timings) * max_tokens, timings)
     return (
         f"server TPOT c{clients} ({requests} req, {max_tokens} out)",

@@ -3,8 +3,8 @@
 Contract: `llama_server_binary(path)` finds the binary (a path given, `$KVFENCE_LLAMA_SERVER`, or the one
 `../shared/peers/build-llama-server.sh` builds into ~/.cache/kvfence-peers), building it only when asked;
 `llama_server(...)` starts it on loopback with the given threads, slots, context and API keys, waits for
-/health, yields its base URL and stops it on leaving. Nothing here is fetched from a hub: the peer is
-built from the llama-cpp-python sdist, and serves the same GGUF file kvfence does.
+/health, yields it (`Peer`: its base URL and process id) and stops it on leaving. Nothing here is fetched from
+a hub: the peer is built from the llama-cpp-python sdist, and serves the same GGUF file kvfence does.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -37,6 +38,12 @@ def llama_server_binary(path: Path | None = None, build: bool = False) -> Path:
     raise FileNotFoundError(f"no llama-server: give its path, set ${ENV}, or build it with {BUILD_SCRIPT}")
 
 
+@dataclass(frozen=True)
+class Peer:
+    url: str
+    pid: int
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -52,7 +59,7 @@ def llama_server(
     context: int = 8192,
     api_keys: Sequence[str] = (),
     extra: Sequence[str] = (),
-) -> Iterator[str]:
+) -> Iterator[Peer]:
     """`binary` serving `model` on 127.0.0.1 with continuous batching over `slots` slots sharing `context`
     tokens of KV (each slot gets context / slots), `threads` threads for decode and batch work alike."""
     port = _free_port()
@@ -67,7 +74,7 @@ def llama_server(
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, process)
-            yield url
+            yield Peer(url, process.pid)
         finally:
             process.terminate()
             try:

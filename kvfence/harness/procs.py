@@ -119,6 +119,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def memory_mb(pid: int) -> tuple[float, float]:
+    """(resident set now, its peak) of one process in MiB: VmRSS and VmHWM of /proc/PID/status."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    return tuple(int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM"))  # type: ignore[return-value]
+
+
 def stop(procs: Sequence[Proc], timeout_s: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM (a `serve --disaggregated` parent then kills its workers itself), then SIGKILL whatever of
     the process tree is left, by pid. Processes already gone are fine."""

@@ -1,0 +1,181 @@
+"""kvfence against llama.cpp's llama-server, side by side in one run: the same GGUF, streaming, greedy and
+sampled, at 1, 4 and 16 streams.
+
+    .venv/bin/python bench/vs_llama.py [--llama-server PATH | --build] [--models smollm2,llama-1b]
+                                       [--streams 1,4,16] [--requests 2] [--prompt-len 246]
+                                       [--max-tokens 64] [--threads 2]
+
+Both servers run at once, each on the same `--threads` threads (llama-server: `-t`/`-tb`, 16 slots,
+continuous batching; kvfence: `kvfence serve --num-threads`), and the rows alternate between them, so
+each pair sees the same machine. A row streams `--requests` x streams fresh prompts (never a prefix another
+row sent) of exactly `--prompt-len` SmolLM2 tokens with `ignore_eos` and `--max-tokens` output tokens, at
+most `streams` in flight: greedy, or temperature 0.8 with top_p 0.95 (what OpenAI clients send). Models:
+the packaged SmolLM2 (Q4_1) and `llama-1b`, a 1.07B llama-shaped file of random Q4_0 weights with
+SmolLM2's tokenizer (kvfence.harness.synthetic, written once into ~/.cache/kvfence-bench), where memory
+bandwidth rather than per-step overhead decides. Prints a table of output tok/s with the ratio, TTFT and
+TPOT p50, and each server's peak resident memory; writes bench/results/vs_llama.json. Exit status 1 when
+a verdict fails: kvfence >= llama-server at every row, sampled >= 0.9 x greedy at 16 streams, resident
+memory <= 1.5 x the file plus the KV pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+from common import (
+    RunResult,
+    exit_status,
+    make_prompts,
+    run_streams,
+    verdict,
+    write_json,
+)
+
+from kvfence.harness.cluster import cluster
+from kvfence.harness.peers import llama_server, llama_server_binary
+from kvfence.harness.procs import memory_mb
+from kvfence.harness.streams import Sampling
+from kvfence.harness.synthetic import LLAMA_1B, synthetic_llama
+from kvfence.harness.tables import print_table
+from kvfence.model.gguf import read_header
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.pins import default_model_path
+from kvfence.units import parse_size
+
+SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.8, top_p=0.95)}
+KV_POOL = "512MiB"
+WINDOW = 2048  # both servers: prompt + output fit many times over
+
+
+def model_file(name: str) -> Path:
+    if name == "smollm2":
+        return default_model_path()
+    if name == "llama-1b":
+        return synthetic_llama(
+            Path.home() / ".cache/kvfence-bench/llama-1b-q4_0.gguf", LLAMA_1B, default_model_path()
+        )
+    return Path(name)
+
+
+@contextmanager
+def servers(binary: Path, model: Path, threads: int) -> Iterator[dict[str, tuple[str, int]]]:
+    """Both servers on `model`: name -> (base URL, process id)."""
+    with ExitStack() as stack:
+        peer = stack.enter_context(llama_server(binary, model, threads, 16, 16 * WINDOW // 4))
+        args = ["--model", str(model), "--num-threads", str(threads), "--max-num-seqs", "16"]
+        args += ["--max-model-len", str(WINDOW), "--kv-cache-memory", KV_POOL]
+        running = stack.enter_context(cluster(serve_args=args))
+        yield {"llama-server": (peer.url, peer.pid), "kvfence": (running.url, running.processes[0].pid)}
+
+
+def row(
+    url: str, model: str, prompts: list[list[int]], args: argparse.Namespace, streams: int, sampling: str
+):
+    _, timings, wall = run_streams(url, prompts, args.max_tokens, streams, model, SAMPLINGS[sampling])
+    return RunResult(sampling, streams, len(timings), wall, sum(t.num_output for t in timings), timings)
+
+
+def bench_model(binary: Path, name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    path = model_file(name)
+    tokenizer = Tokenizer(read_header(path)[1])
+    rows: list[dict[str, Any]] = []
+    with servers(binary, path, args.threads) as urls:
+        for url, _ in urls.values():  # a warm-up each: one-off allocations are not measured
+            row(url, path.stem, make_prompts(tokenizer, 4, args.prompt_len, salt=-1), args, 4, "greedy")
+        salt = 0
+        for sampling in SAMPLINGS:
+            for streams in args.streams:
+                found: dict[str, Any] = {"model": name, "sampling": sampling, "streams": streams}
+                for system, (url, _) in urls.items():
+                    salt += 1
+                    prompts = make_prompts(tokenizer, args.requests * streams, args.prompt_len, salt=salt)
+                    found[system] = row(url, path.stem, prompts, args, streams, sampling).summary()
+                print(line(found), flush=True)
+                rows.append(found)
+        memory = {system: memory_mb(pid) for system, (_, pid) in urls.items()}
+    for found in rows:
+        found["peak_rss_mb"] = {system: peak for system, (_, peak) in memory.items()}
+        found["file_mb"] = path.stat().st_size / 2**20
+    return rows
+
+
+def line(found: dict[str, Any]) -> str:
+    k, llama = found["kvfence"], found["llama-server"]
+    ratio = k["output_tok_per_s"] / llama["output_tok_per_s"]
+    where = f"{found['model']} {found['sampling']} x{found['streams']}"
+    return (
+        f"{where}: kvfence {k['output_tok_per_s']:.1f} tok/s, "
+        f"llama-server {llama['output_tok_per_s']:.1f} ({ratio:.2f}x)"
+    )
+
+
+def table(rows: list[dict[str, Any]]) -> None:
+    print_table(
+        ["model", "sampling", "streams", "kvfence tok/s", "llama tok/s", "ratio", "TPOT p50 k / l ms",
+         "TTFT p50 k / l ms", "peak RSS k / l MiB"],
+        [
+            [
+                r["model"], r["sampling"], r["streams"],
+                f"{r['kvfence']['output_tok_per_s']:.1f}", f"{r['llama-server']['output_tok_per_s']:.1f}",
+                f"{r['kvfence']['output_tok_per_s'] / r['llama-server']['output_tok_per_s']:.2f}x",
+                f"{r['kvfence']['tpot_p50_ms']:.1f} / {r['llama-server']['tpot_p50_ms']:.1f}",
+                f"{r['kvfence']['ttft_p50_ms']:.0f} / {r['llama-server']['ttft_p50_ms']:.0f}",
+                f"{r['peak_rss_mb']['kvfence']:.0f} / {r['peak_rss_mb']['llama-server']:.0f}",
+            ]
+            for r in rows
+        ],
+    )  # fmt: skip
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    found = []
+    for r in rows:
+        ratio = r["kvfence"]["output_tok_per_s"] / r["llama-server"]["output_tok_per_s"]
+        name = f"{r['model']} {r['sampling']} x{r['streams']}: kvfence / llama-server tok/s"
+        found.append(verdict(name, ratio >= 1.0, f"{ratio:.2f}x (target >= 1.0x)"))
+    for model in sorted({r["model"] for r in rows}):
+        by = {(r["sampling"], r["streams"]): r for r in rows if r["model"] == model}
+        if ("greedy", 16) in by and ("sampled", 16) in by:
+            share = (
+                by[("sampled", 16)]["kvfence"]["output_tok_per_s"]
+                / by[("greedy", 16)]["kvfence"]["output_tok_per_s"]
+            )
+            found.append(
+                verdict(f"{model} x16: sampled / greedy", share >= 0.9, f"{share:.2f} (target >= 0.9)")
+            )
+        first = next(iter(by.values()))
+        bound = 1.5 * first["file_mb"] + parse_size(KV_POOL) / 2**20
+        peak = first["peak_rss_mb"]["kvfence"]
+        found.append(verdict(f"{model}: kvfence peak RSS", peak <= bound, f"{peak:.0f} MiB (<= {bound:.0f})"))
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--llama-server", type=Path, help="the binary (default: $KVFENCE_LLAMA_SERVER or cache)"
+    )
+    parser.add_argument("--build", action="store_true", help="build llama-server if none is found (~10 min)")
+    parser.add_argument("--models", default="smollm2,llama-1b")
+    parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=2, help="requests per stream in a row (default 2)")
+    parser.add_argument("--prompt-len", type=int, default=246)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    binary = llama_server_binary(args.llama_server, build=args.build)
+    rows = [r for name in args.models.split(",") for r in bench_model(binary, name, args)]
+    table(rows)
+    write_json("vs_llama", {"binary": str(binary), "rows": rows, "verdicts": verdicts(rows)})
+    return exit_status()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
