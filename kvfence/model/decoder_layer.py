@@ -38,6 +38,7 @@ class _Weight(ctypes.Structure):
         ("in_features", _i64),
         ("group", _i64),
         ("panels", _i64),
+        ("format", _i64),
     ]
 
 
@@ -91,6 +92,7 @@ def _weight(projection: Projection) -> _Weight:
         packed.in_features,
         packed.group,
         packed.codes.shape[0],
+        packed.format,
     )
 
 

@@ -1,10 +1,12 @@
 """The decode-row matmul over the GGUF's own quantized weights (csrc/packed_matmul.c), built by `native`.
 
-`PackedWeight.pack` lays a weight's codes out in panels of output columns once, at load; the kernel
-then computes `x @ W.T` for any number of rows reading 1.25 bytes per weight (1.5 with Q6_K's groups of
-16) instead of BLAS's 4, with the same float32 weights (see `QuantizedWeight`). The packed codes are the
-only copy of a quantized weight (`PackedWeight.rows` reads embedding rows from them). `load()` returns
-None with the reason when the kernel cannot be used.
+`PackedWeight.pack` lays a weight's codes out in panels of output columns once, at load, in the
+narrowest storage that still gives the same float32 weights (see `QuantizedWeight` and the kernel's
+contract): codes spanning at most 16 values as nibbles, scales and offsets float16 holds exactly as
+float16. The kernel then computes `x @ W.T` for any number of rows reading 0.625 bytes a weight for
+Q4_0/Q4_1 (as in the file), 0.75 for Q4_K, 1.125 for Q8_0, 1.25 to 1.5 otherwise, instead of BLAS's 4.
+The packed codes are the only copy of a quantized weight (`PackedWeight.rows` reads embedding rows from
+them). `load()` returns None with the reason when the kernel cannot be used.
 """
 
 from __future__ import annotations
@@ -22,17 +24,30 @@ from kvfence.model.gguf import QuantizedWeight
 PANEL = 32  # as csrc/packed_matmul.c: output columns per panel
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
+_ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_int]
+NIBBLES, HALF = 1, 2  # csrc/packed_matmul.c's format bits
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """codes [panels, in_features, PANEL] int8 and scales / offsets [panels, in_features // group, PANEL]:
-    panel p holds output features [p * PANEL, (p + 1) * PANEL), k-major, as the kernel reads them."""
+    """codes [panels, in_features, PANEL] int8 (or uint8 nibbles, [panels, in_features, PANEL // 2]) and
+    scales / offsets [panels, in_features // group, PANEL] float32 (or float16): panel p holds output
+    features [p * PANEL, (p + 1) * PANEL), k-major, as the kernel reads them."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
+
+    @property
+    def format(self) -> int:
+        """The kernel's storage bits: NIBBLES, HALF."""
+        return (NIBBLES if self.codes.dtype == torch.uint8 else 0) | (
+            HALF if self.scales.dtype == torch.float16 else 0
+        )
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
 
     @property
     def in_features(self) -> int:
@@ -50,9 +65,13 @@ class PackedWeight:
         """The float32 weight rows (output features) `ids`, [len(ids), in_features]: embedding rows of a
         tied LM head, read from the panels so that the embedding is not held twice."""
         panel, column = ids // PANEL, ids % PANEL
-        codes = self.codes[panel, :, column].float()  # [n, in_features]
+        if self.format & NIBBLES:  # column j < 16 in the low nibble of byte j, column j + 16 in the high one
+            raw = self.codes[panel, :, column % (PANEL // 2)]
+            codes = torch.where((column < PANEL // 2)[:, None], raw & 15, raw >> 4).float()
+        else:
+            codes = self.codes[panel, :, column].float()  # [n, in_features]
         n = len(ids)
-        scales, offsets = self.scales[panel, :, column], self.offsets[panel, :, column]
+        scales, offsets = self.scales[panel, :, column].float(), self.offsets[panel, :, column].float()
         blocks = codes.view(n, -1, self.group) * scales[..., None] + offsets[..., None]
         return blocks.view(n, self.in_features)
 
@@ -75,11 +94,42 @@ class PackedWeight:
         out_features, in_features = codes.shape
         if out_features % PANEL or in_features % group:
             return None
+        codes, offsets = _as_nibbles(codes, scales, offsets)
+        scales, offsets = _as_half(scales, offsets)
 
         def panels(t: torch.Tensor) -> torch.Tensor:
             return t.view(out_features // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
 
-        return cls(panels(codes), panels(scales.float()), panels(offsets.float()))
+        if codes.dtype == torch.uint8:  # bytes of (column j, column j + 16) nibble pairs, per panel
+            by_panel = panels(codes).view(out_features // PANEL, in_features, 2, PANEL // 2)
+            codes_panels = (by_panel[:, :, 0] | (by_panel[:, :, 1] << 4)).contiguous()
+        else:
+            codes_panels = panels(codes)
+        return cls(codes_panels, panels(scales), panels(offsets))
+
+
+def _as_nibbles(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, offsets) as 4-bit codes where every code fits 16 values from the least, `low`: code - low,
+    with offset + low * scale, used only where that offset is exact in float32 (Q4_0's -8 * d is; a
+    K-quant's low is 0), so that every weight stays the same float32 value. Else unchanged, int8."""
+    low, high = int(codes.min()), int(codes.max())
+    if high - low > 15:
+        return codes, offsets
+    shifted = offsets.double() + low * scales.double()
+    if not torch.equal(shifted.float().double(), shifted):
+        return codes, offsets
+    return (codes.to(torch.int16) - low).to(torch.uint8), shifted.float()
+
+
+def _as_half(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both as float16 where it holds every value of both exactly (a non-K format's scales and offsets),
+    else both float32."""
+    half = scales.half(), offsets.half()
+    if all(torch.equal(h.float(), f.float()) for h, f in zip(half, (scales, offsets), strict=True)):
+        return half
+    return scales.float(), offsets.float()
 
 
 class PackedMatmulKernel:
@@ -109,6 +159,7 @@ class PackedMatmulKernel:
             in_features,
             weight.group,
             weight.codes.shape[0],
+            weight.format,
             out.data_ptr(),
             torch.get_num_threads(),
         )

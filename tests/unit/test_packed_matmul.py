@@ -207,3 +207,46 @@ def test_the_engine_names_its_decode_paths_at_start() -> None:
     lines.clear()
     LLMEngine(EngineConfig(num_pages=64, page_size=4, max_model_len=256), tiny_model(), log=lines.append)
     assert "decode matmul: dense (the weights are not stored quantized)" in lines
+
+
+STORAGE = {  # the narrowest storage that keeps every weight: nibbles where codes span 16 values, float16
+    # where it holds every scale and offset (Q4_0's -8 x d among them)
+    gguf.GGMLQuantizationType.Q4_0: packed_matmul.NIBBLES | packed_matmul.HALF,
+    gguf.GGMLQuantizationType.Q4_1: packed_matmul.NIBBLES | packed_matmul.HALF,
+    gguf.GGMLQuantizationType.Q5_0: packed_matmul.HALF,
+    gguf.GGMLQuantizationType.Q5_1: packed_matmul.HALF,
+    gguf.GGMLQuantizationType.Q8_0: packed_matmul.HALF,
+    gguf.GGMLQuantizationType.Q4_K: packed_matmul.NIBBLES,
+    gguf.GGMLQuantizationType.Q5_K: 0,
+    gguf.GGMLQuantizationType.Q6_K: 0,
+}
+
+
+def any_weight(kind: gguf.GGMLQuantizationType, out_features: int, seed: int) -> QuantizedWeight:
+    if kind in K_QUANTS:
+        return k_quant_weight(kind, out_features, seed)
+    return quantized_weight(out_features, 256, kind, seed)[1]
+
+
+@pytest.mark.parametrize("kind", sorted(STORAGE), ids=lambda kind: kind.name)
+def test_every_format_packs_to_its_narrowest_storage_and_multiplies_the_same_weights(
+    kernel: packed_matmul.PackedMatmulKernel, kind: gguf.GGMLQuantizationType
+) -> None:
+    weight = any_weight(kind, 64, seed=11)
+    packed = PackedWeight.pack([weight])
+    assert packed is not None and packed.format == STORAGE[kind]
+    dense = weight.dequantize()
+    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(12))
+    assert (kernel(x, packed) - (x.double() @ dense.double().T)).abs().max() < 1e-5
+    portable, why = packed_matmul.load(portable=True)
+    assert portable is not None, why
+    assert torch.equal(portable(x, packed), kernel(x, packed))
+    ids = torch.tensor([0, 5, 16, 17, 31, 32, 63])  # both nibbles of a byte, and the second panel
+    assert torch.equal(packed.rows(ids), dense[ids])
+    bytes_per_weight = packed.bytes / dense.numel()
+    assert (
+        bytes_per_weight
+        == {3: 0.625, 2: 1.125, 1: 0.75, 0: 1.25 if kind != gguf.GGMLQuantizationType.Q6_K else 1.5}[
+            packed.format
+        ]
+    )

@@ -22,9 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const int8_t *codes, const float *scales,
-                  const float *offsets, int64_t in_features, int64_t group, int64_t panels, float *y,
-                  int num_threads);
+int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *codes, const void *scales,
+                  const void *offsets, int64_t in_features, int64_t group, int64_t panels, int64_t format,
+                  float *y, int num_threads);
 int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                            int64_t num_pages, const int64_t *block_tables, int64_t table_width,
                            const int64_t *context_lens, float *out, int64_t rows, int64_t num_heads,
@@ -32,9 +32,9 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_
                            int64_t window, int num_threads);
 
 typedef struct {
-    const int8_t *codes;
-    const float *scales, *offsets, *bias; /* bias: NULL for none */
-    int64_t in_features, group, panels;
+    const void *codes, *scales, *offsets; /* as packed_matmul.c stores them, in `format` */
+    const float *bias;                    /* NULL for none */
+    int64_t in_features, group, panels, format;
 } kvf_weight;
 
 typedef struct {
@@ -107,7 +107,7 @@ static void gated(float *gate, const float *up, int64_t n, int64_t gelu) {
 static int matmul(const kvf_step *s, const float *x, int64_t x_stride, const kvf_weight *w, float *y) {
     const int status =
         packed_matmul(x, x_stride, s->rows, w->codes, w->scales, w->offsets, w->in_features, w->group,
-                      w->panels, y, s->threads);
+                      w->panels, w->format, y, s->threads);
     if (status != KVF_OK || w->bias == NULL) return status;
     const int64_t out = w->panels * 32;
     for (int64_t r = 0; r < s->rows; r++)

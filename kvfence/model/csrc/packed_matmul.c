@@ -1,21 +1,24 @@
-/* y = x @ W.T for a few rows (decode), straight from the GGUF's quantized weights, in float32.
+/* y = x @ W.T straight from the GGUF's quantized weights, in float32, for any number of rows.
  *
  * Why: a decode step multiplies a handful of rows by every weight of the model, so it is bound by
- * reading weights, and BLAS reads them as float32, 4 bytes each. The GGUF stores them as 4- or 8-bit
- * codes with a float scale (and offset) per block of 32; each weight is exactly
- * code * scale + offset in float32 (the product is exact, one rounding in the add), the very value
- * the loader hands BLAS. Reading the codes (widened to one byte) and scales costs 1.25 bytes per
- * weight, and dequantizing in registers with one fused multiply-add gives the same weights.
+ * reading weights, and BLAS reads them as float32, 4 bytes each. The GGUF stores them as 4- to 8-bit
+ * codes with a scale (and offset) per group; each weight is exactly code * scale + offset in float32
+ * (the product is exact, one rounding in the add), the very value the reference dequantizer gives.
+ * Codes that span at most 16 values (Q4_0, Q4_1, Q4_K) are kept as nibbles, others as bytes; scales
+ * and offsets that float16 holds exactly (every non-K format's) as float16, others as float32: Q4_0 and
+ * Q4_1 cost 0.625 bytes a weight, as in the file, Q8_0 1.125, Q4_K 0.75.
  *
- * Contract (packed once at load by packed_matmul.py):
- *   codes    [panels, in_features, PANEL] int8: output features in panels of PANEL columns
- *   scales   [panels, in_features / group, PANEL] float32; offsets likewise (group: 32, or 16 for Q6_K)
+ * Contract (packed once at load by packed_matmul.py; `format` says which storage):
+ *   codes    [panels, in_features, PANEL] int8, or with KVF_NIBBLES [panels, in_features, PANEL / 2]
+ *            uint8: byte j of a row holds column j in its low nibble and column j + 16 in its high one
+ *   scales   [panels, in_features / group, PANEL] float32, or float16 with KVF_HALF; offsets likewise
+ *            (group: 32, or 16 for Q6_K)
  *   x        [rows, in_features], rows x_stride floats apart
  *   y        [rows, panels * PANEL], contiguous
  * Each row accumulates alone, over k in order (a partial sum per group, added to the row's total),
  * with fused multiply-adds, whatever tile it lands in: a row's result does not depend on how many rows
- * share the call (batch invariance). The AVX-512 path and
- * the portable one (KVF_PORTABLE, or any other CPU) perform the same operations and give the same bits.
+ * share the call (batch invariance). The AVX-512 path and the portable one (KVF_PORTABLE, or any other
+ * CPU) perform the same operations and give the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +28,8 @@
 #define KVF_NO_MEMORY 2
 
 #define PANEL 32 /* output columns per panel: two 16-float vectors */
+#define KVF_NIBBLES 1 /* format bits */
+#define KVF_HALF 2
 #define MAX_TILE 8
 #ifndef KVF_PARALLEL_WORK
 #define KVF_PARALLEL_WORK (4L << 20) /* multiply-adds below which one thread does a product alone */
@@ -41,6 +46,13 @@ static inline vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c)
 static inline vec vec_add(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec vec_codes(const int8_t *c) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+}
+static inline vec vec_load_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* 16 bytes: the low nibbles are columns 0..15, the high ones 16..31. */
+static inline void vec_nibbles(const uint8_t *c, vec *low, vec *high) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)c), mask = _mm_set1_epi8(0x0F);
+    *low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+    *high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
 }
 #else
 typedef struct {
@@ -73,26 +85,67 @@ static inline vec vec_codes(const int8_t *c) {
     for (int j = 0; j < 16; j++) v.lane[j] = (float)c[j];
     return v;
 }
+/* IEEE half to float, exactly (normal, subnormal, zero, inf, NaN). */
+static inline float half_to_float(uint16_t h) {
+    const int exponent = (h >> 10) & 31, mantissa = h & 1023;
+    const float sign = (h & 0x8000) ? -1.f : 1.f;
+    if (exponent == 0) return sign * ldexpf((float)mantissa, -24);
+    if (exponent == 31) return mantissa ? NAN : sign * INFINITY;
+    return sign * ldexpf((float)(mantissa | 1024), exponent - 25);
+}
+static inline vec vec_load_half(const uint16_t *p) {
+    vec v;
+    for (int j = 0; j < 16; j++) v.lane[j] = half_to_float(p[j]);
+    return v;
+}
+static inline void vec_nibbles(const uint8_t *c, vec *low, vec *high) {
+    for (int j = 0; j < 16; j++) {
+        low->lane[j] = (float)(c[j] & 15);
+        high->lane[j] = (float)(c[j] >> 4);
+    }
+}
 #endif
+
+/* A group's scales or offsets for the panel's 32 columns, whichever the storage. */
+static inline __attribute__((always_inline)) void load_pair(const void *base, int64_t at, int half, vec *a,
+                                                            vec *b) {
+    if (half) {
+        const uint16_t *p = (const uint16_t *)base + at;
+        *a = vec_load_half(p);
+        *b = vec_load_half(p + 16);
+    } else {
+        const float *p = (const float *)base + at;
+        *a = vec_load(p);
+        *b = vec_load(p + 16);
+    }
+}
 
 /* `rows` (<= MAX_TILE) rows times one panel. xt holds the tile's rows transposed, [in_features][rows], so
  * that one pointer serves every broadcast. Two weight vectors per broadcast: with one, the broadcasts
  * (one load each) and not the multiply-adds limit the loop (measured: 1.9 vs 3.7 G multiply-adds/s).
  * Each block of 32 products is summed on its own and then added to the total: one running sum over all
  * of in_features drifted up to 2.3e-4 from float64 in SmolLM2's logits, per block 5.1e-5 (BLAS: 5.5e-5). */
-static inline __attribute__((always_inline)) void tile(const int rows, const float *xt, const int8_t *codes,
-                                                       const float *scales, const float *offsets,
-                                                       int64_t in_features, int64_t group, float *y,
-                                                       int64_t y_stride) {
+static inline __attribute__((always_inline)) void tile(const int rows, const int format, const float *xt,
+                                                       const void *codes, const void *scales,
+                                                       const void *offsets, int64_t in_features, int64_t group,
+                                                       float *y, int64_t y_stride) {
+    const int nibbles = format & KVF_NIBBLES, half = format & KVF_HALF;
     vec total[MAX_TILE][2], acc[MAX_TILE][2];
     for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = vec_zero();
     for (int64_t b = 0; b < in_features / group; b++) {
-        const float *s = scales + b * PANEL, *o = offsets + b * PANEL;
-        const vec s0 = vec_load(s), s1 = vec_load(s + 16), o0 = vec_load(o), o1 = vec_load(o + 16);
+        vec s0, s1, o0, o1;
+        load_pair(scales, b * PANEL, half, &s0, &s1);
+        load_pair(offsets, b * PANEL, half, &o0, &o1);
         for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = vec_zero();
         for (int64_t k = b * group; k < (b + 1) * group; k++) {
-            const vec w0 = vec_fma(vec_codes(codes + k * PANEL), s0, o0);
-            const vec w1 = vec_fma(vec_codes(codes + k * PANEL + 16), s1, o1);
+            vec c0, c1;
+            if (nibbles) {
+                vec_nibbles((const uint8_t *)codes + k * (PANEL / 2), &c0, &c1);
+            } else {
+                c0 = vec_codes((const int8_t *)codes + k * PANEL);
+                c1 = vec_codes((const int8_t *)codes + k * PANEL + 16);
+            }
+            const vec w0 = vec_fma(c0, s0, o0), w1 = vec_fma(c1, s1, o1);
 #pragma GCC unroll 8
             for (int m = 0; m < rows; m++) {
                 const vec xb = vec_broadcast(xt[k * rows + m]);
@@ -111,28 +164,40 @@ static inline __attribute__((always_inline)) void tile(const int rows, const flo
     }
 }
 
-typedef void (*tile_fn)(const float *, const int8_t *, const float *, const float *, int64_t, int64_t, float *,
+typedef void (*tile_fn)(const float *, const void *, const void *, const void *, int64_t, int64_t, float *,
                         int64_t);
-#define TILE(ROWS)                                                                                        \
-    static void tile_##ROWS(const float *xt, const int8_t *codes, const float *scales, const float *offsets, \
-                            int64_t in_features, int64_t group, float *y, int64_t y_stride) {             \
-        tile(ROWS, xt, codes, scales, offsets, in_features, group, y, y_stride);                          \
+/* One function per tile height and storage format, so that every branch above is resolved at compile
+ * time. */
+#define TILE(ROWS, FORMAT)                                                                                \
+    static void tile_##ROWS##_##FORMAT(const float *xt, const void *codes, const void *scales,               \
+                                       const void *offsets, int64_t in_features, int64_t group, float *y,     \
+                                       int64_t y_stride) {                                                   \
+        tile(ROWS, FORMAT, xt, codes, scales, offsets, in_features, group, y, y_stride);                     \
     }
-TILE(8)
-TILE(4)
-TILE(2)
-TILE(1)
+#define TILES(FORMAT) TILE(8, FORMAT) TILE(4, FORMAT) TILE(2, FORMAT) TILE(1, FORMAT)
+TILES(0)
+TILES(1)
+TILES(2)
+TILES(3)
+static const tile_fn TILE_FNS[4][4] = {
+    {tile_8_0, tile_4_0, tile_2_0, tile_1_0},
+    {tile_8_1, tile_4_1, tile_2_1, tile_1_1},
+    {tile_8_2, tile_4_2, tile_2_2, tile_1_2},
+    {tile_8_3, tile_4_3, tile_2_3, tile_1_3},
+};
 
 /* Rows are cut into tiles of 8, then one each of 4, 2 and 1 as needed. */
 static int tile_rows(int64_t remaining) {
     return remaining >= 8 ? 8 : remaining >= 4 ? 4 : remaining >= 2 ? 2 : 1;
 }
 
-static tile_fn tile_for(int rows) { return rows == 8 ? tile_8 : rows == 4 ? tile_4 : rows == 2 ? tile_2 : tile_1; }
+static tile_fn tile_for(int rows, int format) {
+    return TILE_FNS[format][rows == 8 ? 0 : rows == 4 ? 1 : rows == 2 ? 2 : 3];
+}
 
-int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const int8_t *codes, const float *scales,
-                  const float *offsets, int64_t in_features, int64_t group, int64_t panels, float *y,
-                  int num_threads) {
+int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *codes, const void *scales,
+                  const void *offsets, int64_t in_features, int64_t group, int64_t panels, int64_t format,
+                  float *y, int num_threads) {
     const int64_t out_features = panels * PANEL, blocks = in_features / group;
     float *xt = malloc(sizeof(float) * rows * in_features);
     if (xt == NULL) return KVF_NO_MEMORY;
@@ -147,11 +212,13 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const int8_t *
      * threads as cores a thread the kernel preempts stalls the others at the join. */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features * out_features >= KVF_PARALLEL_WORK)
     for (int64_t p = 0; p < panels; p++) {
-        const int8_t *c = codes + p * in_features * PANEL;
-        const float *s = scales + p * blocks * PANEL, *o = offsets + p * blocks * PANEL;
+        const int64_t code_bytes = format & KVF_NIBBLES ? PANEL / 2 : PANEL, scale_bytes = format & KVF_HALF ? 2 : 4;
+        const char *c = (const char *)codes + p * in_features * code_bytes;
+        const char *s = (const char *)scales + p * blocks * PANEL * scale_bytes;
+        const char *o = (const char *)offsets + p * blocks * PANEL * scale_bytes;
         for (int64_t first = 0; first < rows; first += tile_rows(rows - first))
-            tile_for(tile_rows(rows - first))(xt + first * in_features, c, s, o, in_features, group,
-                                              y + first * out_features + p * PANEL, out_features);
+            tile_for(tile_rows(rows - first), (int)format)(xt + first * in_features, c, s, o, in_features, group,
+                                                          y + first * out_features + p * PANEL, out_features);
     }
     free(xt);
     return KVF_OK;
