@@ -224,7 +224,7 @@ def graph_rows(gguf: GGUFModel, model: Transformer, device: str, rows: int) -> l
     graphs = DecodeGraphRunner(model, engine.pool, rows, max_pages_per_seq=8, backend=backend)
     tokens = torch.tensor([r.all_token_ids[r.num_computed_tokens] for r in batch.requests]).numpy()
     decode = DecodeBatch.from_layout(layout, tokens, engine.pool.page_size)
-    inputs, _ = engine.runner._model_inputs(batch.requests, batch.num_new_tokens, layout)
+    inputs, _, _ = engine.runner._model_inputs(batch.requests, batch.num_new_tokens, layout)
     eager = model.forward(inputs, engine.pool.kv).clone()
     replayed = graphs.run(decode)
     assert replayed is not None

@@ -16,7 +16,7 @@ import torch
 
 from kvfence.cache.fence import MappingRecord
 from kvfence.grammar.compiler import RequestGrammar
-from kvfence.sampling import SamplingParams
+from kvfence.sampling import SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -66,6 +66,8 @@ class Request:
     # the parent's last logits with their own generator and go on as requests of their own on its pages.
     forks: list[Request] = field(default_factory=list)
     index: int = 0  # the choice this sequence answers: its place among its parent's forks, else 0
+    # Prompt position -> that prompt token's logprobs (SamplingParams.prompt_logprobs), as steps compute them.
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -14,7 +14,8 @@ Contracts (kept by kvfence.engine.sampler):
   that row alone; it never reaches another row.
 - Log-probabilities (`raw_logprobs`, `token_logprobs`) are log-softmax of the model's raw logits, before
   bias, penalties, temperature, truncation or a grammar's mask (vLLM's default "raw" mode), taken at the
-  sampled token, with the `logprobs` most likely tokens beside it.
+  sampled token, with the `logprobs` most likely tokens beside it. `prompt_logprobs` are the same at every
+  prompt token, from the logits of the position before it (the prompt's first token has none).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: a seen token's logit divided (> 0) or multiplied (< 0) by it
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    # None: none; k: each prompt token's logprob (the first has none) and the k most likely at its place
+    prompt_logprobs: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -78,8 +81,10 @@ class SamplingParams:
             raise ValueError(
                 f"logit_bias maps token ids >= 0 to values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -128,3 +133,4 @@ class TokenLogprobs:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # the token's place in its distribution (1: the likeliest), where computed

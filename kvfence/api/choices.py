@@ -35,8 +35,8 @@ def check_choices(body: GenerationRequest, engine: Any, per_sequence_state: bool
         return
     if not getattr(engine, "supports_parallel_sampling", False):
         raise APIError(400, "n > 1 is not supported by this deployment", param="n")
-    if per_sequence_state or body.logprobs_wanted() is not None:
-        message = "n > 1 is not supported together with logprobs, tools or response_format"
+    if per_sequence_state or body.logprobs_wanted() is not None or body.prompt_logprobs_wanted() is not None:
+        message = "n > 1 is not supported together with logprobs, prompt_logprobs, tools or response_format"
         raise APIError(400, message, param="n")
 
 

@@ -8,8 +8,10 @@ Contracts:
   half a character reads U+FFFD, as its decode does). A -inf logprob is written -9999.0, as OpenAI does:
   JSON has no infinity.
 - One `LogprobsFormat` per request renders a whole answer or its stream chunk by chunk: completions'
-  `text_offset` runs on across chunks. Tokens whose text a chunk did not carry yet (held back for a stop
-  string) are rendered with the next chunk that goes out, so none is lost.
+  `text_offset` runs on across chunks; with `echo`, the prompt's tokens come first, the first of them
+  with a null logprob (OpenAI's legacy shape). Tokens whose text a chunk did not carry yet (held back for
+  a stop string) are rendered with the next chunk that goes out, so none is lost.
+- `prompt_logprobs` renders vLLM's field of that name.
 """
 
 from __future__ import annotations
@@ -38,9 +40,34 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the first token of an echoed prompt (nothing precedes it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+def prompt_logprobs(
+    tokenizer: Tokenizer, entries: list[TokenLogprobs | None]
+) -> list[dict[str, dict[str, float | int | str | None]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first None), token id -> its logprob, rank and
+    text, for the prompt's own token and the most likely ones at its place."""
+    rendered: list[dict[str, dict[str, float | int | str | None]] | None] = []
+    for entry in entries:
+        if entry is None:
+            rendered.append(None)
+            continue
+        ranked = {entry.token: (entry.logprob, entry.rank)}
+        ranked |= {t: (lp, i + 1) for i, (t, lp) in enumerate(entry.top) if t != entry.token}
+        rendered.append(
+            {
+                str(token): {
+                    "logprob": max(logprob, FLOOR),
+                    "rank": rank,
+                    "decoded_token": tokenizer.decode([token], skip_special_tokens=False),
+                }
+                for token, (logprob, rank) in ranked.items()
+            }
+        )
+    return rendered
 
 
 class LogprobsFormat:
@@ -54,6 +81,14 @@ class LogprobsFormat:
 
     def add(self, entries: list[TokenLogprobs] | None) -> None:
         self.pending += entries or []
+
+    def add_prompt(self, prompt: list[int], entries: list[TokenLogprobs | None]) -> None:
+        """An echoed prompt's tokens (completions' `echo`): the first one without a logprob, as OpenAI
+        renders it."""
+        self.pending += [
+            entry or TokenLogprobs(token, float("nan"), [])
+            for token, entry in zip(prompt, entries, strict=True)
+        ]
 
     def take(self) -> ChatLogprobs | CompletionLogprobs | None:
         """The pending tokens' logprobs in this endpoint's shape (None when there are none), then forgets
@@ -89,10 +124,10 @@ class LogprobsFormat:
             # OpenAI: the top `logprobs` tokens, and the sampled one's always (so up to logprobs + 1).
             top = {self._text(t): max(lp, FLOOR) for t, lp in e.top}
             top.setdefault(text, max(e.logprob, FLOOR))
-            tops.append(top)
+            tops.append(None if e.logprob != e.logprob else top)  # NaN: an echoed prompt's first token
         return CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[max(e.logprob, FLOOR) for e in entries],
+            token_logprobs=[None if e.logprob != e.logprob else max(e.logprob, FLOOR) for e in entries],
             top_logprobs=tops,
             text_offset=offsets,
         )

@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response models for /v1/completions and /v1/chat/completions.
 
 Every parameter OpenAI defines is declared: implemented, accepted because it changes no answer by definition
-(`user`, `metadata`, the prompt-cache hints), or refused unless neutral (best_of other than n, echo, suffix,
+(`user`, `metadata`, the prompt-cache hints), or refused unless neutral (best_of other than n, suffix,
 audio, functions, store, reasoning_effort, ...: a 400 naming it, never silently dropped). Fields OpenAI does
 not define are ignored (clients send vendor extras); a value out of its range (top_logprobs over 20, a
 logit_bias over 100) is a 400 naming it. Values a request leaves out come from the server's
@@ -108,6 +108,7 @@ class GenerationRequest(BaseModel):
     user: str | None = None  # accepted for compatibility; the tenant always comes from the API key
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None  # enforced by a grammar (kvfence/grammar)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's
 
     @field_validator("model")
     @classmethod
@@ -175,6 +176,7 @@ class GenerationRequest(BaseModel):
             repetition_penalty=self.repetition_penalty or defaults.repetition_penalty,
             logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
             logprobs=self.logprobs_wanted(),
+            prompt_logprobs=self.prompt_logprobs_wanted(),
             seed=self.seed,
             stop=list(self.stop),
             ignore_eos=self.ignore_eos,
@@ -183,6 +185,10 @@ class GenerationRequest(BaseModel):
     def logprobs_wanted(self) -> int | None:
         """How many top logprobs beside the sampled token's; None: no logprobs. Each endpoint has its own."""
         return None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """How many top logprobs beside each prompt token's; None: none (vLLM's `prompt_logprobs`)."""
+        return self.prompt_logprobs
 
 
 def _refuse_if_set(value: Any, info: ValidationInfo) -> Any:
@@ -199,10 +205,16 @@ class CompletionRequest(GenerationRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    _unsupported = field_validator("echo", "suffix")(_refuse_if_set)
+    _unsupported = field_validator("suffix")(_refuse_if_set)
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """`echo` with `logprobs` reports the prompt's tokens too (OpenAI's legacy completions)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -400,6 +412,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -424,6 +437,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, when asked for
 
 
 class ChatCompletionResponse(BaseModel):
@@ -458,6 +472,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, in the first chunk
 
 
 class ChatCompletionChunk(BaseModel):

@@ -50,30 +50,41 @@ class Format:
     chat: bool
     created: int
     logprobs: LogprobsFormat | None = None  # the request asked for logprobs: each body and chunk has its own
+    echo: str | None = None  # completions' `echo`: the prompt, written before the answer
 
     def _logprobs(self) -> Any:
         """The logprobs of the tokens added since the last body or chunk (None without any)."""
         return self.logprobs.take() if self.logprobs is not None else None
 
     def response(
-        self, text: str, finish_reason: str | None, usage: Usage, tool_calls: list[ToolCall] | None = None
+        self,
+        text: str,
+        finish_reason: str | None,
+        usage: Usage,
+        tool_calls: list[ToolCall] | None = None,
+        prompt_logprobs: Any = None,
     ) -> BaseModel:
+        """The buffered body; `prompt_logprobs`: vLLM's field, rendered (logprobs.prompt_logprobs)."""
         if self.chat:
             # With calls, OpenAI's content is null unless the model also wrote text.
             message = AssistantMessage(content=(text or None) if tool_calls else text, tool_calls=tool_calls)
-            return ChatCompletionResponse(
-                id=self.request_id,
-                created=self.created,
-                model=self.model,
-                usage=usage,
-                choices=[ChatChoice(message=message, finish_reason=finish_reason, logprobs=self._logprobs())],
+            choice = ChatChoice(
+                message=message,
+                finish_reason=finish_reason,
+                logprobs=self._logprobs(),
+                prompt_logprobs=prompt_logprobs,
             )
+            return ChatCompletionResponse(
+                id=self.request_id, created=self.created, model=self.model, usage=usage, choices=[choice]
+            )
+        completion = CompletionChoice(
+            text=(self.echo or "") + text,
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(),
+            prompt_logprobs=prompt_logprobs,
+        )
         return CompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            usage=usage,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason, logprobs=self._logprobs())],
+            id=self.request_id, created=self.created, model=self.model, usage=usage, choices=[completion]
         )
 
     def chunk(
@@ -82,6 +93,7 @@ class Format:
         finish_reason: str | None = None,
         role: bool = False,
         tool_calls: list[ToolCall] | None = None,
+        prompt_logprobs: Any = None,
     ) -> BaseModel:
         if self.chat:
             deltas = [
@@ -96,7 +108,12 @@ class Format:
                 created=self.created,
                 model=self.model,
                 choices=[
-                    ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=self._logprobs())
+                    ChatChunkChoice(
+                        delta=delta,
+                        finish_reason=finish_reason,
+                        logprobs=self._logprobs(),
+                        prompt_logprobs=prompt_logprobs,
+                    )
                 ],
             )
         return CompletionResponse(
@@ -104,7 +121,12 @@ class Format:
             created=self.created,
             model=self.model,
             choices=[
-                CompletionChoice(text=text or "", finish_reason=finish_reason, logprobs=self._logprobs())
+                CompletionChoice(
+                    text=text or "",
+                    finish_reason=finish_reason,
+                    logprobs=self._logprobs(),
+                    prompt_logprobs=prompt_logprobs,
+                )
             ],
         )
 
@@ -131,12 +153,17 @@ async def sse_events(
     fmt: Format,
     include_usage: bool,
     tools: ToolCallParser | None = None,
+    prompt_logprobs: Any = None,
 ) -> AsyncIterator[str]:
     """The stream body: content deltas, then the finish (or an error event for an aborted request, and no
     normal finish_reason), the optional usage chunk, and `[DONE]`. With `tools`, text that may be a tool
-    call is held back and sent at the end as one `tool_calls` delta, with finish_reason "tool_calls"."""
+    call is held back and sent at the end as one `tool_calls` delta, with finish_reason "tool_calls".
+    An echoed prompt (completions) goes first, in a chunk of its own; `prompt_logprobs` (vLLM's) with the
+    first chunk."""
     if fmt.chat:
-        yield _sse(fmt.chunk("", role=True))
+        yield _sse(fmt.chunk("", role=True, prompt_logprobs=prompt_logprobs))
+    elif fmt.echo is not None or prompt_logprobs is not None:
+        yield _sse(fmt.chunk(fmt.echo or "", prompt_logprobs=prompt_logprobs))
     output = first
     while True:
         if output.status is Status.ABORTED:

@@ -35,7 +35,7 @@ from kvfence.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from kvfence.api.choices import check_choices
 from kvfence.api.choices import respond as respond_choices
 from kvfence.api.errors import APIError, abort_error, install_error_handlers
-from kvfence.api.logprobs import LogprobsFormat
+from kvfence.api.logprobs import LogprobsFormat, prompt_logprobs
 from kvfence.api.metrics import Metrics
 from kvfence.api.protocol import (
     ChatCompletionRequest,
@@ -191,12 +191,17 @@ class _Service:
                 request_id=request_id,
             ) from exc
         logprobs = None if params.logprobs is None else LogprobsFormat(self.engine.tokenizer, chat)
-        fmt = Format(request_id, self.model_name, chat, int(time.time()), logprobs)
+        echo = await self._echo(body, prompt)
+        if logprobs is not None and echo is not None and first.prompt_logprobs is not None:
+            logprobs.add_prompt(prompt, first.prompt_logprobs)
+        fmt = Format(request_id, self.model_name, chat, int(time.time()), logprobs, echo)
         headers = {"x-request-id": request_id}
+        asked = body.prompt_logprobs is not None and first.prompt_logprobs is not None
+        prompt_entries = prompt_logprobs(self.engine.tokenizer, first.prompt_logprobs) if asked else None
         if body.num_choices > 1:
             return await respond_choices(first, outputs, fmt, body, headers)
         if body.stream:
-            events = sse_events(first, outputs, fmt, body.include_usage, tools)
+            events = sse_events(first, outputs, fmt, body.include_usage, tools, prompt_entries)
             return EngineStreamResponse(events, outputs, headers)
         async with aclosing(outputs):
             texts, last = [first.new_text], first
@@ -215,8 +220,16 @@ class _Service:
             rest, calls = tools.finish()
             text = streamed + rest
         reason = finish_reason(last.finish_reason, calls)
-        body_model = fmt.response(text, reason, usage(last), calls or None)
+        body_model = fmt.response(text, reason, usage(last), calls or None, prompt_entries)
         return JSONResponse(body_model.model_dump(mode="json"), headers=headers)
+
+    async def _echo(self, body: GenerationRequest, prompt: list[int]) -> str | None:
+        """Completions' `echo`: the prompt as sent (its text, or its token ids decoded); None without it."""
+        if not getattr(body, "echo", False):
+            return None
+        if isinstance(getattr(body, "prompt", None), str):
+            return str(body.prompt)  # type: ignore[attr-defined]
+        return await run_in_threadpool(self._tokenizer().decode, prompt, False)
 
     def _check_sampling(self, body: GenerationRequest) -> None:
         """What only the served model and engine can tell: logit_bias ids in its vocabulary, and whether
@@ -228,6 +241,10 @@ class _Service:
             raise APIError(400, message, param="logit_bias")
         if body.logprobs_wanted() is not None and not getattr(self.engine, "supports_logprobs", False):
             raise APIError(400, "logprobs are not supported by this deployment", param="logprobs")
+        if body.prompt_logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
+            raise APIError(
+                400, "prompt_logprobs are not supported by this deployment", param="prompt_logprobs"
+            )
 
     async def audit(self, request_id: str) -> dict[str, Any]:
         events = await run_in_threadpool(self.engine.audit_events, request_id)

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfence.audit.client import MAX_WORKERS, Exchange, ProbeClient
+from kvfence.audit.confirm import confirm_departures
 from kvfence.audit.neartie import Departure, Margin, departure, jitter
 from kvfence.audit.result import CheckResult, inconclusive
 from kvfence.audit.trail import ENGINE, Trail, by_where, event_pages, tenant_of
@@ -253,7 +254,9 @@ def run_replay(
         calibrate(client, probes)
     for wave in range(WAVES):
         churn_wave(client, probes, wave)
-    return judge(probes, declared, logprobs), probes
+    result = judge(probes, declared, logprobs)
+    confirm_departures(client, probes, result)
+    return result, probes
 
 
 # ---- the verdict ------------------------------------------------------------------------------------

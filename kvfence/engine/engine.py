@@ -238,6 +238,8 @@ class LLMEngine:
     def _apply(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
         """The step's results, row by row: integrity aborts first, then each surviving row's tokens."""
         outputs = [r for rid, reason in result.aborted.items() if (r := self.abort(rid, reason)) is not None]
+        for request in batch.requests:  # before the tokens: the first token's output carries them
+            request.prompt_logprobs.update(result.prompt_logprobs.get(request.request_id, {}))
         parents = []
         for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             if request.request_id in result.aborted:

@@ -30,6 +30,9 @@ class RequestOutput:
     # One entry per new token when the request asked for logprobs (SamplingParams.logprobs), else None.
     logprobs: list[TokenLogprobs] | None = None
     index: int = 0  # the choice (n > 1: which fork; the parent's own outputs, aborts only, say 0)
+    # With the first token of a request that asked for them: every prompt token's logprobs, the first
+    # token's None (nothing precedes it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @classmethod
     def of(
@@ -39,6 +42,10 @@ class RequestOutput:
         text: str = "",
         logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
+        first = len(request.output_token_ids) == len(tokens or []) > 0
+        prompt = None
+        if first and request.params.prompt_logprobs is not None:
+            prompt = [request.prompt_logprobs.get(p) for p in range(len(request.prompt_token_ids))]
         return cls(
             request.request_id,
             tokens or [],
@@ -50,6 +57,7 @@ class RequestOutput:
             len(request.output_token_ids),
             logprobs,
             request.index,
+            prompt,
         )
 
 

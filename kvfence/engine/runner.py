@@ -39,6 +39,8 @@ class StepResult:
     sampled: dict[str, int]
     aborted: dict[str, str]  # request id -> fence violation, or NON_FINITE_LOGITS
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked for them
+    # request id -> prompt position -> that prompt token's logprobs, for requests that asked for them
+    prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -68,9 +70,11 @@ class ModelRunner:
             return StepResult({}, aborted)
         if self.observer is not None:
             self.observer(requests, layout)
-        inputs, sample_rows = self._model_inputs(requests, num_new, layout)
+        inputs, sample_rows, prompt_rows = self._model_inputs(requests, num_new, layout)
         logits = self.model.forward(inputs, self.pool.kv)
         self.pool.commit_writes(layout.write_pages, layout.write_offsets)
+        prompt = _prompt_logprobs(logits[: len(prompt_rows)], prompt_rows)
+        logits = logits[len(prompt_rows) :]
         sampled_requests = [requests[r] for r in sample_rows]
         if self.logits_observer is not None:
             self.logits_observer(sampled_requests, logits)
@@ -100,15 +104,16 @@ class ModelRunner:
         logprobs = {
             sampled_requests[row].request_id: lp for row, lp in token_logprobs(raw, tokens, params).items()
         }
-        return StepResult(sampled, aborted, logprobs)
+        return StepResult(sampled, aborted, logprobs, prompt)
 
     def _model_inputs(
         self, requests: list[Request], num_new: list[int], layout: StepLayout
-    ) -> tuple[StepInputs, list[int]]:
+    ) -> tuple[StepInputs, list[int], list[tuple[Request, int]]]:
         """The model's inputs from the validated layout, in array form: per row only the new tokens are
         read from the request (a decode row's one token, not a copy of its whole sequence); tables, row
         kinds and logits rows are numpy over the batch (at 256 decode rows this took 7.6 of a step's 41
-        ms under cProfile, mostly a tensor per row)."""
+        ms under cProfile, mostly a tensor per row). Also the batch rows sampled, and (request, prompt
+        position) of each prompt token whose logprobs a request asked for: their logits rows come first."""
         device = self.model.device
         new = np.asarray(num_new, dtype=np.int64)
         cached = layout.num_cached
@@ -123,6 +128,7 @@ class ModelRunner:
             [r.prefill_only for r in requests], dtype=bool
         )
         decode = np.flatnonzero(is_decode)
+        prompt_rows = _prompt_positions(requests, num_new, cached, token_ends)
         prefills = [
             PrefillSeq(
                 int(token_ends[row] - new[row]),
@@ -144,9 +150,45 @@ class ModelRunner:
             decode_block_tables=torch.from_numpy(_decode_tables(layout, decode)).to(device),
             decode_context_lens=torch.from_numpy(cached[decode] + 1).to(device),
             prefills=prefills,
-            logits_rows=torch.from_numpy(token_ends[sampled] - 1).to(device),
+            logits_rows=torch.from_numpy(
+                np.concatenate([[row for row, _, _ in prompt_rows], token_ends[sampled] - 1]).astype(np.int64)
+            ).to(device),
         )
-        return inputs, np.flatnonzero(sampled).tolist()
+        return inputs, np.flatnonzero(sampled).tolist(), [(r, position) for _, r, position in prompt_rows]
+
+
+def _prompt_positions(
+    requests: list[Request], num_new: list[int], cached: np.ndarray, token_ends: np.ndarray
+) -> list[tuple[int, Request, int]]:
+    """(step row, request, prompt position) for every prompt token this step computes the logits before,
+    of the requests that asked for prompt logprobs: the logits at position p give token p + 1's."""
+    found = []
+    for row, (request, n) in enumerate(zip(requests, num_new, strict=True)):
+        if request.params.prompt_logprobs is None:
+            continue
+        first = int(cached[row])
+        for p in range(first, min(first + n, len(request.prompt_token_ids) - 1)):
+            found.append((int(token_ends[row]) - n + p - first, request, p + 1))
+    return found
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, rows: list[tuple[Request, int]]
+) -> dict[str, dict[int, TokenLogprobs]]:
+    """Each prompt token's logprob at `logits`' rows (log-softmax of the raw logits, as for sampled
+    tokens) and the request's `prompt_logprobs` most likely tokens there."""
+    if not rows:
+        return {}
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    found: dict[str, dict[int, TokenLogprobs]] = {}
+    for (request, position), row in zip(rows, logp, strict=True):
+        token, k = request.prompt_token_ids[position], request.params.prompt_logprobs or 0
+        values, ids = torch.topk(row, k) if k else (row[:0], row[:0].long())
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        rank = int((row > row[token]).sum()) + 1
+        entry = TokenLogprobs(token, float(row[token]), top, rank)
+        found.setdefault(request.request_id, {})[position] = entry
+    return found
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:

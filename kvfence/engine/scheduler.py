@@ -177,8 +177,9 @@ class Scheduler:
             self.admitting = None
 
     def _first_chunk(self, request: Request, budget: int) -> int:
-        if not request.record.pages:
-            # At least one token must be computed to produce logits, so never take the last from cache.
+        if not request.record.pages and request.params.prompt_logprobs is None:
+            # At least one token must be computed to produce logits, so never take the last from cache; a
+            # request for its prompt's logprobs computes every prompt token (a cached page has no logits).
             request.num_computed_tokens = self.kv_cache.share_cached_prefix(request, request.num_tokens - 1)
         n = min(request.num_tokens - request.num_computed_tokens, budget)
         if not self.kv_cache.allocate(request, request.num_computed_tokens + n):

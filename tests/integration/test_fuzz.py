@@ -142,7 +142,7 @@ BAD_FIELDS = {
     "logprobs=21": {"logprobs": 21},
     "logprobs=-1": {"logprobs": -1},
     "best_of=2": {"best_of": 2},
-    "echo": {"echo": True},
+    "echo": {"echo": {"on": 1}},
     "suffix": {"suffix": "!"},
     "logit_bias": {"logit_bias": {"42": 500}},
     "presence_penalty": {"presence_penalty": 2.5},

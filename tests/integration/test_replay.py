@@ -220,7 +220,8 @@ def test_the_near_tie_oracle_judges_kvfence_with_its_pin_hidden(
     """kvfence hiding its batch-invariance pin (`--hide-batch-invariance`) is judged as any engine that
     answers logprobs: with the fence off and a fault armed, answers from stale KV depart from their solo
     answers where the solo run was sure (FAIL, beyond the margin); clean, it passes. The pin is hidden in
-    the model card, so the exact rule cannot decide."""
+    the model card, so the exact rule cannot decide. Each departure beyond the margin is re-scored alone,
+    teacher-forced with `echo` (audit/confirm.py): the token given under load scores below the solo's."""
     faults = {fault: FAULTS[fault]} if fault else {}
     engine = real_engine(
         smollm2, isolation=fault is None, faults=faults, declare_batch_invariance=False, **SMALL
@@ -236,3 +237,8 @@ def test_the_near_tie_oracle_judges_kvfence_with_its_pin_hidden(
     else:
         assert replay["status"] == "FAIL" and summary["beyond"] > 0, replay["details"]
         assert "beyond the margin" in replay["details"]
+        confirmed = [i["confirmation"] for i in replay["evidence"] if "logprob" in i.get("confirmation", {})]
+        assert confirmed, "echo with logprobs re-scores the departing token in its true context"
+        for item in confirmed:  # the token read from stale KV is less probable alone than the solo answer's
+            assert item["logprob"] < item["solo_logprob"] - summary["margin_nats"], item
+        assert "teacher-forced" in replay["details"]

@@ -6,6 +6,7 @@ compatibility matrix: every parameter the openai client knows works, changes not
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,7 +160,7 @@ def test_out_of_range_is_a_400_naming_the_parameter(
 WORKS = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "stop", "stream_options", "n", "logit_bias", "logprobs", "top_logprobs", "presence_penalty",
-    "frequency_penalty", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    "frequency_penalty", "response_format", "tools", "tool_choice", "parallel_tool_calls", "echo",
 }  # fmt: skip
 # Accepted: they identify a caller or hint at caching, and change no answer by OpenAI's own definition.
 NO_EFFECT = {"user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
@@ -177,7 +178,6 @@ REFUSED = {
     "web_search_options": {"search_context_size": "low"},
     "modalities": ["text", "audio"],
     "service_tier": "priority",
-    "echo": True,
     "suffix": " the end",
     "best_of": 3,
 }
@@ -202,3 +202,46 @@ def test_every_openai_parameter_works_or_is_refused_by_name(url: str, path: str)
     plain = post(url, path, body | {"max_tokens": 4}).json()["choices"][0]
     hinted = post(url, path, body | {"max_tokens": 4} | {k: v for k, v in hints.items() if k in names})
     assert hinted.status_code == 200 and hinted.json()["choices"][0] == plain
+
+
+def test_echo_returns_the_prompt_before_the_answer_with_its_logprobs(client: openai.OpenAI) -> None:
+    """OpenAI's legacy completions: `echo` writes the prompt first; with `logprobs`, its tokens' logprobs
+    come first too, the first token's null (nothing precedes it); a stream sends the prompt in its first
+    chunk."""
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=2)
+    answer = plain.choices[0].text
+    assert echoed.choices[0].text == prompt + answer
+    logprobs = echoed.choices[0].logprobs
+    assert logprobs is not None and "".join(logprobs.tokens) == prompt + answer
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    prompt_tokens = len(logprobs.tokens) - 4
+    assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset[prompt_tokens] == len(prompt)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, stream=True))
+    assert (
+        chunks[0].choices[0].text == prompt and "".join(c.choices[0].text for c in chunks) == prompt + answer
+    )
+
+
+def test_prompt_logprobs_follow_vllm(url: str) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token (the first null), token id -> logprob, rank and text, the
+    prompt's own token among them; on both endpoints, and in a stream's first chunk."""
+    for path, body in (
+        ("/completions", {"prompt": "The capital of France is"}),
+        ("/chat/completions", {"messages": QUESTION}),
+    ):
+        reply = post(url, path, body | {"max_tokens": 2, "prompt_logprobs": 3})
+        assert reply.status_code == 200, reply.text
+        entries = reply.json()["choices"][0]["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == reply.json()["usage"]["prompt_tokens"]
+        for entry in entries[1:]:
+            assert 3 <= len(entry) <= 4 and all(
+                set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values()
+            )
+            ranks = sorted(v["rank"] for v in entry.values())
+            assert ranks[0] == 1 or len(entry) == 4  # the top 3 ranked 1..3; the prompt's own token anywhere
+        streamed = post(url, path, body | {"max_tokens": 2, "prompt_logprobs": 1, "stream": True})
+        first = next(line for line in streamed.text.splitlines() if line.startswith("data: {"))
+        assert json.loads(first[6:])["choices"][0]["prompt_logprobs"][1] is not None

@@ -21,7 +21,7 @@ from kvfence.engine.sampler import (
     sample,
     token_logprobs,
 )
-from kvfence.model.transformer import Transformer
+from kvfence.model.transformer import StepInputs, Transformer
 from kvfence.request import Status
 from kvfence.sampling import SamplingDefaults, SamplingParams
 
@@ -270,3 +270,43 @@ def test_unseeded_rows_draw_from_their_distribution() -> None:
     freq = torch.bincount(drawn, minlength=5).float() / 20_000
     sigma = (probs[0] * (1 - probs[0]) / 20_000).sqrt()
     assert ((freq - probs[0]).abs() < 4 * sigma).all(), freq
+
+
+def test_prompt_logprobs_are_each_prompt_tokens_log_softmax_at_the_position_before(
+    tiny: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the chunking (prefill in chunks of 4 here) and the prefix cache (a second request with the
+    same prompt computes it again: a cached page has no logits), every prompt token but the first gets
+    log_softmax of the logits of the position before it, with the top k, delivered with the first token."""
+    prompt = [5, 17, 3, 99, 42, 7, 1, 250, 13, 8]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3)
+    engine = make_engine(tiny, max_num_batched_tokens=4)
+    first = engine.add_request(prompt, params)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.request_id == first.request_id]
+    assert outputs[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in outputs[1:])
+    entries = outputs[0].prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    again = make_engine(tiny).generate([prompt, prompt], params)  # the second would hit the first's pages
+    assert all(len(r.prompt_logprobs) == len(prompt) - 1 for r in again)
+    # The reference: the whole prompt in one step, every position's logits.
+    reference = make_engine(tiny)
+    recorder_logits = []
+    forward = reference.model.forward
+
+    def all_rows(inputs: StepInputs, kv: torch.Tensor) -> torch.Tensor:
+        if inputs.prefills:
+            inputs.logits_rows = torch.arange(len(inputs.input_ids))
+            recorder_logits.append(forward(inputs, kv))
+            inputs.logits_rows = inputs.logits_rows[-1:]
+        return forward(inputs, kv)
+
+    monkeypatch.setattr(reference.model, "forward", all_rows)
+    reference.generate([prompt], SamplingParams(max_tokens=1))
+    logp = torch.log_softmax(recorder_logits[0], dim=-1)
+    for position in range(1, len(prompt)):
+        entry = entries[position]
+        assert entry is not None and entry.token == prompt[position]
+        assert math.isclose(entry.logprob, float(logp[position - 1, prompt[position]]), abs_tol=1e-4)
+        assert [t for t, _ in entry.top] == torch.topk(logp[position - 1], 3).indices.tolist()

@@ -99,20 +99,20 @@ def test_array_form_inputs_equal_the_per_row_ones_at_every_step(tiny: Transforme
 
     def checked(
         requests: list[Request], num_new: list[int], layout: StepLayout
-    ) -> tuple[StepInputs, list[int]]:
-        ours, rows = vectorised(requests, num_new, layout)
+    ) -> tuple[StepInputs, list[int], list[tuple[Request, int]]]:
+        ours, rows, prompt_rows = vectorised(requests, num_new, layout)
         theirs, their_rows = per_row_model_inputs(engine.runner, requests, num_new, layout)
         assert_same_inputs(ours, theirs)
-        assert rows == their_rows
+        assert rows == their_rows and prompt_rows == []  # no request here asks for prompt logprobs
         steps.append((len(ours.prefills), int(ours.decode_rows.numel())))
-        return ours, rows
+        return ours, rows, prompt_rows
 
     engine.runner._model_inputs = checked  # type: ignore[method-assign]
     outcome = run(engine)
     assert any(p and d for p, d in steps) and any(d and not p for p, d in steps)  # mixed and pure decode
     # The same run on the per-row inputs: the same tokens, finish reasons and audit events.
     reference = small_engine(tiny)
-    reference.runner._model_inputs = lambda *a: per_row_model_inputs(reference.runner, *a)  # type: ignore[method-assign]
+    reference.runner._model_inputs = lambda *a: (*per_row_model_inputs(reference.runner, *a), [])  # type: ignore[method-assign]
     assert run(reference) == outcome
     kinds = {event["kind"] for event in outcome[2]}
     assert {"preempted", "prefix_hit", "finished"} <= kinds
