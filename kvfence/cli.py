@@ -243,7 +243,14 @@ def _run_http(args: argparse.Namespace, client: EngineClient, front: Front) -> i
     from kvfence.pins import default_model_path
 
     name = args.served_model_name or (args.model or default_model_path()).stem
-    app = build_app(client, name, front.api_keys, front.admin_key, sampling=front.sampling)
+    app = build_app(
+        client,
+        name,
+        front.api_keys,
+        front.admin_key,
+        sampling=front.sampling,
+        allowed_origins=front.allowed_origins,
+    )
     _log(f"serving '{name}' on http://{args.host}:{args.port}/v1")
     config = uvicorn_config(app, front.read_timeout_s, front.max_connections, log_level="info")
     uvicorn.Server(config).run(sockets=[front.sock])

@@ -23,7 +23,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from kvfence.config import DTYPE_BYTES, CapacityError, EngineConfig, capacity_report, check_window
 from kvfence.sampling import SamplingDefaults
@@ -40,6 +40,11 @@ class StartupError(Exception):
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse with one-line errors (exit 2), like every other start-up error; `--help` is unchanged."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No prefixes: vLLM's `--api-key sk-x` must not become `--api-keys` (a file that is not there).
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
@@ -66,6 +71,14 @@ def positive_float(text: str) -> float:
 
 def port_number(text: str) -> int:
     return _number(text, int, lambda v: 1 <= v <= 65535, "a port number from 1 to 65535")
+
+
+def origin(text: str) -> str:
+    """A CORS origin: `*`, or scheme://host[:port] with nothing after it (a browser sends no path)."""
+    scheme, sep, rest = text.partition("://")
+    if text == "*" or (sep and scheme in ("http", "https") and rest and not set("/?#@") & set(rest)):
+        return text
+    raise argparse.ArgumentTypeError(f"must be * or an origin such as https://app.example.com, got {text!r}")
 
 
 def temperature(text: str) -> float:
@@ -278,6 +291,7 @@ class Front:
     read_timeout_s: float
     max_connections: int
     sampling: SamplingDefaults  # what a request that leaves a value out gets
+    allowed_origins: tuple[str, ...] = ()  # CORS: the browser origins that may call the API (none: no CORS)
 
     def describe(self) -> list[str]:
         if self.api_keys:
@@ -295,7 +309,8 @@ class Front:
             f"front door: a request head within {self.read_timeout_s:g}s, a body stalled for "
             f"{self.read_timeout_s:g}s is cut, at most {self.max_connections} connections"
         )
-        return [auth, metrics, door]
+        cors = f"CORS: {', '.join(self.allowed_origins)}" if self.allowed_origins else "CORS: off"
+        return [auth, metrics, door, cors]
 
 
 def check_http(args: argparse.Namespace) -> Front:
@@ -314,7 +329,8 @@ def check_http(args: argparse.Namespace) -> Front:
     sampling = check_sampling(args)
     check_open_files(args.max_connections)
     sock = bind_http(args.host, args.port)
-    return Front(api_keys, admin_key, sock, args.http_read_timeout, args.max_connections, sampling)
+    origins = tuple(args.allowed_origins or ())
+    return Front(api_keys, admin_key, sock, args.http_read_timeout, args.max_connections, sampling, origins)
 
 
 def check_sampling(args: argparse.Namespace) -> SamplingDefaults:

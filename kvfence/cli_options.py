@@ -14,6 +14,7 @@ from pathlib import Path
 from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 from kvfence.cli_checks import (
     fault_spec,
+    origin,
     port_number,
     positive_float,
     positive_int,
@@ -188,6 +189,14 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--admin-key", help="key for the audit endpoint (default: $KVFENCE_ADMIN_KEY)")
     g.add_argument("--audit-log", type=Path, metavar="FILE", help="append audit events here as JSONL")
+    g.add_argument(
+        "--allowed-origins",
+        type=origin,
+        nargs="+",
+        metavar="ORIGIN",
+        help="browser origins allowed to call the API by CORS, e.g. https://app.example.com, or * (default: "
+        "none, no CORS headers)",
+    )
     g.add_argument("--served-model-name", help="model id in the API (default: the GGUF file stem)")
     g.add_argument(
         "--chat-template",

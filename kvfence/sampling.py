@@ -12,6 +12,8 @@ Contracts (kept by kvfence.engine.sampler):
   Bias and penalties are applied to those rows only, vectorised over them.
 - One row's failure (non-finite logits, a NaN parameter, a bias id outside the vocabulary) answers None for
   that row alone; it never reaches another row.
+- A row short of its `min_tokens` cannot sample an end (EOS, unless `ignore_eos`, or a `stop_token_ids`
+  entry): they go to -inf with the grammar's mask (engine/runner.py), after the raw logprobs.
 - Log-probabilities (`raw_logprobs`, `token_logprobs`) are log-softmax of the model's raw logits, before
   bias, penalties, temperature, truncation or a grammar's mask (vLLM's default "raw" mode), taken at the
   sampled token, with the `logprobs` most likely tokens beside it. `prompt_logprobs` are the same at every
@@ -56,6 +58,11 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's: tokens that end the request as EOS does; a request short of `min_tokens` output tokens cannot
+    # sample EOS or these; a stop string (or stop token's text) stays in the text when asked.
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Keys arrive as strings when the params travel as JSON (disaggregated serving): normalise them.
@@ -81,6 +88,8 @@ class SamplingParams:
             raise ValueError(
                 f"logit_bias maps token ids >= 0 to values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
             )
+        if self.min_tokens < 0 or any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("min_tokens and stop_token_ids must be >= 0")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -5,7 +5,7 @@ Contracts:
   map; a missing or unknown key is 401. With no key map, auth is off and every request is tenant
   "default".
 - The admin-only endpoints open to the admin key alone (compared in constant time): a tenant's key gets
-  403, anything else 401, and with no admin key configured they refuse everyone.
+  403, anything else 401, and with no admin key configured they refuse everyone with a 403 saying so.
 - The route dependencies (`Tenant`, `admin`) read the app's own `Auth` from `app.state.auth`.
 """
 
@@ -45,6 +45,9 @@ class Auth:
             return
         if key and self.api_keys and key in self.api_keys:
             raise APIError(403, "This endpoint needs the admin key.", code="admin_only")
+        if self.admin_key is None:  # say so: no key could open it, and a caller would retry forever
+            message = "No admin key is configured on this server: start it with --admin-key to open this."
+            raise APIError(403, message, code="admin_key_not_configured")
         raise APIError(401, "Invalid or missing admin key.", code="invalid_api_key")
 
     def metrics(self, request: Request) -> None:

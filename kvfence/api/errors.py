@@ -124,7 +124,12 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
 
+UNKNOWN_PARAMETER = "unknown parameter (neither OpenAI's nor a vLLM extra this server implements)"
+
+
 def _describe_validation_error(error: dict[str, Any]) -> str:
     where = ".".join(str(part) for part in error["loc"][1:])  # loc[0] is "body"
     message = str(error["msg"]).removeprefix("Value error, ")
+    if error.get("type") == "extra_forbidden":
+        message = UNKNOWN_PARAMETER
     return f"{where}: {message}" if where else message

@@ -1,22 +1,28 @@
 """OpenAI-compatible request and response models for /v1/completions and /v1/chat/completions.
 
 Every parameter OpenAI defines is declared: implemented, accepted because it changes no answer by definition
-(`user`, `metadata`, the prompt-cache hints), or refused unless neutral (best_of other than n, suffix,
-audio, functions, store, reasoning_effort, ...: a 400 naming it, never silently dropped). Fields OpenAI does
-not define are ignored (clients send vendor extras); a value out of its range (top_logprobs over 20, a
-logit_bias over 100) is a 400 naming it. Values a request leaves out come from the server's
-`SamplingDefaults` (the model's generation settings, else the server's) and `max_tokens` from the rest of
-the window. Text must be valid Unicode: JSON can carry lone surrogates (`"\ud800"`), which no tokenizer
-can encode. api/errors.py turns every validation failure into HTTP 400 `invalid_request_error`.
+(`user`, `metadata`, the prompt-cache hints), or refused unless neutral (best_of other than n, suffix, audio,
+functions, store, reasoning_effort, ...: a 400 naming it, never silently dropped). So is each of vLLM's extra
+parameters: implemented where it maps onto what exists (guided_json/regex/choice/grammar and
+structured_outputs as grammars, min_tokens, stop_token_ids, include_stop_str_in_output, prompt_logprobs,
+add_special_tokens, add_generation_prompt), accepted at its neutral value only, or refused by name. A field
+neither defines is a 400 naming it (an ignored one would answer 200 with what it did not ask for); nested
+objects (messages, tools) ignore unknown keys, as clients echo a response's extra fields back. A value out of
+its range (top_logprobs over 20, a logit_bias over 100) is a 400 naming it. Values a request leaves out come
+from the server's `SamplingDefaults` (the model's generation settings, else the server's) and `max_tokens`
+from the rest of the window. Text must be valid Unicode: JSON can carry lone surrogates (`"\ud800"`), which no
+tokenizer can encode. api/errors.py turns every validation failure into HTTP 400 `invalid_request_error`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvfence.api.logprobs import ChatLogprobs, CompletionLogprobs
+from kvfence.grammar.compiler import Guide
 from kvfence.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -82,10 +88,41 @@ class ResponseFormat(BaseModel):
         return None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a pattern, choices, a grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+
+
+def _refuse_if_set(value: Any, info: ValidationInfo) -> Any:
+    """Accept only a field's neutral values (None, false, 0, empty); anything else asks for a feature."""
+    if value:
+        raise ValueError(f"{info.field_name} is not supported by this server")
+    return value
+
+
+def _json_schema(value: dict[str, Any] | str) -> dict[str, Any]:
+    """A schema given as an object or as its JSON text (vLLM takes both)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError("the JSON schema is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise ValueError("a JSON schema must be an object")
+    return value
+
+
 class GenerationRequest(BaseModel):
     """Fields both endpoints share, and their translation into SamplingParams."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = Field(default=None, ge=1)
@@ -109,6 +146,110 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None  # enforced by a grammar (kvfence/grammar)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's
+
+    # vLLM's extra parameters, implemented (kvfence.sampling, the grammar compiler, the tokenizer).
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    add_special_tokens: bool | None = None  # None: the endpoint's default (completions True, chat False)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # Accepted: which library enforces a guide changes nothing it allows.
+    guided_decoding_backend: str | None = None
+    # Accepted at their neutral values only (vLLM's defaults): anything else asks for what is not built.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+    length_penalty: float = 1.0
+    # Refused when set: each changes the answer, or its handling, in a way this server does not implement.
+    # (`cache_salt` too: kvfence's prefix cache is already per tenant, but a salt asks for more than that.)
+    use_beam_search: bool = False
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    prompt_embeds: Any = None
+    guided_whitespace_pattern: str | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
+
+    _unsupported_vllm = field_validator(
+        "use_beam_search",
+        "truncate_prompt_tokens",
+        "allowed_token_ids",
+        "bad_words",
+        "logits_processors",
+        "return_tokens_as_token_ids",
+        "return_token_ids",
+        "prompt_embeds",
+        "guided_whitespace_pattern",
+        "request_id",
+        "cache_salt",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "mm_processor_kwargs",
+    )(_refuse_if_set)
+
+    @field_validator("skip_special_tokens", "spaces_between_special_tokens")
+    @classmethod
+    def _default_detokenizing(cls, value: bool, info: ValidationInfo) -> bool:
+        if not value:
+            raise ValueError(f"{info.field_name}: only true (the default) is supported by this server")
+        return value
+
+    @field_validator("priority", "length_penalty")
+    @classmethod
+    def _neutral(cls, value: float, info: ValidationInfo) -> float:
+        neutral = {"priority": 0, "length_penalty": 1.0}[str(info.field_name)]
+        if value != neutral:
+            raise ValueError(f"{info.field_name}: only {neutral} is supported by this server")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(t < 0 for t in ids):
+            raise ValueError("token ids are >= 0")
+        return ids
+
+    @field_validator("guided_json")
+    @classmethod
+    def _guided_schema(cls, schema: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        return None if schema is None else _json_schema(schema)
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> GenerationRequest:
+        """At most one way to constrain the output: two would ask for the intersection of grammars."""
+        guides = self.guides()
+        if len(guides) > 1:
+            raise ValueError(f"only one of {', '.join(sorted(guides))} may constrain the output")
+        return self
+
+    def guides(self) -> dict[str, Guide]:
+        """Each output constraint the request sets, by the parameter that set it."""
+        found: dict[str, Guide] = {}
+        if self.response_format is not None and (schema := self.response_format.output_schema()) is not None:
+            found["response_format"] = Guide("json", schema)
+        if self.guided_json is not None:
+            found["guided_json"] = Guide("json", self.guided_json)
+        for name, kind in (
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "lark"),
+        ):
+            if getattr(self, name) is not None:
+                found[name] = Guide(kind, getattr(self, name))  # type: ignore[arg-type]
+        if self.structured_outputs is not None:
+            found |= {f"structured_outputs.{n}": g for n, g in _structured(self.structured_outputs).items()}
+        return found
 
     @field_validator("model")
     @classmethod
@@ -180,6 +321,9 @@ class GenerationRequest(BaseModel):
             seed=self.seed,
             stop=list(self.stop),
             ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []),
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
     def logprobs_wanted(self) -> int | None:
@@ -191,11 +335,16 @@ class GenerationRequest(BaseModel):
         return self.prompt_logprobs
 
 
-def _refuse_if_set(value: Any, info: ValidationInfo) -> Any:
-    """Accept only a field's neutral values (None, false, 0, empty); anything else asks for a feature."""
-    if value:
-        raise ValueError(f"{info.field_name} is not supported by this server")
-    return value
+def _structured(outputs: StructuredOutputs) -> dict[str, Guide]:
+    found: dict[str, Guide] = {}
+    if outputs.json_ is not None:
+        found["json"] = Guide("json", _json_schema(outputs.json_))
+    if outputs.json_object:
+        found["json_object"] = Guide("json", {"type": "object"})
+    for name, kind in (("regex", "regex"), ("choice", "choice"), ("grammar", "lark")):
+        if getattr(outputs, name) is not None:
+            found[name] = Guide(kind, getattr(outputs, name))  # type: ignore[arg-type]
+    return found
 
 
 class CompletionRequest(GenerationRequest):
@@ -292,10 +441,16 @@ class NamedToolChoice(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "tool"]
+    # OpenAI's `developer` is its newer name for `system`; chat templates know only the older one.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, role: str) -> str:
+        return "system" if role == "developer" else role
 
     @field_validator("content")
     @classmethod
@@ -338,6 +493,13 @@ class ChatCompletionRequest(GenerationRequest):
     prompt_cache_key: str | None = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
+    # vLLM's chat extras: the generation prompt may be left off; the rest would change the rendering.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # a client's jinja is not run on this server
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: Any = None
+    echo: bool = False
 
     _unsupported = field_validator(
         "audio",
@@ -349,6 +511,11 @@ class ChatCompletionRequest(GenerationRequest):
         "store",
         "verbosity",
         "web_search_options",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+        "documents",
+        "echo",
     )(_refuse_if_set)
 
     @field_validator("modalities")

@@ -3,7 +3,7 @@ generations.
 
 The other jobs live beside it: auth.py (API key -> tenant, the admin key), body_limit.py (413 before a large
 body is read), errors.py (OpenAI-shaped errors), responses.py (JSON bodies and SSE streams), metrics.py
-(Prometheus) and protocol.py (the request and response models).
+(Prometheus), protocol.py (the request and response models) and tokenize.py (vLLM's token endpoints).
 
 Contracts:
 - A request id (`cmpl-…` / `chatcmpl-…`) is the response `id`, the `x-request-id` header and the key of
@@ -13,6 +13,8 @@ Contracts:
 - A refusal at admission keeps the engine's status and code; a request for another model is 404.
 - A chat request to a model without a chat template (none in the file, no `--chat-template`) is 400
   `no_chat_template`, naming /v1/completions and `--chat-template` as the ways out.
+- /tokenize, /detokenize, /version and /v1/models/{id} sit behind the API keys like generation; the
+  audit endpoints behind the admin key; no /docs (a CDN's scripts); CORS only for `allowed_origins`.
 - The app owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 
 import jinja2
 from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
@@ -45,10 +48,12 @@ from kvfence.api.protocol import (
     ModelList,
 )
 from kvfence.api.responses import EngineStreamResponse, Format, sse_events, usage
+from kvfence.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from kvfence.api.tools import ToolCallParser, finish_reason, forced_schema, template_messages
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError
-from kvfence.grammar.compiler import GrammarCompiler, GrammarError, RequestGrammar
+from kvfence.grammar.compiler import GrammarCompiler, GrammarError, Guide, RequestGrammar
+from kvfence.pins import package_version
 from kvfence.request import Status
 from kvfence.sampling import SamplingDefaults
 
@@ -97,7 +102,8 @@ class _Service:
 
     async def complete(self, body: CompletionRequest, tenant: str) -> Response:
         if isinstance(body.prompt, str):
-            prompt = await run_in_threadpool(self._tokenizer().encode, body.prompt, True)
+            special = body.add_special_tokens is not False  # completions' default: the model's BOS
+            prompt = await run_in_threadpool(self._tokenizer().encode, body.prompt, special)
         else:
             prompt = body.prompt
             vocab = self.engine.vocab_size
@@ -107,29 +113,79 @@ class _Service:
         return await self._generate(body, prompt, tenant, chat=False, grammar=grammar)
 
     async def chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
-        messages, tools = template_messages(body, self._chat_tokenizer().template_supports_tools)
-        prompt = await run_in_threadpool(self._encode_chat, messages, tools)
+        prompt = await self._chat_prompt(body)
         grammar = await self._grammar(body, forced_schema(body))
         parser = ToolCallParser(body) if body.tool_mode != "none" else None
         return await self._generate(body, prompt, tenant, chat=True, grammar=grammar, tools=parser)
 
+    async def model(self, model_id: str) -> ModelCard:
+        self.check_model(model_id)
+        return (await self.models()).data[0]
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: a prompt's ids as /v1/completions encodes it, or a conversation's as /v1/chat
+        renders it."""
+        self.check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                add_special_tokens=body.add_special_tokens,
+            )
+            tokens = await self._chat_prompt(chat)
+        else:
+            special = body.add_special_tokens is not False
+            tokens = await run_in_threadpool(self._tokenizer().encode, body.prompt, special)
+        strs = None
+        if body.return_token_strs:
+            strs = [self._tokenizer().decode([token], skip_special_tokens=False) for token in tokens]
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=self.max_model_len, tokens=tokens, token_strs=strs
+        )
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        vocab = self.engine.vocab_size
+        if any(not 0 <= token < vocab for token in body.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
+        text = await run_in_threadpool(self._tokenizer().decode, body.tokens, False)
+        return DetokenizeResponse(prompt=text)
+
+    def check_model(self, model: str | None) -> None:
+        """A request naming another model than the served one is a 404 (None: the served one)."""
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist (this server serves '{self.model_name}').",
+                code="model_not_found",
+                param="model",
+            )
+
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages, tools = template_messages(body, self._chat_tokenizer().template_supports_tools)
+        return await run_in_threadpool(self._encode_chat, body, messages, tools)
+
     async def _grammar(self, body: GenerationRequest, forced: dict[str, Any] | None) -> RequestGrammar | None:
-        """The request's matcher for a forced tool call or a JSON `response_format`, compiled (once per
-        schema, then cached) before admission: a schema that cannot be enforced is a 400 naming why."""
-        requested = body.response_format.output_schema() if body.response_format else None
-        if forced is not None and requested is not None:
-            message = "response_format cannot be combined with a forced tool call"
+        """The request's matcher for a forced tool call or its one output guide (`response_format`, vLLM's
+        guided_* and structured_outputs), compiled (once per guide, then cached) before admission: a guide
+        that cannot be enforced is a 400 naming why."""
+        guides = body.guides()
+        if forced is not None and guides:
+            message = f"{next(iter(guides))} cannot be combined with a forced tool call"
             raise APIError(400, message, param="tool_choice")
-        schema, param = (forced, "tools") if forced is not None else (requested, "response_format")
-        if schema is None:
+        if forced is not None:
+            guides = {"tools": Guide("json", forced)}
+        if not guides:
             return None
+        param, guide = next(iter(guides.items()))
         if not getattr(self.engine, "supports_grammar", False):  # the disaggregated router does not
             message = f"{param}: structured output is not supported by this deployment"
             raise APIError(400, message, param=param)
         try:
-            return await run_in_threadpool(self.grammars.for_schema, schema)
+            return await run_in_threadpool(self.grammars.for_guide, guide)
         except GrammarError as exc:
-            raise APIError(400, f"{param}: {exc}", code="invalid_json_schema", param=param) from exc
+            code = "invalid_json_schema" if guide.kind == "json" else "invalid_grammar"
+            raise APIError(400, f"{param}: {exc}", code=code, param=param.split(".")[0]) from exc
 
     def _tokenizer(self) -> Any:
         tokenizer = self.engine.tokenizer
@@ -144,15 +200,19 @@ class _Service:
             raise APIError(400, NO_CHAT_TEMPLATE, code="no_chat_template", param="messages")
         return tokenizer
 
-    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def _encode_chat(
+        self, body: ChatCompletionRequest, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         """Render with the model's chat template, then encode without adding special tokens (the template
-        already wrote the ones it wants)."""
+        already wrote the ones it wants) unless the request asks for them (vLLM's `add_special_tokens`)."""
         tokenizer = self._tokenizer()
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tools=tools
+            )
         except (jinja2.TemplateError, ValueError) as exc:
             raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from exc
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
     async def _generate(
         self,
@@ -163,13 +223,7 @@ class _Service:
         grammar: RequestGrammar | None = None,
         tools: ToolCallParser | None = None,
     ) -> Response:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(
-                404,
-                f"The model '{body.model}' does not exist (this server serves '{self.model_name}').",
-                code="model_not_found",
-                param="model",
-            )
+        self.check_model(body.model)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self._check_sampling(body)
         check_choices(body, self.engine, grammar is not None or tools is not None)
@@ -260,12 +314,15 @@ def build_app(
     admin_key: str | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     sampling: SamplingDefaults | None = None,
+    allowed_origins: tuple[str, ...] = (),
 ) -> FastAPI:
     """The HTTP app. It owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 
     `api_keys` maps key -> tenant (None: auth off, every request is tenant "default"); `admin_key` opens
     the audit endpoint (None: the endpoint refuses everyone); bodies over `max_body_bytes` get a 413.
     `sampling`: what a request that leaves a sampling value out gets (None: `SamplingDefaults()`, greedy).
+    `allowed_origins`: browser origins answered with CORS headers (none: no CORS). No /docs or /redoc:
+    they load their scripts from a CDN, blank on a machine without one.
     """
 
     @asynccontextmanager
@@ -276,12 +333,20 @@ def build_app(
         finally:
             engine.shutdown()
 
-    app = FastAPI(title="kvfence", lifespan=lifespan)
+    app = FastAPI(title="kvfence", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.auth = Auth(api_keys, admin_key)
     metrics = Metrics(engine, model_name)
     service = _Service(engine, model_name, metrics, sampling or SamplingDefaults())
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    if allowed_origins:  # outermost: a preflight is answered before any other check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+            expose_headers=["x-request-id"],
+        )
     _add_routes(app, service)
     return app
 
@@ -300,6 +365,22 @@ def _add_routes(app: FastAPI, service: _Service) -> None:
     @app.get("/v1/models")
     async def models(_: Tenant) -> ModelList:
         return await service.models()
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str, _: Tenant) -> ModelCard:
+        return await service.model(model_id)
+
+    @app.get("/version")
+    async def version(_: Tenant) -> dict[str, str]:
+        return {"version": package_version() or "unknown"}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, _: Tenant) -> TokenizeResponse:
+        return await service.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, _: Tenant) -> DetokenizeResponse:
+        return await service.detokenize(body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, tenant: Tenant) -> Response:

@@ -86,6 +86,7 @@ class LLMEngine:
         )
         self.kv_cache, self.scheduler, self.runner = parts.kv_cache, parts.scheduler, parts.runner
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
+        self.runner.eos_ids = frozenset(self.outputs.stop_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0

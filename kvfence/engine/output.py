@@ -62,7 +62,8 @@ class RequestOutput:
 
 
 class OutputProcessor:
-    """Per-request incremental decoders, and the stop rules: EOS, `max_tokens`, the window, stop strings.
+    """Per-request incremental decoders, and the stop rules: EOS, `max_tokens`, the window, stop strings
+    and stop token ids.
     Without a tokenizer (tests on a tiny model) there is no text and no EOS, only token ids."""
 
     def __init__(self, tokenizer: Tokenizer | None, max_model_len: int) -> None:
@@ -85,7 +86,10 @@ class OutputProcessor:
             request.first_token_time = time.monotonic()
         ending = self._ending(request, token)
         decoder = self._decoders.get(request.request_id)
-        request.output_text += decoder.step(token, final=ending is not None) if decoder else ""
+        text = decoder.step(token, final=ending is not None) if decoder else ""
+        if token in request.params.stop_token_ids and not request.params.include_stop_str_in_output:
+            text = ""  # vLLM: a stop token's text is not part of the answer unless asked for
+        request.output_text += text
         return self._stop_string(request) or ending
 
     @staticmethod
@@ -105,7 +109,8 @@ class OutputProcessor:
         """Why `token`, just appended, is the request's last (EOS or a complete grammar: "stop", budget or
         window: "length"), or None. Known before the token is decoded, so that the decoder can give out what
         it holds back."""
-        if token in self.stop_token_ids and not request.params.ignore_eos:
+        eos = token in self.stop_token_ids and not request.params.ignore_eos
+        if eos or token in request.params.stop_token_ids:
             return "stop"
         if request.grammar is not None and request.grammar.is_done:
             return "stop"  # structured output complete: only EOS could follow
@@ -118,11 +123,13 @@ class OutputProcessor:
 
     @staticmethod
     def _stop_string(request: Request) -> str | None:
-        """A stop string appeared: the text is cut where it starts and the reason is "stop"."""
+        """A stop string appeared: the text is cut where it starts (after it, with
+        `include_stop_str_in_output`) and the reason is "stop"."""
         for stop in request.params.stop:
             # A stop string can only start in text not yet streamed (see new_text).
             cut = request.output_text.find(stop, request.num_streamed_chars)
             if cut != -1:
-                request.output_text = request.output_text[:cut]
+                kept = cut + len(stop) if request.params.include_stop_str_in_output else cut
+                request.output_text = request.output_text[:kept]
                 return "stop"
         return None

@@ -16,7 +16,7 @@ import torch
 
 from kvfence.cache.fence import Fence, StepLayout
 from kvfence.cache.pool import KVPool
-from kvfence.engine.sampler import raw_logprobs, sample, token_logprobs
+from kvfence.engine.sampler import hold_ends, raw_logprobs, sample, token_logprobs
 from kvfence.grammar import mask as grammar_mask
 from kvfence.model.transformer import PrefillSeq, StepInputs, Transformer
 from kvfence.request import Request
@@ -51,6 +51,9 @@ class ModelRunner:
         self.faults = faults
         self.observer: StepObserver | None = None
         self.logits_observer: LogitsObserver | None = None
+        self.eos_ids: frozenset[int] = (
+            frozenset()
+        )  # the tokenizer's (set by the engine): min_tokens holds them
         # The draws of sampled requests without a seed (one exponential race over the batch); seeded ones
         # draw from their own generator.
         self.noise = torch.Generator(device=model.device)
@@ -84,6 +87,7 @@ class ModelRunner:
         # Structured output: disallowed tokens go to -inf before sampling, then each matcher takes its token.
         grammars = [r.grammar for r in sampled_requests]
         grammar_failed = grammar_mask.apply_masks(logits, grammars)
+        hold_ends(logits, params, [len(r.output_token_ids) for r in sampled_requests], self.eos_ids)
         tokens = sample(
             logits,
             params,

@@ -244,6 +244,21 @@ def _column(sub: torch.Tensor, values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=sub.dtype, device=sub.device).unsqueeze(1)
 
 
+def hold_ends(
+    logits: torch.Tensor, params: Sequence[SamplingParams], produced: Sequence[int], eos: frozenset[int]
+) -> None:
+    """min_tokens, in place: a row with fewer than its `min_tokens` output tokens (`produced`) cannot sample
+    an end: its EOS ids (unless it ignores EOS) and its `stop_token_ids` go to -inf (vLLM's rule)."""
+    vocab = logits.shape[-1]
+    held = [
+        (row, p) for row, (p, done) in enumerate(zip(params, produced, strict=True)) if done < p.min_tokens
+    ]
+    with torch.inference_mode():  # the model's logits are an inference tensor: update them in place here
+        for row, p in held:
+            ends = [t for t in (*(() if p.ignore_eos else eos), *p.stop_token_ids) if t < vocab]
+            logits[row, ends] = float("-inf")
+
+
 def raw_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> dict[int, torch.Tensor]:
     """Row -> log-softmax of its raw logits, for the rows that ask for logprobs. Call it before anything
     edits `logits` in place (a grammar's mask): logprobs report the model's own distribution."""

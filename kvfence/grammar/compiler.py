@@ -1,12 +1,13 @@
-"""JSON schemas compiled into llguidance grammars over the model's own tokenizer, and one matcher per request.
+"""Guides (a JSON schema, a regular expression, a list of choices, a Lark grammar) compiled into llguidance
+grammars over the model's own tokenizer, and one matcher per request.
 
 Contracts:
 - The llguidance tokenizer is built from kvfence's `Tokenizer` (its `tokenizers` JSON, the model's vocab
   size and every end-of-generation id as EOS): no Hugging Face hub, no transformers.
-- A schema is compiled once per distinct canonical JSON (an LRU); each request gets a fresh copy of the
+- A guide is compiled once per distinct canonical JSON of it (an LRU); each request gets a fresh copy of the
   compiled, unadvanced matcher, so requests never share parser state.
-- A schema llguidance cannot honour (an unknown keyword, format or reference, a grammar too large) raises
-  `GrammarError` naming the problem, before anything reaches the engine.
+- A guide llguidance cannot honour (an unknown keyword, format or reference, a bad pattern, a grammar too
+  large) raises `GrammarError` naming the problem, before anything reaches the engine.
 - JSON is generated compact-but-readable (`", "`, `": "`, no free whitespace): a model cannot pad the
   output with whitespace until it runs out of tokens.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import llguidance
 
@@ -24,6 +26,32 @@ from kvfence.model.tokenizer import Tokenizer
 
 CACHE_SIZE = 256  # distinct schemas kept compiled
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What the output must match: a JSON schema (`json`), a regular expression (`regex`, Rust's syntax),
+    one of a list of strings (`choice`) or a Lark grammar (`lark`, llguidance's dialect)."""
+
+    kind: Literal["json", "regex", "choice", "lark"]
+    spec: Any  # a schema dict, a pattern, a list of strings or the grammar's text
+
+
+_WHAT = {"json": "JSON schema", "regex": "regular expression", "choice": "choice", "lark": "grammar"}
+
+
+def _grammar(guide: Guide) -> str:
+    """llguidance's grammar for `guide`; ValueError when the spec is malformed."""
+    if guide.kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(guide.spec, defaults=_JSON_OPTIONS)
+    if guide.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(guide.spec)
+    if guide.kind == "choice":
+        # One Lark alternative per string, each a JSON-quoted literal: no choice is read as a pattern.
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in guide.spec)
+        )
+    return llguidance.LLMatcher.grammar_from_lark(guide.spec)
 
 
 class GrammarError(ValueError):
@@ -65,11 +93,15 @@ class GrammarCompiler:
 
     def for_schema(self, schema: dict[str, Any]) -> RequestGrammar:
         """A fresh matcher for `schema`; GrammarError when it cannot be compiled."""
-        key = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return self.for_guide(Guide("json", schema))
+
+    def for_guide(self, guide: Guide) -> RequestGrammar:
+        """A fresh matcher for `guide`; GrammarError when it cannot be compiled."""
+        key = json.dumps([guide.kind, guide.spec], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         with self._lock:
             template = self._cache.get(key)
             if template is None:
-                template = self._compile(schema)
+                template = self._compile(guide)
                 self._cache[key] = template
                 if len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
@@ -77,18 +109,19 @@ class GrammarCompiler:
             # deep_copy shares the compiled lexer and parser tables: microseconds, not a compile.
             return RequestGrammar(template.deep_copy())
 
-    def _compile(self, schema: dict[str, Any]) -> llguidance.LLMatcher:
+    def _compile(self, guide: Guide) -> llguidance.LLMatcher:
+        what = _WHAT[guide.kind]
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            grammar = _grammar(guide)
         except ValueError as exc:
-            raise GrammarError(f"invalid JSON schema: {exc}") from None
+            raise GrammarError(f"invalid {what}: {exc}") from None
         tokenizer = self._llg()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
-            raise GrammarError(f"unsupported JSON schema: {'; '.join(messages)}")
+            raise GrammarError(f"unsupported {what}: {'; '.join(messages)}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"unsupported JSON schema: {matcher.get_error()}")
+            raise GrammarError(f"unsupported {what}: {matcher.get_error()}")
         self.compilations += 1
         return matcher
 

@@ -78,3 +78,21 @@ def test_help_loads_no_torch(argv: list[str]) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "usage: kvfence" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["serve", "--api-key", "sk-x"], "unrecognized arguments: --api-key sk-x"),  # vLLM's spelling
+        (["serve", "--allowed-origins", "https://a.example/path"], "must be * or an origin"),
+    ],
+)
+def test_no_abbreviations_and_origins_checked(
+    argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unambiguous prefix is not taken for an option (`--api-key` would become `--api-keys`, a file)."""
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args(argv)
+    assert exit.value.code == 2 and error in capsys.readouterr().err
+    parsed = build_parser().parse_args(["serve", "--allowed-origins", "*", "https://a.example:8443"])
+    assert parsed.allowed_origins == ["*", "https://a.example:8443"]
