@@ -29,12 +29,11 @@ from kvfence.api.protocol import (
     CompletionChoice,
     CompletionResponse,
     ErrorResponse,
-    FunctionCallDelta,
     ToolCall,
     ToolCallDelta,
     Usage,
 )
-from kvfence.api.tools import ToolCallParser, finish_reason
+from kvfence.api.tools import ToolCallParser, finish_reason, whole
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
 
@@ -92,17 +91,11 @@ class Format:
         text: str | None,
         finish_reason: str | None = None,
         role: bool = False,
-        tool_calls: list[ToolCall] | None = None,
+        tool_calls: list[ToolCallDelta] | None = None,
         prompt_logprobs: Any = None,
     ) -> BaseModel:
         if self.chat:
-            deltas = [
-                ToolCallDelta(
-                    index=i, id=c.id, type="function", function=FunctionCallDelta(**c.function.model_dump())
-                )
-                for i, c in enumerate(tool_calls or [])
-            ]
-            delta = ChatDelta(role="assistant" if role else None, content=text, tool_calls=deltas or None)
+            delta = ChatDelta(role="assistant" if role else None, content=text, tool_calls=tool_calls or None)
             return ChatCompletionChunk(
                 id=self.request_id,
                 created=self.created,
@@ -156,8 +149,9 @@ async def sse_events(
     prompt_logprobs: Any = None,
 ) -> AsyncIterator[str]:
     """The stream body: content deltas, then the finish (or an error event for an aborted request, and no
-    normal finish_reason), the optional usage chunk, and `[DONE]`. With `tools`, text that may be a tool
-    call is held back and sent at the end as one `tool_calls` delta, with finish_reason "tool_calls".
+    normal finish_reason), the optional usage chunk, and `[DONE]`. With `tools`, a named call streams its
+    arguments; other text that may be a tool call is held back and sent at the end as one `tool_calls`
+    delta, with finish_reason "tool_calls" ("length" when max_tokens cut the last call).
     An echoed prompt (completions) goes first, in a chunk of its own; `prompt_logprobs` (vLLM's) with the
     first chunk."""
     if fmt.chat:
@@ -173,11 +167,13 @@ async def sse_events(
             fmt.logprobs.add(output.logprobs)  # sent with the next chunk that goes out
         text = output.new_text if tools is None else tools.feed(output.new_text)
         calls: list[ToolCall] = []
+        if tools is not None and (delta := tools.arguments_delta()) is not None:
+            yield _sse(fmt.chunk(None, tool_calls=[delta]))  # a named call, as its arguments are written
         if output.finished and tools is not None:
-            rest, calls = tools.finish()
+            rest, calls = tools.finish(cut=output.finish_reason == "length")
             text += rest
-        if calls:
-            yield _sse(fmt.chunk(text or None, tool_calls=calls))
+        if calls and tools is not None and tools.mode != "named":
+            yield _sse(fmt.chunk(text or None, tool_calls=whole(calls)))
         if (text and not calls) or output.finished:
             reason = finish_reason(output.finish_reason, calls) if output.finished else None
             yield _sse(fmt.chunk(None if calls else text, reason))

@@ -271,7 +271,7 @@ class _Service:
         text, calls = "".join(texts), []
         if tools is not None:
             streamed = tools.feed(text)
-            rest, calls = tools.finish()
+            rest, calls = tools.finish(cut=last.finish_reason == "length")
             text = streamed + rest
         reason = finish_reason(last.finish_reason, calls)
         body_model = fmt.response(text, reason, usage(last), calls or None, prompt_entries)

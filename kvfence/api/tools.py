@@ -19,7 +19,14 @@ Contracts:
   scanned for <tool_call> blocks. "required" and a named function are enforced by grammar: the model can
   only write a JSON array of calls ([{"name", "arguments"}], one call when parallel_tool_calls is false),
   or the named function's arguments object.
-- Output that does not parse into calls is returned as content, never as a half-made call.
+- A forced call's schema is closed: every object schema that does not say otherwise gets
+  `additionalProperties: false` (framework tools, LangChain's and instructor's, leave it out, and a small
+  model pads extra keys until max_tokens cuts the call).
+- A call cut off by max_tokens is still a call: finish_reason "length" and the partial arguments in
+  `tool_calls` (OpenAI's behaviour), never in content. Other output that does not parse into calls is
+  returned as content, never as a half-made call.
+- Streamed, a named call sends its arguments as they are written (one `tool_calls` delta with the id and
+  name, then argument deltas); other calls go out whole when complete.
 """
 
 from __future__ import annotations
@@ -29,9 +36,21 @@ import re
 import uuid
 from typing import Any
 
-from kvfence.api.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall, ToolSpec
+from kvfence.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
+)
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+# The start of a call cut off inside its arguments: {"name": "get_weather", "arguments": {"city": "Par
+_CUT_CALL = re.compile(
+    r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*(?P<arguments>.*)', re.DOTALL
+)
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
 
 
@@ -93,9 +112,37 @@ def _arguments(call: ToolCall) -> Any:
         return call.function.arguments
 
 
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas (closed recursively).
+# allOf is left alone: closing each branch to its own properties would make their intersection empty.
+_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SCHEMA_LIST = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with each object schema that does not set `additionalProperties` (or patternProperties)
+    closed to keys beyond its properties."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _SCHEMA_LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(item) for item in out[key]]
+    for key in _SCHEMA_MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(item) for name, item in out[key].items()}
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def forced_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     """The JSON schema that forces a call ("required", named), None when the model chooses."""
-    tools = {tool.function.name: tool.function.parameters for tool in body.tools or []}
+    tools = {tool.function.name: closed(tool.function.parameters) for tool in body.tools or []}
     if body.tool_mode == "named":
         assert not isinstance(body.tool_choice, str) and body.tool_choice is not None
         return tools[body.tool_choice.function.name]
@@ -117,8 +164,18 @@ def forced_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
 
 
 def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
-    """OpenAI's finish_reason for an answer that made calls."""
-    return "tool_calls" if calls else reason
+    """OpenAI's finish_reason for an answer that made calls ("length" stays: the last call is cut off)."""
+    return "tool_calls" if calls and reason != "length" else reason
+
+
+def whole(calls: list[ToolCall]) -> list[ToolCallDelta]:
+    """Complete calls as one stream delta each."""
+    return [
+        ToolCallDelta(
+            index=i, id=c.id, type="function", function=FunctionCallDelta(**c.function.model_dump())
+        )
+        for i, c in enumerate(calls)
+    ]
 
 
 def new_call(name: str, arguments: str) -> ToolCall:
@@ -139,6 +196,27 @@ class ToolCallParser:
         self.forced_name = "" if choice is None or isinstance(choice, str) else choice.function.name
         self._held = ""
         self._in_call = self.mode in ("named", "required")
+        self._named_call = new_call(self.forced_name, "") if self.mode == "named" else None
+        self._sent: int | None = (
+            None  # characters of the named call's arguments streamed (None: no delta yet)
+        )
+
+    def arguments_delta(self) -> ToolCallDelta | None:
+        """Streaming a named call: the arguments written since the last delta (the first delta carries the
+        call's id and name); None when there is nothing new, or the call is not a named one."""
+        call = self._named_call
+        if call is None or (self._sent is not None and len(self._held) == self._sent):
+            return None
+        new, opening = self._held[self._sent or 0 :], self._sent is None
+        self._sent = len(self._held)
+        if opening:  # OpenAI's first delta: the call's id, type and name
+            return ToolCallDelta(
+                index=0,
+                id=call.id,
+                type="function",
+                function=FunctionCallDelta(name=call.function.name, arguments=new),
+            )
+        return ToolCallDelta(index=0, function=FunctionCallDelta(arguments=new))
 
     def feed(self, text: str) -> str:
         self._held += text
@@ -153,28 +231,58 @@ class ToolCallParser:
         out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet handed out, calls); no calls when the held text does not parse into them."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """(content not yet handed out, calls); no calls when the held text does not parse into them.
+        `cut`: max_tokens ended the answer, so the last call may be partial and is returned as it stands."""
         text, self._held = self._held, ""
         parse = {"named": self._named, "required": self._required, "auto": self._auto}.get(self.mode)
-        calls = parse(text) if parse is not None and self._in_call else None
+        calls = parse(text, cut) if parse is not None and self._in_call else None
         if calls is None:
             return text, []
         return ("" if self.mode != "auto" else _BLOCK.sub("", text).strip()), calls
 
-    def _named(self, text: str) -> list[ToolCall] | None:
-        return [new_call(self.forced_name, text)] if isinstance(_loads(text), dict) else None
-
-    def _required(self, text: str) -> list[ToolCall] | None:
-        items = _loads(text)
-        if not isinstance(items, list) or not items:
+    def _named(self, text: str, cut: bool) -> list[ToolCall] | None:
+        if not (cut or isinstance(_loads(text), dict)):
             return None
-        calls = [self._call(item) for item in items]
-        return None if None in calls else calls  # type: ignore[return-value]
+        assert self._named_call is not None
+        return [
+            self._named_call.model_copy(
+                update={"function": FunctionCall(name=self.forced_name, arguments=text)}
+            )
+        ]
 
-    def _auto(self, text: str) -> list[ToolCall] | None:
-        calls = [self._call(_loads(block.strip())) for block in _BLOCK.findall(text)]
+    def _required(self, text: str, cut: bool) -> list[ToolCall] | None:
+        items = _loads(text)
+        if isinstance(items, list) and items:
+            calls = [self._call(item) for item in items]
+            return None if None in calls else calls  # type: ignore[return-value]
+        return self._partial(text) if cut else None
+
+    def _auto(self, text: str, cut: bool) -> list[ToolCall] | None:
+        blocks = [block.strip() for block in _BLOCK.findall(text)]
+        calls = [self._call(_loads(block)) for block in blocks]
+        if cut and calls and calls[-1] is None:  # the last block is the one max_tokens cut
+            calls[-1:] = self._partial(blocks[-1]) or [None]
         return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+    def _partial(self, text: str) -> list[ToolCall] | None:
+        """The calls in `text` cut off by max_tokens: the complete ones, then the cut one with its arguments
+        as written so far (None when not even its name was complete)."""
+        calls, decoder, at = [], json.JSONDecoder(), text.find("{")
+        while at != -1:
+            try:
+                item, end = decoder.raw_decode(text, at)
+            except json.JSONDecodeError:
+                cut = _CUT_CALL.match(text, at)
+                if cut is None or cut["name"] not in self.names:
+                    return calls or None
+                return [*calls, new_call(cut["name"], cut["arguments"])]
+            call = self._call(item)
+            if call is None:
+                return None
+            calls.append(call)
+            at = text.find("{", end)
+        return calls or None
 
     def _call(self, item: Any) -> ToolCall | None:
         """{"name": a known tool, "arguments": an object} as a call, else None."""

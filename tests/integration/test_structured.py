@@ -10,6 +10,9 @@ import jsonschema_rs
 import openai
 import pytest
 from conftest import real_engine, serving
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel
 
 from kvfence.api.server import build_app
 from kvfence.engine.async_engine import AsyncEngine
@@ -84,3 +87,60 @@ def test_forced_tool_call(client: openai.OpenAI) -> None:
     assert call.type == "function" and call.function.name == "get_weather"  # type: ignore[union-attr]
     arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
     assert jsonschema_rs.validator_for(WEATHER["function"]["parameters"]).is_valid(arguments)  # type: ignore[index]
+
+
+# ---- frameworks: what LangChain and instructor send --------------------------------------------------------
+
+
+class City(BaseModel):
+    """A city and the country it is in."""
+
+    name: str
+    country: str
+
+
+def test_langchain_named_tool_and_strict_structured_output(client: openai.OpenAI) -> None:
+    """LangChain's schemas leave additionalProperties out; the forced call's schema is closed, so the model
+    cannot pad extra keys until max_tokens and the call comes back as a call: `bind_tools` naming the tool,
+    and `with_structured_output(method="function_calling", strict=True)` (a strict tool, forced)."""
+
+    @tool
+    def get_weather(city: str, unit: str) -> str:
+        """The current weather in a city, in celsius or fahrenheit."""
+        return f"sunny in {city}"
+
+    llm = ChatOpenAI(
+        base_url=str(client.base_url),
+        api_key="unused",
+        model=MODEL,
+        temperature=0,
+        max_tokens=60,
+        max_retries=0,
+    )
+    reply = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    (call,) = reply.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) <= {"city", "unit"} and call["args"], reply
+    city = llm.with_structured_output(City, method="function_calling", strict=True).invoke(
+        "Paris is a city in France. Extract the city."
+    )
+    assert isinstance(city, City) and city.name and city.country
+
+
+def test_instructor_style_partial_streaming(client: openai.OpenAI) -> None:
+    """instructor's TOOLS mode forces the model's function and, streaming partials, parses the arguments
+    as they grow: they arrive in many deltas, not one, and add up to arguments its schema validates."""
+    schema = City.model_json_schema()
+    tool = {"type": "function", "function": {"name": "City", "parameters": schema}}
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Paris is a city in France. Extract the city."}],
+        max_tokens=60,
+        temperature=0,
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "City"}},
+        stream=True,
+    )
+    deltas = [d for chunk in stream for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices]
+    assert len(deltas) > 3 and deltas[0].function.name == "City"  # type: ignore[union-attr]
+    arguments = "".join(d.function.arguments or "" for d in deltas)  # type: ignore[union-attr]
+    assert City.model_validate_json(arguments).name

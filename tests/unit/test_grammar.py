@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from kvfence.api.protocol import ChatCompletionRequest, ResponseFormat
 from kvfence.api.server import build_app
-from kvfence.api.tools import ToolCallParser, forced_schema, template_messages
+from kvfence.api.tools import ToolCallParser, closed, forced_schema, template_messages
 from kvfence.config import EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.engine.engine import LLMEngine
@@ -432,3 +432,94 @@ def test_http_chat_without_a_template_is_a_400_naming_the_ways_out() -> None:
     given = Tokenizer(metadata, chat_template=CHATML)  # what --chat-template FILE passes
     with TestClient(build_app(AsyncEngine(tiny_engine(given)), "tiny", None, None)) as templated:
         assert templated.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_a_forced_calls_schema_is_closed_unless_it_says_otherwise() -> None:
+    """Framework schemas (LangChain's @tool, instructor) leave additionalProperties out: closed, a model
+    cannot pad keys until max_tokens; an explicit choice stays, and allOf's branches are left alone."""
+    address = {"type": "object", "properties": {"street": {"type": "string"}}}
+    loose = {
+        "type": "object",
+        "properties": {"home": address, "tags": {"type": "array", "items": address}},
+        "$defs": {"Address": address},
+        "anyOf": [address],
+        "allOf": [address],
+    }
+    shut = closed(loose)
+    assert (
+        shut["additionalProperties"] is False and shut["properties"]["home"]["additionalProperties"] is False
+    )
+    assert shut["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert (
+        shut["$defs"]["Address"]["additionalProperties"] is False
+        and shut["anyOf"][0]["additionalProperties"] is False
+    )
+    assert "additionalProperties" not in shut["allOf"][0] and "additionalProperties" not in loose
+    assert closed({"type": "object", "additionalProperties": True}) == {
+        "type": "object",
+        "additionalProperties": True,
+    }
+    body = chat_body(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": loose}}], tool_choice="required"
+    )
+    (item,) = forced_schema(body)["items"]["anyOf"]  # type: ignore[index]
+    assert item["properties"]["arguments"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize(
+    ("choice", "text", "expected"),
+    [
+        ("named", '{"unit": "c", "da', [("get_weather", '{"unit": "c", "da')]),
+        (
+            "required",
+            '[{"name": "get_weather", "arguments": {"unit": "c", "days": 2}}, '
+            '{"name": "noop", "arguments": {',
+            [("get_weather", '{"unit": "c", "days": 2}'), ("noop", "{")],
+        ),
+        (
+            "required",
+            '[{"name": "get_weather", "arguments": {"unit": "f", "days": 1}}, {"name": "no',
+            [("get_weather", '{"unit": "f", "days": 1}')],
+        ),
+        ("required", '[{"na', None),
+    ],
+    ids=["named", "required, second cut", "required, name cut", "nothing complete"],
+)
+def test_a_call_cut_by_max_tokens_is_still_a_call(
+    choice: str, text: str, expected: list[tuple[str, str]] | None
+) -> None:
+    """OpenAI's behaviour: the partial call in tool_calls (finish_reason "length"), never in content."""
+    parser = ToolCallParser(FORCED[choice])
+    assert parser.feed(text) == ""
+    content, calls = parser.finish(cut=True)
+    if expected is None:
+        assert (content, calls) == (text, [])
+    else:
+        assert content == "" and [(c.function.name, c.function.arguments) for c in calls] == expected
+    uncut = ToolCallParser(FORCED[choice])
+    uncut.feed(text)
+    assert uncut.finish() == (text, [])  # not cut: text that is no call stays content
+
+
+def test_http_a_named_call_cut_off_and_streamed(client: TestClient) -> None:
+    """max_tokens cutting a forced call gives finish_reason "length" with the partial call in tool_calls;
+    streamed, a named call's arguments arrive as deltas (the first with its id and name) that add up to
+    the same arguments."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    request = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    request |= {"tools": [WEATHER], "tool_choice": named}
+    choice = client.post("/v1/chat/completions", json=request).json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert call["function"]["name"] == "get_weather" and call["function"]["arguments"].startswith("{")
+    with client.stream("POST", "/v1/chat/completions", json=request | {"stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert (
+        len(deltas) > 1
+        and deltas[0]["id"].startswith("call_")
+        and deltas[0]["function"]["name"] == "get_weather"
+    )
+    assert all(d["id"] is None and d["function"]["name"] is None for d in deltas[1:])
+    assert "".join(d["function"]["arguments"] for d in deltas) == call["function"]["arguments"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
