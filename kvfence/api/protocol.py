@@ -419,7 +419,7 @@ class FunctionSpec(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = None  # enforced exactly when a call is forced; refused with tool_choice auto
+    strict: bool | None = None  # the call is generated under its schema, forced or (with auto) once opened
 
 
 class ToolSpec(BaseModel):
@@ -549,12 +549,6 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("tool_choice requires tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
-        if self.tool_mode == "auto" and any(tool.function.strict for tool in self.tools or []):
-            # strict promises arguments that match the schema; only a forced call is generated under it.
-            raise ValueError(
-                "strict tools are enforced only with tool_choice 'required' or a named function; with "
-                "'auto' the model writes free text and a call in it is parsed, not constrained"
-            )
         return self
 
     @property

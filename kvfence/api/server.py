@@ -49,7 +49,7 @@ from kvfence.api.protocol import (
 )
 from kvfence.api.responses import EngineStreamResponse, Format, sse_events, usage
 from kvfence.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from kvfence.api.tools import ToolCallParser, finish_reason, forced_schema, template_messages
+from kvfence.api.tools import ToolCallParser, finish_reason, template_messages, tool_guide
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError
 from kvfence.grammar.compiler import GrammarCompiler, GrammarError, Guide, RequestGrammar
@@ -114,7 +114,7 @@ class _Service:
 
     async def chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
         prompt = await self._chat_prompt(body)
-        grammar = await self._grammar(body, forced_schema(body))
+        grammar = await self._grammar(body, tool_guide(body))
         parser = ToolCallParser(body) if body.tool_mode != "none" else None
         return await self._generate(body, prompt, tenant, chat=True, grammar=grammar, tools=parser)
 
@@ -165,16 +165,16 @@ class _Service:
         messages, tools = template_messages(body, self._chat_tokenizer().template_supports_tools)
         return await run_in_threadpool(self._encode_chat, body, messages, tools)
 
-    async def _grammar(self, body: GenerationRequest, forced: dict[str, Any] | None) -> RequestGrammar | None:
-        """The request's matcher for a forced tool call or its one output guide (`response_format`, vLLM's
-        guided_* and structured_outputs), compiled (once per guide, then cached) before admission: a guide
-        that cannot be enforced is a 400 naming why."""
+    async def _grammar(self, body: GenerationRequest, tools: Guide | None) -> RequestGrammar | None:
+        """The request's matcher for its tool choice's grammar or its one output guide (`response_format`,
+        vLLM's guided_* and structured_outputs), compiled (once per guide, then cached) before admission: a
+        guide that cannot be enforced is a 400 naming why."""
         guides = body.guides()
-        if forced is not None and guides:
-            message = f"{next(iter(guides))} cannot be combined with a forced tool call"
+        if tools is not None and guides:
+            message = f"{next(iter(guides))} cannot be combined with a forced or strict tool call"
             raise APIError(400, message, param="tool_choice")
-        if forced is not None:
-            guides = {"tools": Guide("json", forced)}
+        if tools is not None:
+            guides = {"tools": tools}
         if not guides:
             return None
         param, guide = next(iter(guides.items()))

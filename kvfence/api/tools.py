@@ -16,9 +16,10 @@ Contracts:
       ... and a tool's result comes back in a user turn as <tool_response>...</tool_response>.
 
 - `tool_choice` "none": the tools are left out of the prompt and nothing is parsed. "auto": the output is
-  scanned for <tool_call> blocks. "required" and a named function are enforced by grammar: the model can
-  only write a JSON array of calls ([{"name", "arguments"}], one call when parallel_tool_calls is false),
-  or the named function's arguments object.
+  scanned for <tool_call> blocks; with a `strict` tool, free text until the model opens a block, whose call
+  is then held to the tools' schemas (`tool_guide`). "required" and a named function are enforced by
+  grammar: the model can only write a JSON array of calls ([{"name", "arguments"}], one call when
+  parallel_tool_calls is false), or the named function's arguments object.
 - A forced call's schema is closed: every object schema that does not say otherwise gets
   `additionalProperties: false` (framework tools, LangChain's and instructor's, leave it out, and a small
   model pads extra keys until max_tokens cuts the call).
@@ -45,6 +46,7 @@ from kvfence.api.protocol import (
     ToolCallDelta,
     ToolSpec,
 )
+from kvfence.grammar.compiler import JSON_OPTIONS, Guide
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 # The start of a call cut off inside its arguments: {"name": "get_weather", "arguments": {"city": "Par
@@ -140,27 +142,52 @@ def closed(schema: Any) -> Any:
     return out
 
 
+def tool_guide(body: ChatCompletionRequest) -> Guide | None:
+    """The grammar a tool choice asks for: a forced call's JSON schema ("required", named), or with "auto"
+    and a `strict` tool, free text in which each <tool_call> block is held to the tools' schemas (a lazy
+    Lark grammar: anything until the model opens a block); None when nothing is enforced."""
+    schema = forced_schema(body)
+    if schema is not None:
+        return Guide("json", schema)
+    if body.tool_mode != "auto" or not any(tool.function.strict for tool in body.tools or []):
+        return None
+    calls = {"anyOf": _call_schemas(body)} | {"x-guidance": JSON_OPTIONS}
+    return Guide(
+        "lark",
+        "start: call* tail\ntail: TEXT\nTEXT: /(.|\\n)*/\n"
+        f'call_head[lazy]: TEXT "{TOOL_CALL_OPEN}"\n'
+        f'call: call_head "\\n" %json {json.dumps(calls)} "\\n{TOOL_CALL_CLOSE}"\n',
+    )
+
+
 def forced_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     """The JSON schema that forces a call ("required", named), None when the model chooses."""
-    tools = {tool.function.name: closed(tool.function.parameters) for tool in body.tools or []}
     if body.tool_mode == "named":
         assert not isinstance(body.tool_choice, str) and body.tool_choice is not None
-        return tools[body.tool_choice.function.name]
+        named = next(t for t in body.tools or [] if t.function.name == body.tool_choice.function.name)
+        return closed(named.function.parameters)
     if body.tool_mode != "required":
         return None
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for name, parameters in tools.items()
-    ]
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": _call_schemas(body)}, "minItems": 1}
     if body.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return schema
+
+
+def _call_schemas(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """One schema per tool for a call written out: {"name": the tool, "arguments": its closed schema}."""
+    return [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool.function.name},
+                "arguments": closed(tool.function.parameters),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in body.tools or []
+    ]
 
 
 def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:

@@ -25,7 +25,8 @@ import llguidance
 from kvfence.model.tokenizer import Tokenizer
 
 CACHE_SIZE = 256  # distinct schemas kept compiled
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# How JSON is written under a grammar (also inlined as "x-guidance" where a Lark grammar embeds a schema).
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ _WHAT = {"json": "JSON schema", "regex": "regular expression", "choice": "choice
 def _grammar(guide: Guide) -> str:
     """llguidance's grammar for `guide`; ValueError when the spec is malformed."""
     if guide.kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(guide.spec, defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(guide.spec, defaults=JSON_OPTIONS)
     if guide.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(guide.spec)
     if guide.kind == "choice":

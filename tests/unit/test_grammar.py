@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from kvfence.api.protocol import ChatCompletionRequest, ResponseFormat
 from kvfence.api.server import build_app
-from kvfence.api.tools import ToolCallParser, closed, forced_schema, template_messages
+from kvfence.api.tools import ToolCallParser, closed, forced_schema, template_messages, tool_guide
 from kvfence.config import EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.engine.engine import LLMEngine
@@ -397,20 +397,34 @@ def test_http_tool_choice_must_name_a_tool(client: TestClient) -> None:
     assert reply.status_code == 400 and "missing" in reply.json()["error"]["message"]
 
 
-def test_http_strict_tools_need_a_forced_call(client: TestClient) -> None:
-    """`strict` promises schema-valid arguments: only a forced call is generated under the grammar, so with
-    tool_choice auto it is refused rather than silently not enforced."""
+def test_strict_tools_with_auto_hold_an_opened_call_to_its_schema(
+    tokenizer: Tokenizer, compiler: GrammarCompiler
+) -> None:
+    """With tool_choice auto and a strict tool, text is free until the model opens <tool_call>; the call
+    inside is then held to the tools' closed schemas (an extra key or an unknown tool cannot be written)
+    and free text may follow it. Without strict, nothing is enforced."""
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-    request = {
-        "model": "tiny",
-        "max_tokens": 8,
-        "messages": [{"role": "user", "content": "hi"}],
-        "tools": [strict],
-    }
-    reply = client.post("/v1/chat/completions", json=request)
-    assert reply.status_code == 400 and "strict tools" in reply.json()["error"]["message"], reply.text
-    forced = client.post("/v1/chat/completions", json=request | {"tool_choice": "required"})
-    assert forced.status_code == 200, forced.text  # forced calls under the grammar: tested above
+    body = chat_body(tools=[strict, OTHER_TOOL])
+    assert tool_guide(chat_body()) is None
+
+    def accepts(text: str) -> bool:
+        grammar = compiler.for_guide(tool_guide(body))  # type: ignore[arg-type]
+        return all(grammar.advance(token) for token in tokenizer.encode(text))
+
+    call = '{"name": "get_weather", "arguments": {"unit": "c", "days": 2}}'
+    assert accepts(f"Let me look. <tool_call>\n{call}\n</tool_call> Done.")
+    assert accepts("No call at all, just text { with braces }")
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c", "days": 2, "x": 1}}')
+    assert not accepts('<tool_call>\n{"name": "delete_everything", "arguments": {}}')
+
+
+def test_http_strict_tools_with_auto_are_served(client: TestClient) -> None:
+    """What the openai SDK's pydantic_function_tool and LangChain's bind_tools(strict=True) send: strict
+    tools with tool_choice auto, once a 400, now answered under the lazy grammar above."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    request = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    reply = client.post("/v1/chat/completions", json=request | {"tools": [strict]})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_http_chat_without_a_template_is_a_400_naming_the_ways_out() -> None:
