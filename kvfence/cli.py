@@ -250,6 +250,7 @@ def _run_http(args: argparse.Namespace, client: EngineClient, front: Front) -> i
         front.admin_key,
         sampling=front.sampling,
         allowed_origins=front.allowed_origins,
+        metrics_compat=front.metrics_compat,
     )
     _log(f"serving '{name}' on http://{args.host}:{args.port}/v1")
     config = uvicorn_config(app, front.read_timeout_s, front.max_connections, log_level="info")

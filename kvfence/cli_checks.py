@@ -292,6 +292,7 @@ class Front:
     max_connections: int
     sampling: SamplingDefaults  # what a request that leaves a value out gets
     allowed_origins: tuple[str, ...] = ()  # CORS: the browser origins that may call the API (none: no CORS)
+    metrics_compat: str | None = None  # "vllm": /metrics repeats vLLM's series under vLLM's names
 
     def describe(self) -> list[str]:
         if self.api_keys:
@@ -330,7 +331,16 @@ def check_http(args: argparse.Namespace) -> Front:
     check_open_files(args.max_connections)
     sock = bind_http(args.host, args.port)
     origins = tuple(args.allowed_origins or ())
-    return Front(api_keys, admin_key, sock, args.http_read_timeout, args.max_connections, sampling, origins)
+    return Front(
+        api_keys,
+        admin_key,
+        sock,
+        args.http_read_timeout,
+        args.max_connections,
+        sampling,
+        origins,
+        args.metrics_compat,
+    )
 
 
 def check_sampling(args: argparse.Namespace) -> SamplingDefaults:

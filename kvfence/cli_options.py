@@ -190,6 +190,12 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--admin-key", help="key for the audit endpoint (default: $KVFENCE_ADMIN_KEY)")
     g.add_argument("--audit-log", type=Path, metavar="FILE", help="append audit events here as JSONL")
     g.add_argument(
+        "--metrics-compat",
+        choices=["vllm"],
+        help="also expose vLLM's series under vLLM's names (vllm:...) on /metrics, for its dashboards "
+        "(default: kvfence's names only)",
+    )
+    g.add_argument(
         "--allowed-origins",
         type=origin,
         nargs="+",

@@ -55,6 +55,7 @@ class Request:
     num_streamed_chars: int = 0  # prefix of output_text already handed out
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first moved to RUNNING: the end of its queueing
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
@@ -87,6 +88,8 @@ class Request:
         assert status not in TERMINAL, "use finish() to end a request"
         self._check_transition(status)
         self.status = status
+        if status is Status.RUNNING and self.scheduled_time is None:
+            self.scheduled_time = time.monotonic()
 
     def finish(self, status: Status, reason: str) -> None:
         """The single terminal transition. Finishing twice is a bug and raises."""

@@ -13,6 +13,11 @@ Contracts:
 - vLLM's core series, under kvfence's prefix and with a `model_name` label (the served name) so a vLLM
   dashboard reads them: requests running and waiting, KV cache usage, and the end-to-end latency of every
   request that finished normally (`kvfence_requests_total{status="finished"}` counts the same requests).
+- Every request-level series has `model_name`; the engine's, `role` (and `model_name` for vLLM's). So a
+  vLLM dashboard finds, under kvfence's prefix, every series it reads: tokens, TTFT, TPOT, e2e latency,
+  prompt and generation lengths, finish reasons (`kvfence_request_success_total{finished_reason}`),
+  queue, prefill, decode and inference time (by the engine's clock: the router's requests have none) and
+  the longest choice. With `compat` "vllm" the scrape repeats them under vLLM's `vllm:` names.
 - Closing the observed stream closes the engine's stream, which aborts the engine request.
 """
 
@@ -22,8 +27,9 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvfence.engine.async_engine import EngineClient
@@ -145,40 +151,95 @@ class _EngineCollector:
         return (family.collect(stats, self._model_name) for family in _ENGINE_FAMILIES)
 
 
-class Metrics:
-    """The app's metrics, in a registry of its own (so several apps can live in one process)."""
+# Token-count buckets (vLLM's 1-2-5 series), cut at the window by `_length_buckets`.
+_LENGTHS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
+_PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+
+def _length_buckets(max_model_len: int) -> tuple[float, ...]:
+    return (*(b for b in _LENGTHS if b < max_model_len), max_model_len)
+
+
+class Metrics:
+    """The app's metrics, in a registry of their own (so several apps can live in one process). Every
+    request-level series carries the served model's name (`model_name`), as vLLM's do."""
+
+    def __init__(
+        self, engine: EngineClient, model_name: str, max_model_len: int = 2**20, compat: str | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("kvfence_requests", "Requests by final status", ["status"], registry=r)
-        self.prompt_tokens = Counter(
-            "kvfence_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        self._compat = CollectorRegistry(auto_describe=False) if compat == "vllm" else None
+        if self._compat is not None:
+            self._compat.register(_VllmNames(self.registry))
+        r, model = self.registry, ["model_name"]
+        lengths = _length_buckets(max_model_len)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, model, registry=r, buckets=buckets).labels(model_name)
+
+        self.requests = Counter(
+            "kvfence_requests", "Requests by final status", ["status", *model], registry=r
         )
-        self.generation_tokens = Counter("kvfence_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(
+            "kvfence_request_success",
+            "Requests that finished normally, by finish reason (stop, length)",
+            ["finished_reason", *model],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvfence_prompt_tokens", "Prompt tokens of admitted requests", model, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "kvfence_generation_tokens", "Tokens generated", model, registry=r
+        ).labels(model_name)
         self.rejections = Counter(
             "kvfence_admission_rejections", "Requests refused at admission, by reason", ["reason"], registry=r
         )
-        self.ttft = Histogram(
+        self.ttft = histogram(
             "kvfence_time_to_first_token_seconds",
             "Arrival to first generated token",
-            registry=r,
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "kvfence_time_per_output_token_seconds",
             "Mean time per token after the first",
-            registry=r,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
         )
-        self.e2e_latency = Histogram(
+        self.e2e_latency = histogram(
             "kvfence_e2e_request_latency_seconds",
             "Arrival to the last token, of requests that finished normally",
-            ["model_name"],
-            registry=r,
-            buckets=(0.3, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600),
-        ).labels(model_name)
+            (0.3, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600),
+        )
+        self.prompt_lengths = histogram(
+            "kvfence_request_prompt_tokens", "Prompt tokens per request that finished normally", lengths
+        )
+        self.generation_lengths = histogram(
+            "kvfence_request_generation_tokens",
+            "Tokens generated per request that finished normally",
+            lengths,
+        )
+        self.max_generation = histogram(
+            "kvfence_request_max_num_generation_tokens",
+            "The longest choice's tokens, per request that finished normally (n > 1: its longest fork)",
+            lengths,
+        )
+        self.phases = [
+            histogram(f"kvfence_request_{phase}_time_seconds", doc, _PHASE_BUCKETS)
+            for phase, doc in (
+                ("queue", "Arrival to first scheduled"),
+                ("prefill", "First scheduled to first token"),
+                ("decode", "First token to last token"),
+                ("inference", "First scheduled to last token"),
+            )
+        ]
+        self._model_name = model_name
         r.register(_EngineCollector(engine, model_name))
+
+    def exposition(self) -> bytes:
+        """The scrape: kvfence's series, then (`compat` "vllm") vLLM's under its own names. Blocking: it
+        reads the engine's stats."""
+        text = generate_latest(self.registry)
+        return text if self._compat is None else text + generate_latest(self._compat)
 
     async def observe(self, outputs: _Outputs) -> _Outputs:
         """Pass `outputs` through, recording the request once however it ends (closing this closes
@@ -206,7 +267,7 @@ class Metrics:
             self._record(status, list(last.values()), first_token_at)
 
     def _record(self, status: str, last: list[RequestOutput], first_token_at: float | None) -> None:
-        self.requests.labels(status).inc()
+        self.requests.labels(status, self._model_name).inc()
         if not last:
             return
         self.prompt_tokens.inc(last[0].prompt_tokens)
@@ -214,6 +275,63 @@ class Metrics:
         longest = max(o.completion_tokens for o in last)  # forks decode side by side, a token each a step
         if first_token_at is not None and longest > 1:
             self.tpot.observe((time.monotonic() - first_token_at) / (longest - 1))
+        if status == Status.FINISHED.value:
+            self._record_finished(last, longest)
+
+    def _record_finished(self, last: list[RequestOutput], longest: int) -> None:
+        """vLLM's per-request series, for a request that finished normally."""
+        for output in last:
+            self.finished.labels(output.finish_reason or "stop", self._model_name).inc()
+        self.prompt_lengths.observe(last[0].prompt_tokens)
+        self.generation_lengths.observe(sum(o.completion_tokens for o in last))
+        self.max_generation.observe(longest)
+        phases = next((o.phases for o in last if o.phases is not None), None)
+        if phases is not None:  # the router's outputs do not carry the engine's times
+            queue, prefill, decode = phases
+            for histogram, seconds in zip(
+                self.phases, (queue, prefill, decode, prefill + decode), strict=True
+            ):
+                histogram.observe(seconds)
+
+
+# vLLM's series under kvfence's names (without the kvfence_ prefix) -> vLLM's names for them.
+VLLM_NAMES = {
+    "num_requests_running": ["vllm:num_requests_running"],
+    "num_requests_waiting": ["vllm:num_requests_waiting"],
+    "kv_cache_usage_ratio": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],  # new name, old one
+    "e2e_request_latency_seconds": ["vllm:e2e_request_latency_seconds"],
+    "prompt_tokens": ["vllm:prompt_tokens"],
+    "generation_tokens": ["vllm:generation_tokens"],
+    "time_to_first_token_seconds": ["vllm:time_to_first_token_seconds"],
+    "time_per_output_token_seconds": [
+        "vllm:time_per_output_token_seconds",
+        "vllm:inter_token_latency_seconds",
+    ],
+    "request_success": ["vllm:request_success"],
+    "request_prompt_tokens": ["vllm:request_prompt_tokens"],
+    "request_generation_tokens": ["vllm:request_generation_tokens"],
+    "request_max_num_generation_tokens": ["vllm:request_max_num_generation_tokens"],
+    "request_queue_time_seconds": ["vllm:request_queue_time_seconds"],
+    "request_prefill_time_seconds": ["vllm:request_prefill_time_seconds"],
+    "request_decode_time_seconds": ["vllm:request_decode_time_seconds"],
+    "request_inference_time_seconds": ["vllm:request_inference_time_seconds"],
+}
+
+
+class _VllmNames:
+    """`--metrics-compat vllm`: each of vLLM's series in `source` again under vLLM's name, same samples."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            for name in VLLM_NAMES.get(family.name.removeprefix("kvfence_"), []):
+                renamed = Metric(name, family.documentation, family.type)
+                renamed.samples = [
+                    sample._replace(name=name + sample.name[len(family.name) :]) for sample in family.samples
+                ]
+                yield renamed
 
 
 def _status(finished: Iterable[RequestOutput]) -> str:

@@ -30,7 +30,7 @@ import jinja2
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from kvfence.api.auth import Auth, Tenant, admin, metrics_reader
@@ -315,6 +315,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     sampling: SamplingDefaults | None = None,
     allowed_origins: tuple[str, ...] = (),
+    metrics_compat: str | None = None,
 ) -> FastAPI:
     """The HTTP app. It owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 
@@ -322,7 +323,8 @@ def build_app(
     the audit endpoint (None: the endpoint refuses everyone); bodies over `max_body_bytes` get a 413.
     `sampling`: what a request that leaves a sampling value out gets (None: `SamplingDefaults()`, greedy).
     `allowed_origins`: browser origins answered with CORS headers (none: no CORS). No /docs or /redoc:
-    they load their scripts from a CDN, blank on a machine without one.
+    they load their scripts from a CDN, blank on a machine without one. `metrics_compat` "vllm": /metrics
+    repeats vLLM's series under vLLM's names (api/metrics.py).
     """
 
     @asynccontextmanager
@@ -335,7 +337,7 @@ def build_app(
 
     app = FastAPI(title="kvfence", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.auth = Auth(api_keys, admin_key)
-    metrics = Metrics(engine, model_name)
+    metrics = Metrics(engine, model_name, engine.max_model_len, metrics_compat)
     service = _Service(engine, model_name, metrics, sampling or SamplingDefaults())
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
@@ -402,5 +404,5 @@ def _add_routes(app: FastAPI, service: _Service) -> None:
     @app.get("/metrics", dependencies=[Depends(metrics_reader)])
     async def scrape() -> Response:
         # Collecting waits on the engine thread: keep it off the event loop.
-        text = await run_in_threadpool(generate_latest, metrics.registry)
+        text = await run_in_threadpool(metrics.exposition)
         return Response(text, media_type=CONTENT_TYPE_LATEST)

@@ -33,6 +33,9 @@ class RequestOutput:
     # With the first token of a request that asked for them: every prompt token's logprobs, the first
     # token's None (nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With the last output of a request that finished normally: seconds queued (arrival to first
+    # scheduled), in prefill (to the first token) and in decode (to the last), by the engine's clock.
+    phases: tuple[float, float, float] | None = None
 
     @classmethod
     def of(
@@ -58,7 +61,16 @@ class RequestOutput:
             logprobs,
             request.index,
             prompt,
+            _phases(request),
         )
+
+
+def _phases(request: Request) -> tuple[float, float, float] | None:
+    times = (request.arrival_time, request.scheduled_time, request.first_token_time, request.finish_time)
+    if request.status is not Status.FINISHED or None in times:
+        return None
+    arrived, scheduled, first, last = times  # type: ignore[misc]
+    return scheduled - arrived, first - scheduled, last - first
 
 
 class OutputProcessor:

@@ -14,6 +14,7 @@ from conftest import real_engine, serving
 from kvfence.api.server import build_app
 from kvfence.audit.trail import held_pages
 from kvfence.engine.async_engine import AsyncEngine
+from kvfence.harness.server import metric
 from kvfence.model.gguf import GGUFModel
 from kvfence.request import fork_id
 
@@ -81,9 +82,7 @@ def test_forks_share_the_prompts_pages_on_the_audit_trail(url: str) -> None:
 
 
 def generated_tokens(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
-    line = next(x for x in text.splitlines() if x.startswith("kvfence_generation_tokens_total "))
-    return float(line.split()[1])
+    return metric(url, "kvfence_generation_tokens_total", {"model_name": MODEL}, ADMIN)
 
 
 def test_metrics_count_every_choice(url: str) -> None:
