@@ -1,6 +1,7 @@
 """The front door against slow clients: a connection must send a complete request head within the read
 timeout, and a request body that sends nothing for that long is cut; at most `max_connections` are served
-at once (uvicorn's `limit_concurrency`: a request beyond it gets 503).
+at once (uvicorn's `limit_concurrency`: a request beyond it gets 503), a new one taking the place of the
+one that has waited longest for its request head.
 
 uvicorn has no header-read timeout of its own: a client trickling one header byte every few seconds holds
 its connection forever. `ReadTimeoutH11Protocol` is uvicorn's h11 protocol with one timer per connection,
@@ -14,6 +15,13 @@ armed for what the server is waiting for from the client:
 When it fires the transport is closed, without a response (as uvicorn's own keep-alive timeout does); a
 handler waiting for the body sees a disconnect. A timer that fires while uvicorn itself paused reading (its
 body buffer is full because the app is slow to consume it) waits again: that stall is ours, not the client's.
+
+A connection that has not sent a complete request head has shown no key: it holds a place but is owed
+none. When a new connection finds every place taken, the connection that has waited longest for its head
+(a partial head, or an idle keep-alive) is closed to make room, so clients holding partial heads cannot
+crowd out the ones that send requests (issue 27: ~1,100 keyless partial heads, refreshed every 8 s, made
+every request a 503). Only connections with a request in flight or an answer going out fill the cap for
+good; past them, uvicorn's 503 stands.
 
 `uvicorn_config` builds the Config both the CLI (`kvfence serve`, `kvfence router`) and the test harness use.
 """
@@ -36,15 +44,34 @@ class ReadTimeoutH11Protocol(H11Protocol):
     made by `protocol_class`, which sets `read_timeout_s`."""
 
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._read_timer: asyncio.TimerHandle | None = None
         self._awaiting: str | None = None  # "head", "body", or None: what the timer is armed for
+        self._awaiting_since = 0.0  # loop time the current wait began
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._watch(progress=False)
+        # Connections closed in this loop turn are still in the set: they do not count, nor go twice.
+        live = [c for c in self.connections if not c.transport.is_closing()]
+        if len(live) >= self.max_connections:  # uvicorn would answer the next request 503
+            self._evict_one(live)
+
+    def _evict_one(self, live: list[H11Protocol]) -> None:
+        """Close the other connection that has waited longest for a request head, if any does."""
+        waiting = [
+            c
+            for c in live
+            if c is not self and isinstance(c, ReadTimeoutH11Protocol) and c._awaiting == "head"
+        ]
+        if waiting:
+            oldest = min(waiting, key=lambda c: c._awaiting_since)
+            self.logger.debug("closing %s: its place went to a new connection", oldest.client)
+            oldest._cancel_read_timer()
+            oldest.transport.close()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -67,6 +94,7 @@ class ReadTimeoutH11Protocol(H11Protocol):
         awaiting = "head" if state is h11.IDLE else "body" if state is h11.SEND_BODY else None
         if awaiting != self._awaiting or (awaiting == "body" and progress):
             self._cancel_read_timer()
+            self._awaiting_since = self.loop.time()
             if awaiting is not None:
                 self._read_timer = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
         self._awaiting = awaiting
@@ -89,13 +117,14 @@ class ReadTimeoutH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def protocol_class(read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> type[ReadTimeoutH11Protocol]:
-    """The protocol class for uvicorn's `http=` setting, with this read timeout."""
+def protocol_class(
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS
+) -> type[ReadTimeoutH11Protocol]:
+    """The protocol class for uvicorn's `http=` setting, with this read timeout and connection cap."""
     if read_timeout_s <= 0:
         raise ValueError(f"read_timeout_s must be positive, got {read_timeout_s}")
-    return type(
-        ReadTimeoutH11Protocol.__name__, (ReadTimeoutH11Protocol,), {"read_timeout_s": read_timeout_s}
-    )
+    settings = {"read_timeout_s": read_timeout_s, "max_connections": max_connections}
+    return type(ReadTimeoutH11Protocol.__name__, (ReadTimeoutH11Protocol,), settings)
 
 
 def uvicorn_config(
@@ -108,5 +137,5 @@ def uvicorn_config(
     if max_connections < 1:
         raise ValueError(f"max_connections must be positive, got {max_connections}")
     return uvicorn.Config(
-        app, http=protocol_class(read_timeout_s), limit_concurrency=max_connections, **kwargs
+        app, http=protocol_class(read_timeout_s, max_connections), limit_concurrency=max_connections, **kwargs
     )

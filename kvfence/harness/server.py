@@ -48,14 +48,18 @@ def serve(
     start_timeout_s: float = START_TIMEOUT_S,
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    front_door: bool = True,
 ) -> ServerThread:
     """Start `app` on a free loopback port behind the front door (`read_timeout_s` for a request head or a
-    stalled body, at most `max_connections`); returns once it accepts connections (lifespan ran)."""
+    stalled body, at most `max_connections`); returns once it accepts connections (lifespan ran).
+    `front_door` False: uvicorn's own protocol with the same cap, the protection off (tests show the leak)."""
     sock = socket.socket()
     sock.bind((LOOPBACK, 0))
-    config = uvicorn_config(
-        app, read_timeout_s, max_connections, log_level="warning", timeout_graceful_shutdown=5
-    )
+    settings: dict[str, Any] = {"log_level": "warning", "timeout_graceful_shutdown": 5}
+    if front_door:
+        config = uvicorn_config(app, read_timeout_s, max_connections, **settings)
+    else:
+        config = uvicorn.Config(app, http="h11", limit_concurrency=max_connections, **settings)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
