@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +222,7 @@ def test_the_near_tie_oracle_judges_kvfence_with_its_pin_hidden(
     answers logprobs: with the fence off and a fault armed, answers from stale KV depart from their solo
     answers where the solo run was sure (FAIL, beyond the margin); clean, it passes. The pin is hidden in
     the model card, so the exact rule cannot decide. Each departure beyond the margin is re-scored alone,
-    teacher-forced with `echo` (audit/confirm.py): the token given under load scores below the solo's."""
+    teacher-forced with `echo` (audit/confirm.py), beside the solo run's logprob of its own token."""
     faults = {fault: FAULTS[fault]} if fault else {}
     engine = real_engine(
         smollm2, isolation=fault is None, faults=faults, declare_batch_invariance=False, **SMALL
@@ -237,8 +238,12 @@ def test_the_near_tie_oracle_judges_kvfence_with_its_pin_hidden(
     else:
         assert replay["status"] == "FAIL" and summary["beyond"] > 0, replay["details"]
         assert "beyond the margin" in replay["details"]
-        confirmed = [i["confirmation"] for i in replay["evidence"] if "logprob" in i.get("confirmation", {})]
+        beyond = [item for item in replay["evidence"] if item.get("verdict") == "beyond"]
+        confirmed = [item for item in beyond if "logprob" in item.get("confirmation", {})]
         assert confirmed, "echo with logprobs re-scores the departing token in its true context"
-        for item in confirmed:  # the token read from stale KV is less probable alone than the solo answer's
-            assert item["logprob"] < item["solo_logprob"] - summary["margin_nats"], item
+        for item in confirmed:
+            # Which side read stale KV is for the reader: the fault may hit the solo run as well.
+            checked = item["confirmation"]
+            assert checked["request"]["echo"] is True and checked["token"] == item["departure"]["other_token"]
+            assert math.isfinite(checked["logprob"]) and checked["logprob"] <= 0 and "solo_logprob" in checked
         assert "teacher-forced" in replay["details"]
