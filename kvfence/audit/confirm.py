@@ -1,13 +1,13 @@
 """Teacher-forced confirmation of a replay departure the near-tie oracle failed.
 
-The answer given under load, up to and including the token where it departed from its solo answer, is
-sent again as a prompt, alone, with completions' `echo` and `logprobs`: the server scores every prompt
-token in the true context, so the departing token's logprob there, beside the solo run's logprob of its
-own token, shows which answer the true context supports (usually the solo one: a token chosen from the
-wrong KV scores far below it; but a fault can hit the solo run too, and then the departing token is the
-likely one). Evidence a reader can check by sending the same request, not a second verdict. Where the server refuses `echo` with logprobs,
-or the probe is a chat (no echo there), the confirmation says so and the verdict stands on the solo run's
-own logprobs.
+The answer given under load, up to and including the token where it departed from its solo answer, is sent
+again as a prompt, alone, with completions' `echo` and `logprobs`: the server scores every prompt token in the
+true context, so the departing token's logprob there, beside the solo run's logprob of its own token, shows
+which answer the true context supports (usually the solo one: a token chosen from the wrong KV scores far
+below it; but a fault can hit the solo run too, and then the departing token is the likely one). Evidence a
+reader can check by sending the same request, not a second verdict. Where the server refuses `echo` with
+logprobs, or the probe is a chat (no echo there), the confirmation says so and the verdict stands on the solo
+run's own logprobs.
 
 Contract: `confirm` sends one request and returns a JSON-ready dict: `request` (the body sent), and
 either `logprob` (the departing token's, summed over the echoed tokens that spell it), or `why` not;
