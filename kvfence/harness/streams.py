@@ -96,7 +96,10 @@ async def drive(
 ) -> tuple[list[Timing], float]:
     """Every prompt, at most `concurrency` in flight; returns the timings and the wall time."""
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers) as client:
+    # A connection per request: a kept-alive one the server closed while idle (llama-server's keep-alive
+    # is 5 s) fails the next request on it with "disconnected without sending a response".
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers, limits=fresh) as client:
 
         async def one(prompt: list[int]) -> Timing:
             async with gate:
