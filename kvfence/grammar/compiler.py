@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import unicodedata
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,8 +42,23 @@ class Guide:
 _WHAT = {"json": "JSON schema", "regex": "regular expression", "choice": "choice", "lark": "grammar"}
 
 
+# Unicode categories a pattern, choice or grammar may not hold: control characters (but tab, newline and
+# carriage return), unassigned and private-use code points. llguidance 1.9 masked bytes for such a pattern
+# that its parser then refused mid-answer (a fuzzed guided_regex: 500 grammar_error for a valid request).
+_UNMATCHABLE = {"Cc", "Cn", "Co"}
+
+
+def _check_text(text: str) -> None:
+    for char in text:
+        if unicodedata.category(char) in _UNMATCHABLE and char not in "\t\n\r":
+            raise ValueError(f"U+{ord(char):04X} (control, unassigned or private use) is not supported")
+
+
 def _grammar(guide: Guide) -> str:
     """llguidance's grammar for `guide`; ValueError when the spec is malformed."""
+    if guide.kind != "json":
+        for text in guide.spec if guide.kind == "choice" else [guide.spec]:
+            _check_text(text)
     if guide.kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(guide.spec, defaults=JSON_OPTIONS)
     if guide.kind == "regex":

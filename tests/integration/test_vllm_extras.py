@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from conftest import real_engine, serving
 
@@ -98,6 +99,8 @@ def test_guides_fail_closed(url: str) -> None:
         ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_choice": []}, "guided_choice"),
+        # Found by the fuzz: llguidance masked bytes for it that its parser then refused mid-answer.
+        ({"guided_regex": "\u001b\u009aM\nJ\u00cc\U0006eff5"}, "guided_regex"),
         ({"structured_outputs": {"regex": "(", "typo": 1}}, "structured_outputs"),
     ):
         response = post(url, "/v1/completions", {"prompt": PROMPT} | extra)
@@ -262,3 +265,92 @@ def test_cors_docs_and_the_admin_hint(url: str) -> None:
     hint = httpx.get(f"{url}/v1/audit/info", timeout=10)
     assert hint.status_code == 403 and hint.json()["error"]["code"] == "admin_key_not_configured"
     assert "--admin-key" in hint.json()["error"]["message"]
+
+
+# ---- OpenAI's Responses API -----------------------------------------------------------------------------
+
+
+def responses_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_responses_answer_as_chat_does(url: str) -> None:
+    """`input` and `instructions` are the chat's user and system turns: the same greedy answer, usage and
+    all; streamed, the events arrive in the Responses order and their deltas spell the same text."""
+    instructions = "Answer in one short sentence."
+    chat = post(url, "/v1/chat/completions", {
+        "messages": [{"role": "system", "content": instructions}, *QUESTION], "max_tokens": 12,
+    }).json()  # fmt: skip
+    client = responses_client(url)
+    response = client.responses.create(
+        model=MODEL, input=QUESTION[0]["content"], instructions=instructions, max_output_tokens=12
+    )
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+    assert response.usage is not None and response.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    finished = chat["choices"][0]["finish_reason"]
+    assert response.status == ("incomplete" if finished == "length" else "completed")
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input=QUESTION[0]["content"],
+            instructions=instructions,
+            max_output_tokens=12,
+            stream=True,
+        )
+    )
+    kinds = [event.type for event in events]
+    opening = ["created", "in_progress", "output_item.added", "content_part.added"]
+    assert kinds[:4] == [f"response.{kind}" for kind in opening]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds[-1] == f"response.{response.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_formats_and_function_calls(url: str) -> None:
+    """text.format json_schema is enforced; a forced function call comes back as a function_call item,
+    and its output, sent back as input items, is answered."""
+    client = responses_client(url)
+    shaped = client.responses.create(
+        model=MODEL,
+        input="Describe Paris.",
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
+    )
+    assert set(json.loads(shaped.output_text)) == {"city"}
+    tool = {"type": "function", "name": "get_weather", "parameters": CITY, "strict": True}
+    called = client.responses.create(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[tool],
+        tool_choice="required",
+        max_output_tokens=40,  # type: ignore[list-item]
+    )
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    follow_up = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+    ]
+    answered = client.responses.create(model=MODEL, input=follow_up, max_output_tokens=8)  # type: ignore[arg-type]
+    assert answered.output_text and answered.output[0].type == "message"
+
+
+def test_responses_refuse_what_needs_stored_state(url: str) -> None:
+    for extra, param in (
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"background": True}, "background"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ):
+        response = post(url, "/v1/responses", {"input": "hi"} | extra)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert (
+        post(url, "/v1/responses", {"input": "hi", "store": True, "max_output_tokens": 2}).status_code == 200
+    )
