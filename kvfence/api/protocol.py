@@ -100,7 +100,7 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
 
-def _refuse_if_set(value: Any, info: ValidationInfo) -> Any:
+def refuse_if_set(value: Any, info: ValidationInfo) -> Any:
     """Accept only a field's neutral values (None, false, 0, empty); anything else asks for a feature."""
     if value:
         raise ValueError(f"{info.field_name} is not supported by this server")
@@ -196,7 +196,7 @@ class GenerationRequest(BaseModel):
         "kv_transfer_params",
         "vllm_xargs",
         "mm_processor_kwargs",
-    )(_refuse_if_set)
+    )(refuse_if_set)
 
     @field_validator("skip_special_tokens", "spaces_between_special_tokens")
     @classmethod
@@ -354,7 +354,7 @@ class CompletionRequest(GenerationRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    _unsupported = field_validator("suffix")(_refuse_if_set)
+    _unsupported = field_validator("suffix")(refuse_if_set)
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
@@ -516,7 +516,7 @@ class ChatCompletionRequest(GenerationRequest):
         "chat_template_kwargs",
         "documents",
         "echo",
-    )(_refuse_if_set)
+    )(refuse_if_set)
 
     @field_validator("modalities")
     @classmethod

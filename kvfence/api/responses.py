@@ -195,11 +195,11 @@ class EngineStreamResponse(StreamingResponse):
             body, media_type="text/event-stream", headers={"cache-control": "no-cache", **headers}
         )
         self._body = body
-        self._outputs = outputs
+        self.outputs = outputs  # the engine stream behind the body (a relay of this body closes it too)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._body.aclose()
-            await self._outputs.aclose()
+            await self.outputs.aclose()

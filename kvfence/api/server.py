@@ -3,7 +3,8 @@ generations.
 
 The other jobs live beside it: auth.py (API key -> tenant, the admin key), body_limit.py (413 before a large
 body is read), errors.py (OpenAI-shaped errors), responses.py (JSON bodies and SSE streams), metrics.py
-(Prometheus), protocol.py (the request and response models) and tokenize.py (vLLM's token endpoints).
+(Prometheus), protocol.py (the request and response models), tokenize.py (vLLM's token endpoints) and
+responses_api.py (OpenAI's /v1/responses over chat).
 
 Contracts:
 - A request id (`cmpl-…` / `chatcmpl-…`) is the response `id`, the `x-request-id` header and the key of
@@ -20,6 +21,7 @@ Contracts:
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,6 +33,7 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from kvfence.api.auth import Auth, Tenant, admin, metrics_reader
@@ -48,6 +51,7 @@ from kvfence.api.protocol import (
     ModelList,
 )
 from kvfence.api.responses import EngineStreamResponse, Format, sse_events, usage
+from kvfence.api.responses_api import EventStream, ResponseBuilder, ResponsesRequest, to_chat
 from kvfence.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from kvfence.api.tools import ToolCallParser, finish_reason, template_messages, tool_guide
 from kvfence.engine.async_engine import EngineClient
@@ -117,6 +121,22 @@ class _Service:
         grammar = await self._grammar(body, tool_guide(body))
         parser = ToolCallParser(body) if body.tool_mode != "none" else None
         return await self._generate(body, prompt, tenant, chat=True, grammar=grammar, tools=parser)
+
+    async def respond(self, body: ResponsesRequest, tenant: str) -> Response:
+        """OpenAI's Responses API, answered by the chat path (api/responses_api.py)."""
+        try:
+            chat = to_chat(body)
+        except ValidationError as exc:  # what chat refuses (an empty input, a bad tool name): a 400
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise APIError(400, f"{where}: {error['msg']}", param="input") from None
+        builder = ResponseBuilder(body, self.model_name)
+        answer = await self.chat(chat, tenant)
+        headers = {"x-request-id": answer.headers["x-request-id"]}
+        if not isinstance(answer, EngineStreamResponse):
+            return JSONResponse(builder.from_chat(json.loads(bytes(answer.body))), headers=headers)
+        events = EventStream(builder).relay(answer.body_iterator)
+        return EngineStreamResponse(events, answer.outputs, headers)
 
     async def model(self, model_id: str) -> ModelCard:
         self.check_model(model_id)
@@ -375,6 +395,10 @@ def _add_routes(app: FastAPI, service: _Service) -> None:
     @app.get("/version")
     async def version(_: Tenant) -> dict[str, str]:
         return {"version": package_version() or "unknown"}
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, tenant: Tenant) -> Response:
+        return await service.respond(body, tenant)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, _: Tenant) -> TokenizeResponse:
