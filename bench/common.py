@@ -67,6 +67,9 @@ THREADS_HELP = (
 )
 
 
+BENCH_WINDOW = 4096  # tokens: every workload's prompt and output fit
+
+
 def load_weights(threads: int | None = None, path: Path | None = None) -> GGUFModel:
     """Load a GGUF (default: the packaged SmolLM2) in float32, once; build every engine from it. `threads`
     (None: leave torch's setting alone) is global, so HF transformers in the same process runs with the
@@ -83,8 +86,10 @@ def load_weights(threads: int | None = None, path: Path | None = None) -> GGUFMo
 def build_engine(
     gguf: GGUFModel, isolation: bool = True, model: Transformer | None = None, **overrides: Any
 ) -> LLMEngine:
-    """An engine with the default config (prefix caching on, 512 MiB pool) over already loaded weights.
-    Pass `model` to share one Transformer (it holds no per-engine state) between engines."""
+    """An engine with the default config (prefix caching on, 512 MiB pool, a window of at most
+    BENCH_WINDOW: Gemma's 32k would not fit the pool) over already loaded weights. Pass `model` to share
+    one Transformer (it holds no per-engine state) between engines."""
+    overrides.setdefault("max_model_len", min(BENCH_WINDOW, gguf.config.context_length))
     config = EngineConfig(isolation=isolation, **overrides)
     model = model or Transformer.from_gguf(gguf)
     return LLMEngine(config, model, Tokenizer.from_gguf(gguf), log=lambda _: None)
