@@ -14,8 +14,8 @@ from contextlib import suppress
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvfence.api.bodies import ErrorDetail, ErrorResponse
 from kvfence.api.errors import error_type
-from kvfence.api.protocol import ErrorDetail, ErrorResponse
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 

@@ -20,8 +20,9 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from kvfence.api.bodies import ErrorResponse, Usage
 from kvfence.api.errors import APIError, abort_error
-from kvfence.api.protocol import ErrorResponse, GenerationRequest, Usage
+from kvfence.api.protocol import GenerationRequest
 from kvfence.api.responses import EngineStreamResponse, Format, _sse
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvfence.api.protocol import ErrorDetail, ErrorResponse
+from kvfence.api.bodies import ErrorDetail, ErrorResponse
 from kvfence.engine.output import RequestOutput
 from kvfence.grammar.mask import GRAMMAR_ERROR
 from kvfence.trail.reasons import INTEGRITY_REASONS

@@ -1,4 +1,5 @@
-"""OpenAI-compatible request and response models for /v1/completions and /v1/chat/completions.
+"""OpenAI-compatible request models for /v1/completions and /v1/chat/completions (vLLM's extras in
+api/vllm_extras.py, the response bodies in api/bodies.py).
 
 Every parameter OpenAI defines is declared: implemented, accepted because it changes no answer by definition
 (`user`, `metadata`, the prompt-cache hints), or refused unless neutral (best_of other than n, suffix, audio,
@@ -16,12 +17,11 @@ tokenizer can encode. api/errors.py turns every validation failure into HTTP 400
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from kvfence.api.logprobs import ChatLogprobs, CompletionLogprobs
+from kvfence.api.vllm_extras import VllmExtras, refuse_if_set
 from kvfence.grammar.compiler import Guide
 from kvfence.sampling import (
     MAX_LOGIT_BIAS,
@@ -88,39 +88,8 @@ class ResponseFormat(BaseModel):
         return None
 
 
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a pattern, choices, a grammar."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = Field(default=None, min_length=1)
-    grammar: str | None = None
-
-
-def refuse_if_set(value: Any, info: ValidationInfo) -> Any:
-    """Accept only a field's neutral values (None, false, 0, empty); anything else asks for a feature."""
-    if value:
-        raise ValueError(f"{info.field_name} is not supported by this server")
-    return value
-
-
-def _json_schema(value: dict[str, Any] | str) -> dict[str, Any]:
-    """A schema given as an object or as its JSON text (vLLM takes both)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise ValueError("the JSON schema is not valid JSON") from None
-    if not isinstance(value, dict):
-        raise ValueError("a JSON schema must be an object")
-    return value
-
-
-class GenerationRequest(BaseModel):
-    """Fields both endpoints share, and their translation into SamplingParams."""
+class GenerationRequest(VllmExtras):
+    """Fields both endpoints share (vLLM's extras among them), and their translation into SamplingParams."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -147,84 +116,6 @@ class GenerationRequest(BaseModel):
     response_format: ResponseFormat | None = None  # enforced by a grammar (kvfence/grammar)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's
 
-    # vLLM's extra parameters, implemented (kvfence.sampling, the grammar compiler, the tokenizer).
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    add_special_tokens: bool | None = None  # None: the endpoint's default (completions True, chat False)
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(default=None, min_length=1)
-    guided_grammar: str | None = None
-    structured_outputs: StructuredOutputs | None = None
-    # Accepted: which library enforces a guide changes nothing it allows.
-    guided_decoding_backend: str | None = None
-    # Accepted at their neutral values only (vLLM's defaults): anything else asks for what is not built.
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    priority: int = 0
-    length_penalty: float = 1.0
-    # Refused when set: each changes the answer, or its handling, in a way this server does not implement.
-    # (`cache_salt` too: kvfence's prefix cache is already per tenant, but a salt asks for more than that.)
-    use_beam_search: bool = False
-    truncate_prompt_tokens: int | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    logits_processors: Any = None
-    return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
-    prompt_embeds: Any = None
-    guided_whitespace_pattern: str | None = None
-    request_id: str | None = None
-    cache_salt: str | None = None
-    kv_transfer_params: Any = None
-    vllm_xargs: Any = None
-    mm_processor_kwargs: Any = None
-
-    _unsupported_vllm = field_validator(
-        "use_beam_search",
-        "truncate_prompt_tokens",
-        "allowed_token_ids",
-        "bad_words",
-        "logits_processors",
-        "return_tokens_as_token_ids",
-        "return_token_ids",
-        "prompt_embeds",
-        "guided_whitespace_pattern",
-        "request_id",
-        "cache_salt",
-        "kv_transfer_params",
-        "vllm_xargs",
-        "mm_processor_kwargs",
-    )(refuse_if_set)
-
-    @field_validator("skip_special_tokens", "spaces_between_special_tokens")
-    @classmethod
-    def _default_detokenizing(cls, value: bool, info: ValidationInfo) -> bool:
-        if not value:
-            raise ValueError(f"{info.field_name}: only true (the default) is supported by this server")
-        return value
-
-    @field_validator("priority", "length_penalty")
-    @classmethod
-    def _neutral(cls, value: float, info: ValidationInfo) -> float:
-        neutral = {"priority": 0, "length_penalty": 1.0}[str(info.field_name)]
-        if value != neutral:
-            raise ValueError(f"{info.field_name}: only {neutral} is supported by this server")
-        return value
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _token_ids(cls, ids: list[int] | None) -> list[int] | None:
-        if ids is not None and any(t < 0 for t in ids):
-            raise ValueError("token ids are >= 0")
-        return ids
-
-    @field_validator("guided_json")
-    @classmethod
-    def _guided_schema(cls, schema: dict[str, Any] | str | None) -> dict[str, Any] | None:
-        return None if schema is None else _json_schema(schema)
-
     @model_validator(mode="after")
     def _one_guide(self) -> GenerationRequest:
         """At most one way to constrain the output: two would ask for the intersection of grammars."""
@@ -238,18 +129,7 @@ class GenerationRequest(BaseModel):
         found: dict[str, Guide] = {}
         if self.response_format is not None and (schema := self.response_format.output_schema()) is not None:
             found["response_format"] = Guide("json", schema)
-        if self.guided_json is not None:
-            found["guided_json"] = Guide("json", self.guided_json)
-        for name, kind in (
-            ("guided_regex", "regex"),
-            ("guided_choice", "choice"),
-            ("guided_grammar", "lark"),
-        ):
-            if getattr(self, name) is not None:
-                found[name] = Guide(kind, getattr(self, name))  # type: ignore[arg-type]
-        if self.structured_outputs is not None:
-            found |= {f"structured_outputs.{n}": g for n, g in _structured(self.structured_outputs).items()}
-        return found
+        return found | self.vllm_guides()
 
     @field_validator("model")
     @classmethod
@@ -333,18 +213,6 @@ class GenerationRequest(BaseModel):
     def prompt_logprobs_wanted(self) -> int | None:
         """How many top logprobs beside each prompt token's; None: none (vLLM's `prompt_logprobs`)."""
         return self.prompt_logprobs
-
-
-def _structured(outputs: StructuredOutputs) -> dict[str, Guide]:
-    found: dict[str, Guide] = {}
-    if outputs.json_ is not None:
-        found["json"] = Guide("json", _json_schema(outputs.json_))
-    if outputs.json_object:
-        found["json_object"] = Guide("json", {"type": "object"})
-    for name, kind in (("regex", "regex"), ("choice", "choice"), ("grammar", "lark")):
-        if getattr(outputs, name) is not None:
-            found[name] = Guide(kind, getattr(outputs, name))  # type: ignore[arg-type]
-    return found
 
 
 class CompletionRequest(GenerationRequest):
@@ -557,121 +425,3 @@ class ChatCompletionRequest(GenerationRequest):
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
         return self.tool_choice or ("auto" if self.tools else "none")
-
-
-# ---- responses ----------------------------------------------------------------------------------------
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: CompletionLogprobs | None = None
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, when asked for
-
-
-class CompletionResponse(BaseModel):
-    """Both the non-streaming body and each streamed chunk (OpenAI uses one shape for the two)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: ChatLogprobs | None = None
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, when asked for
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class FunctionCallDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallDelta(BaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, in the first chunk
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "kvfence"
-    max_model_len: int
-    # kvfence's pin: a greedy answer does not depend on what shares the batch (engine/info.py), so an
-    # auditor may fail any answer that changes under load (audit/replay.py). None: not known yet.
-    batch_invariant: bool | None = None
-    # What is served, from the pools' pins (/v1/audit/info): the GGUF's architecture, its tensors per
-    # storage type ({"F32": 109, "Q5_0": 81, ...}) and the file's sha256. None where a pool does not say.
-    architecture: str | None = None
-    quantization: dict[str, int] | None = None
-    model_sha256: str | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail

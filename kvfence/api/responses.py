@@ -17,9 +17,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from kvfence.api.errors import abort_error
-from kvfence.api.logprobs import LogprobsFormat
-from kvfence.api.protocol import (
+from kvfence.api.bodies import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -29,10 +27,12 @@ from kvfence.api.protocol import (
     CompletionChoice,
     CompletionResponse,
     ErrorResponse,
-    ToolCall,
     ToolCallDelta,
     Usage,
 )
+from kvfence.api.errors import abort_error
+from kvfence.api.logprobs import LogprobsFormat
+from kvfence.api.protocol import ToolCall
 from kvfence.api.tools import ToolCallParser, finish_reason, whole
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status

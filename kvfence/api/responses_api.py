@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvfence.api.protocol import ChatCompletionRequest, refuse_if_set
+from kvfence.api.protocol import ChatCompletionRequest
+from kvfence.api.vllm_extras import refuse_if_set
 
 
 class InputText(BaseModel):

@@ -37,19 +37,14 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from kvfence.api.auth import Auth, Tenant, admin, metrics_reader
+from kvfence.api.bodies import ModelCard, ModelList
 from kvfence.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from kvfence.api.choices import check_choices
 from kvfence.api.choices import respond as respond_choices
 from kvfence.api.errors import APIError, abort_error, install_error_handlers
 from kvfence.api.logprobs import LogprobsFormat, prompt_logprobs
 from kvfence.api.metrics import Metrics
-from kvfence.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationRequest,
-    ModelCard,
-    ModelList,
-)
+from kvfence.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from kvfence.api.responses import EngineStreamResponse, Format, sse_events, usage
 from kvfence.api.responses_api import EventStream, ResponseBuilder, ResponsesRequest, to_chat
 from kvfence.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse

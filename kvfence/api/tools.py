@@ -37,15 +37,8 @@ import re
 import uuid
 from typing import Any
 
-from kvfence.api.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    FunctionCall,
-    FunctionCallDelta,
-    ToolCall,
-    ToolCallDelta,
-    ToolSpec,
-)
+from kvfence.api.bodies import FunctionCallDelta, ToolCallDelta
+from kvfence.api.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall, ToolSpec
 from kvfence.grammar.compiler import JSON_OPTIONS, Guide
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
