@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import write_json
+from common import add_llama_server_options, write_json
 
 from kvfence.audit.cli import add_arguments, run
 from kvfence.cli_options import model_file
@@ -54,10 +54,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--llama-server", type=Path, help="the binary (default: $KVFENCE_LLAMA_SERVER or cache)"
-    )
-    parser.add_argument("--build", action="store_true", help="build llama-server if none is found (~10 min)")
+    add_llama_server_options(parser)
     parser.add_argument("--model", type=model_file, help="GGUF file or packaged name (default: smollm2)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)

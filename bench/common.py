@@ -7,6 +7,7 @@ lives in kvfence.harness. Nothing below is duplicated in the scripts. Times come
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import itertools
@@ -519,3 +520,11 @@ def _jsonable(value: object) -> object:
     if hasattr(value, "__dataclass_fields__"):
         return asdict(value)  # type: ignore[call-overload]
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def add_llama_server_options(parser: argparse.ArgumentParser) -> None:
+    """--llama-server and --build: where the peer's binary comes from (kvfence.harness.peers)."""
+    parser.add_argument(
+        "--llama-server", type=Path, help="the binary (default: $KVFENCE_LLAMA_SERVER or cache)"
+    )
+    parser.add_argument("--build", action="store_true", help="build llama-server if none is found (~10 min)")

@@ -29,6 +29,7 @@ from typing import Any
 
 from common import (
     RunResult,
+    add_llama_server_options,
     exit_status,
     make_prompts,
     run_streams,
@@ -163,10 +164,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--llama-server", type=Path, help="the binary (default: $KVFENCE_LLAMA_SERVER or cache)"
-    )
-    parser.add_argument("--build", action="store_true", help="build llama-server if none is found (~10 min)")
+    add_llama_server_options(parser)
     parser.add_argument("--models", default="smollm2,llama-1b")
     parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=2, help="requests per stream in a row (default 2)")
