@@ -4,18 +4,21 @@ sampled, at 1, 4 and 16 streams.
     .venv/bin/python bench/vs_llama.py [--llama-server PATH | --build] [--models smollm2,llama-1b]
                                        [--streams 1,4,16] [--requests 2] [--prompt-len 246]
                                        [--max-tokens 64] [--threads 2]
+                                       [--activation-dtype float32|int8]
 
-Both servers run at once, each on the same `--threads` threads (llama-server: `-t`/`-tb`, 16 slots,
-continuous batching; kvfence: `kvfence serve --num-threads`), and the rows alternate between them, so
-each pair sees the same machine. A row streams `--requests` x streams fresh prompts (never a prefix another
-row sent) of exactly `--prompt-len` SmolLM2 tokens with `ignore_eos` and `--max-tokens` output tokens, at
-most `streams` in flight: greedy, or temperature 0.8 with top_p 0.95 (what OpenAI clients send). Models:
-the packaged SmolLM2 (Q4_1) and `llama-1b`, a 1.07B llama-shaped file of random Q4_0 weights with
-SmolLM2's tokenizer (kvfence.harness.synthetic, written once into ~/.cache/kvfence-bench), where memory
-bandwidth rather than per-step overhead decides. Prints a table of output tok/s with the ratio, TTFT and
-TPOT p50, and each server's resident memory after the rows (and its peak, loading included); writes
-bench/results/vs_llama.json. Exit status 1 when a verdict fails: kvfence >= llama-server at every row,
-sampled >= 0.9 x greedy at 16 streams, resident memory <= 1.5 x the file plus the KV pool.
+Both servers run at once, each on the same `--threads` threads (llama-server: `-t`/`-tb`, 16 slots, continuous
+batching; kvfence: `kvfence serve --num-threads`), and the rows alternate between them, so each pair sees the
+same machine. A row streams `--requests` x streams fresh prompts (never a prefix another row sent) of exactly
+`--prompt-len` SmolLM2 tokens with `ignore_eos` and `--max-tokens` output tokens, at most `streams` in flight:
+greedy, or temperature 0.8 with top_p 0.95 (what OpenAI clients send). Models: the packaged SmolLM2 (Q4_1) and
+`llama-1b`, a 1.07B llama-shaped file of random Q4_0 weights with SmolLM2's tokenizer
+(kvfence.harness.synthetic, written once into ~/.cache/kvfence-bench), where memory bandwidth rather than
+per-step overhead decides. `--activation-dtype int8` serves kvfence with 4-bit weights multiplied by
+int8-quantized rows, as llama.cpp computes them (default float32: exact products). Prints a table of output
+tok/s with the ratio, TTFT and TPOT p50, and each server's resident memory after the rows (and its peak,
+loading included); writes bench/results/vs_llama.json. Exit status 1 when a verdict fails: kvfence >=
+llama-server at every row, sampled >= 0.9 x greedy at 16 streams, resident memory <= 1.5 x the file plus the
+KV pool.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from common import (
     write_json,
 )
 
+from kvfence.config import ACTIVATION_DTYPES
 from kvfence.harness.cluster import cluster
 from kvfence.harness.peers import llama_server, llama_server_binary
 from kvfence.harness.procs import memory_mb
@@ -64,12 +68,15 @@ def model_file(name: str) -> Path:
 
 
 @contextmanager
-def servers(binary: Path, model: Path, threads: int) -> Iterator[dict[str, tuple[str, int]]]:
+def servers(
+    binary: Path, model: Path, threads: int, activation_dtype: str
+) -> Iterator[dict[str, tuple[str, int]]]:
     """Both servers on `model`: name -> (base URL, process id)."""
     with ExitStack() as stack:
         peer = stack.enter_context(llama_server(binary, model, threads, 16, 16 * WINDOW // 4))
         args = ["--model", str(model), "--num-threads", str(threads), "--max-num-seqs", "16"]
         args += ["--max-model-len", str(WINDOW), "--kv-cache-memory", KV_POOL]
+        args += ["--activation-dtype", activation_dtype]
         running = stack.enter_context(cluster(serve_args=args))
         yield {"llama-server": (peer.url, peer.pid), "kvfence": (running.url, running.processes[0].pid)}
 
@@ -85,7 +92,7 @@ def bench_model(binary: Path, name: str, args: argparse.Namespace) -> list[dict[
     path = model_file(name)
     tokenizer = Tokenizer(read_header(path)[1])
     rows: list[dict[str, Any]] = []
-    with servers(binary, path, args.threads) as urls:
+    with servers(binary, path, args.threads, args.activation_dtype) as urls:
         for url, _ in urls.values():  # a warm-up each: one-off allocations are not measured
             row(url, path.stem, make_prompts(tokenizer, 4, args.prompt_len, salt=-1), args, 4, "greedy")
         salt = 0
@@ -171,11 +178,13 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=246)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--activation-dtype", choices=ACTIVATION_DTYPES, default="float32")
     args = parser.parse_args()
     binary = llama_server_binary(args.llama_server, build=args.build)
     rows = [r for name in args.models.split(",") for r in bench_model(binary, name, args)]
     table(rows)
-    write_json("vs_llama", {"binary": str(binary), "rows": rows, "verdicts": verdicts(rows)})
+    found = {"binary": str(binary), "activation_dtype": args.activation_dtype, "rows": rows}
+    write_json("vs_llama", found | {"verdicts": verdicts(rows)})
     return exit_status()
 
 

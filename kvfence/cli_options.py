@@ -22,7 +22,7 @@ from kvfence.cli_checks import (
     temperature,
     top_p,
 )
-from kvfence.config import DECODE_ATTENTION, DECODE_MATMUL, EngineConfig
+from kvfence.config import ACTIVATION_DTYPES, DECODE_ATTENTION, DECODE_MATMUL, EngineConfig
 from kvfence.trail.faults import FAULTS
 from kvfence.units import format_size
 
@@ -101,6 +101,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     g.add_argument(
+        "--activation-dtype",
+        choices=ACTIVATION_DTYPES,
+        default=defaults.activation_dtype,
+        help="int8: the kernel multiplies 4-bit weights (Q4_0, Q4_1, Q4_K) by rows quantized to int8 per "
+        "32 values with integer dot products, as llama.cpp does (faster; logits move by the rounding); "
+        "float32: exact float products (default: %(default)s)",
+    )
+    g.add_argument(
         "--trace-pages",
         action="store_true",
         help="audit which pages each request reads and whose data they hold (lab, audits)",
@@ -167,6 +175,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         decode_attention=args.decode_attention,
         decode_matmul=args.decode_matmul,
+        activation_dtype=args.activation_dtype,
         trace_pages=args.trace_pages,
         declare_batch_invariance=not args.hide_batch_invariance,
         max_waiting_per_tenant=args.max_waiting_per_tenant,

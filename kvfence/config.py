@@ -14,6 +14,9 @@ from typing import Protocol
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can run (C on CPU, Triton on CUDA)
 DECODE_MATMUL = ("auto", "kernel", "dense")  # auto: the kernel where it can run (float32 on CPU, quantized)
+# What the packed kernel multiplies 4-bit codes by: the float32 rows (exact weights and products), or the
+# rows quantized to int8 per 32 values, as llama.cpp does (integer dot products, ~4x less work a weight).
+ACTIVATION_DTYPES = ("float32", "int8")
 
 
 @dataclass
@@ -35,6 +38,7 @@ class EngineConfig:
     num_threads: int | None = None
     decode_attention: str = "auto"  # auto | kernel | sdpa (see DECODE_ATTENTION)
     decode_matmul: str = "auto"  # auto | kernel | dense (see DECODE_MATMUL)
+    activation_dtype: str = "float32"  # float32 | int8 (see ACTIVATION_DTYPES)
     decode_graphs: bool = False  # a scratch page in the pool for captured decode graphs' padding rows
     trace_pages: bool = False  # audit `pages_read` events: which pages each request reads, whose data
     declare_batch_invariance: bool = True  # False: the `batch_invariant` pin is left out (audit tests)

@@ -131,12 +131,13 @@ def tiny_model(
     config: ModelConfig = TINY,
     decode_attention: str = "auto",
     decode_matmul: str | None = None,
+    activation_dtype: str = "float32",
 ) -> Transformer:
     """`decode_matmul` set: the weights quantized (Q4_1), and that choice of decode matmul."""
     if decode_matmul is None:
         return Transformer(config, tiny_tensors(seed, config), decode_attention)
     tensors, quantized = quantize(tiny_tensors(seed, config))
-    return Transformer(config, tensors, decode_attention, quantized, decode_matmul)
+    return Transformer(config, tensors, decode_attention, quantized, decode_matmul, activation_dtype)
 
 
 @pytest.fixture(scope="session")

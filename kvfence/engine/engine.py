@@ -367,6 +367,8 @@ def load_engine(
     path = config.model or default_model_path()
     device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=device, progress=log)
-    model = Transformer.from_gguf(gguf, config.decode_attention, config.decode_matmul)
+    model = Transformer.from_gguf(
+        gguf, config.decode_attention, config.decode_matmul, config.activation_dtype
+    )
     tokenizer = Tokenizer.from_gguf(gguf, chat_template)
     return engine_cls(config, model, tokenizer, events, log, model_file=gguf.path)

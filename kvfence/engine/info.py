@@ -31,6 +31,7 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
         "device": str(engine.model.device),
         "decode_attention": engine.model.decode_attention,
         "decode_matmul": engine.model.decode_matmul,
+        "activation_dtype": engine.model.activation_dtype,
         "page_size": engine.pool.page_size,
         "num_pages": engine.pool.num_pages,
         "capacity_tokens": engine.capacity.capacity_tokens,

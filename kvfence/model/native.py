@@ -28,6 +28,7 @@ FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 # Instruction sets named explicitly, chosen at run time from what this CPU reports, never -march=native:
 # a library built on one machine (a cache on a shared home) then runs on any CPU that has the same sets.
 _ISA = (
+    ({"avx512f", "avx512bw", "fma", "avx512_vnni"}, ("-mavx512f", "-mavx512bw", "-mfma", "-mavx512vnni")),
     ({"avx512f", "avx512bw", "fma"}, ("-mavx512f", "-mavx512bw", "-mfma")),
     ({"avx2", "fma"}, ("-mavx2", "-mfma")),
 )

@@ -25,14 +25,16 @@ PANEL = 32  # as csrc/packed_matmul.c: output columns per panel
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_int]
-NIBBLES, HALF = 1, 2  # csrc/packed_matmul.c's format bits
+NIBBLES, HALF, DOT = 1, 2, 4  # csrc/packed_matmul.c's format bits
+DOT_BLOCK = 32  # as csrc/packed_matmul.c: the int8 activations' block (and the dot layout's group)
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """codes [panels, in_features, PANEL] int8 (or uint8 nibbles, [panels, in_features, PANEL // 2]) and
-    scales / offsets [panels, in_features // group, PANEL] float32 (or float16): panel p holds output
-    features [p * PANEL, (p + 1) * PANEL), k-major, as the kernel reads them."""
+    """codes [panels, in_features, PANEL] int8 (or uint8 nibbles, [panels, in_features, PANEL // 2], or
+    nibbles laid out for integer dot products, [panels, in_features // 8, 2, 64]) and scales / offsets
+    [panels, in_features // group, PANEL] float32 (or float16): panel p holds output features
+    [p * PANEL, (p + 1) * PANEL), k-major, as the kernel reads them."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -41,8 +43,10 @@ class PackedWeight:
     @property
     def format(self) -> int:
         """The kernel's storage bits: NIBBLES, HALF."""
-        return (NIBBLES if self.codes.dtype == torch.uint8 else 0) | (
-            HALF if self.scales.dtype == torch.float16 else 0
+        return (
+            (NIBBLES if self.codes.dtype == torch.uint8 else 0)
+            | (HALF if self.scales.dtype == torch.float16 else 0)
+            | (DOT if self.codes.dim() == 4 else 0)
         )
 
     @property
@@ -51,7 +55,7 @@ class PackedWeight:
 
     @property
     def in_features(self) -> int:
-        return self.codes.shape[1]
+        return self.codes.shape[1] * 8 if self.format & DOT else self.codes.shape[1]
 
     @property
     def out_features(self) -> int:
@@ -59,13 +63,17 @@ class PackedWeight:
 
     @property
     def group(self) -> int:
-        return self.codes.shape[1] // self.scales.shape[1]
+        return self.in_features // self.scales.shape[1]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 weight rows (output features) `ids`, [len(ids), in_features]: embedding rows of a
         tied LM head, read from the panels so that the embedding is not held twice."""
         panel, column = ids // PANEL, ids % PANEL
-        if self.format & NIBBLES:  # column j < 16 in the low nibble of byte j, column j + 16 in the high one
+        if self.format & DOT:  # byte 4j + i of line (t, half): k = 8t + i low, k = 8t + 4 + i high
+            lines = self.codes.view(-1, self.in_features // 8, 2, 16, 4)
+            raw = lines[panel, :, column // 16 % 2, column % 16]
+            codes = torch.stack([raw & 15, raw >> 4], dim=2).reshape(len(ids), self.in_features).float()
+        elif self.format & NIBBLES:  # column j < 16 in byte j's low nibble, column j + 16 in its high one
             raw = self.codes[panel, :, column % (PANEL // 2)]
             codes = torch.where((column < PANEL // 2)[:, None], raw & 15, raw >> 4).float()
         else:
@@ -76,10 +84,12 @@ class PackedWeight:
         return blocks.view(n, self.in_features)
 
     @classmethod
-    def pack(cls, parts: Sequence[QuantizedWeight | None]) -> PackedWeight | None:
+    def pack(cls, parts: Sequence[QuantizedWeight | None], dot: bool = False) -> PackedWeight | None:
         """The weights of `parts` stacked along output features (a fused projection), or None when one is
         not quantized or the shape does not fit the panels. Parts with different groups (Q4_K's 32 beside
-        Q6_K's 16, as Q4_K_M files mix them) share the smallest: a scale repeated is the same weight."""
+        Q6_K's 16, as Q4_K_M files mix them) share the smallest: a scale repeated is the same weight.
+        `dot`: laid out for the kernel's integer dot products over int8 activations where the codes are
+        nibbles in groups of 32 (Q4_0, Q4_1, Q4_K); other weights keep the float layout."""
         present = [part for part in parts if part is not None]
         if len(present) < len(parts):
             return None
@@ -100,12 +110,23 @@ class PackedWeight:
         def panels(t: torch.Tensor) -> torch.Tensor:
             return t.view(out_features // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
 
+        if dot and codes.dtype == torch.uint8 and group == DOT_BLOCK:
+            return cls(_dot_layout(codes), panels(scales), panels(offsets))
         if codes.dtype == torch.uint8:  # bytes of (column j, column j + 16) nibble pairs, per panel
             by_panel = panels(codes).view(out_features // PANEL, in_features, 2, PANEL // 2)
             codes_panels = (by_panel[:, :, 0] | (by_panel[:, :, 1] << 4)).contiguous()
         else:
             codes_panels = panels(codes)
         return cls(codes_panels, panels(scales), panels(offsets))
+
+
+def _dot_layout(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] nibble codes as the kernel's dot products read them, [panels, in // 8, 2, 64]: per 8 of k
+    (t) and half panel of 16 columns j, byte 4j + i holds k = 8t + i low and k = 8t + 4 + i high."""
+    out_features, in_features = codes.shape
+    split = codes.view(out_features // PANEL, 2, 16, in_features // 8, 2, 4)  # [P, half, j, t, high, i]
+    lines = split.permute(0, 3, 1, 2, 5, 4)  # [P, t, half, j, i, high]
+    return (lines[..., 0] | (lines[..., 1] << 4)).reshape(out_features // PANEL, in_features // 8, 2, 64)
 
 
 def _as_nibbles(
@@ -169,8 +190,9 @@ class PackedMatmulKernel:
 
 
 @functools.cache
-def load(portable: bool = False) -> tuple[PackedMatmulKernel | None, str]:
+def load(portable: bool = False, vnni: bool = True) -> tuple[PackedMatmulKernel | None, str]:
     """(the kernel, "") or (None, why not). `portable` builds the plain-C path, without the CPU's vector
-    intrinsics, which must give the same bits (tested)."""
-    library, why = native.load_library("packed_matmul", ("-DKVF_PORTABLE",) if portable else ())
+    intrinsics; `vnni=False` the AVX-512 dot products without VNNI: both must give the same bits (tested)."""
+    flags = ("-DKVF_PORTABLE",) if portable else () if vnni else ("-mno-avx512vnni",)
+    library, why = native.load_library("packed_matmul", flags)
     return (PackedMatmulKernel(library), "") if library is not None else (None, why)

@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from kvfence.config import DECODE_ATTENTION, DECODE_MATMUL
+from kvfence.config import ACTIVATION_DTYPES, DECODE_ATTENTION, DECODE_MATMUL
 from kvfence.model import attention, packed_matmul, paged_kernel, triton_attention
 from kvfence.model.attention import LayerAttention, PrefillSeq
 from kvfence.model.decoder_layer import DecoderLayers, StepBuffers
@@ -99,7 +99,9 @@ def _storage_counts(
 class Transformer:
     """The model of one GGUF. `tensors` are the dense tensors under their GGUF names; `quantized` the codes
     of the weights stored in a block format (`GGUFModel.quantized`). Without codes, or with
-    `decode_matmul="dense"`, every matmul runs on BLAS over dense weights."""
+    `decode_matmul="dense"`, every matmul runs on BLAS over dense weights. `activation_dtype="int8"`: the
+    kernel multiplies 4-bit codes by int8-quantized rows (csrc/packed_matmul.c's KVF_DOT); other weights,
+    and every weight on the dense path, take float32 rows whatever it says."""
 
     def __init__(
         self,
@@ -108,8 +110,11 @@ class Transformer:
         decode_attention: str = "auto",
         quantized: dict[str, QuantizedWeight] | None = None,
         decode_matmul: str = "auto",
+        activation_dtype: str = "float32",
     ) -> None:
-        self.config = config
+        if activation_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"activation dtype must be one of {ACTIVATION_DTYPES}, not {activation_dtype!r}")
+        self.config, self.activation_dtype = config, activation_dtype
         # How the weights are stored, as llama.cpp's load log counts them (tensors per type); the loader's
         # `GGUFModel.quantization` when built from a file, else the dtypes of the tensors given.
         self.quantization = _storage_counts(tensors, quantized or {})
@@ -128,7 +133,7 @@ class Transformer:
             if quantized
             else lambda: (None, "the weights are not stored quantized"),
         )
-        binder = Binder(tensors, quantized, self._packed_kernel)
+        binder = Binder(tensors, quantized, self._packed_kernel, dot=activation_dtype == "int8")
         self.lm_head = binder.lm_head()
         self.layers = [binder.layer(i) for i in range(config.num_layers)]
         packed = [self.lm_head.packed] + [p.packed for layer in self.layers for p in layer.projections()]
@@ -168,9 +173,15 @@ class Transformer:
 
     @classmethod
     def from_gguf(
-        cls, gguf: GGUFModel, decode_attention: str = "auto", decode_matmul: str = "auto"
+        cls,
+        gguf: GGUFModel,
+        decode_attention: str = "auto",
+        decode_matmul: str = "auto",
+        activation_dtype: str = "float32",
     ) -> Transformer:
-        model = cls(gguf.config, gguf.tensors, decode_attention, gguf.quantized, decode_matmul)
+        model = cls(
+            gguf.config, gguf.tensors, decode_attention, gguf.quantized, decode_matmul, activation_dtype
+        )
         model.quantization = dict(gguf.quantization)
         return model
 

@@ -52,18 +52,20 @@ class Layer:
 
 
 class Binder:
-    """Reads the named weights out of the loader's two dicts, packed where `kernel` runs."""
+    """Reads the named weights out of the loader's two dicts, packed where `kernel` runs (laid out for its
+    int8 dot products where `dot` and the codes allow: PackedWeight.pack)."""
 
     def __init__(
         self,
         tensors: dict[str, torch.Tensor],
         quantized: dict[str, QuantizedWeight],
         kernel: PackedMatmulKernel | None,
+        dot: bool = False,
     ) -> None:
         both = sorted(tensors.keys() & quantized.keys())
         if both:
             raise ValueError(f"weights given both dense and quantized: {both[:4]}")
-        self.tensors, self.quantized, self.kernel = tensors, quantized, kernel
+        self.tensors, self.quantized, self.kernel, self.dot = tensors, quantized, kernel, dot
         norm = tensors["output_norm.weight"]  # never quantized: its dtype and device are the model's
         self.dtype, self.device = norm.dtype, norm.device
 
@@ -81,7 +83,7 @@ class Binder:
         kernel runs, else dense. Biases ("<name>.bias" beside "<name>.weight") stacked likewise."""
         packed = None
         if self.kernel is not None:
-            packed = PackedWeight.pack([self.quantized.get(name) for name in names])
+            packed = PackedWeight.pack([self.quantized.get(name) for name in names], self.dot)
         dense = None if packed is not None else torch.cat([self.dense(n) for n in names]).T.contiguous()
         biases = [self.tensors.get(name.removesuffix(".weight") + ".bias") for name in names]
         bias = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
@@ -112,7 +114,7 @@ class Binder:
             if "output.weight" in self.tensors.keys() | self.quantized.keys()
             else "token_embd.weight"
         )
-        packed = PackedWeight.pack([self.quantized.get(name)]) if self.kernel is not None else None
+        packed = PackedWeight.pack([self.quantized.get(name)], self.dot) if self.kernel is not None else None
         return Projection(None if packed is not None else self.dense(name).T, packed)
 
 

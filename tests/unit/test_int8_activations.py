@@ -1,0 +1,104 @@
+"""The packed kernel's int8 activations (`--activation-dtype int8`, csrc/packed_matmul.c's KVF_DOT): what it
+computes exactly, that it is the same on every build and batch shape, and that the engine keeps its pins."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from conftest import make_engine, tiny_model
+from test_packed_matmul import decode_logits, k_quant_weight, quantized_weight
+
+from kvfence.model import packed_matmul
+from kvfence.model.gguf import QuantizedWeight
+from kvfence.model.packed_matmul import DOT, DOT_BLOCK, PackedWeight
+from kvfence.sampling import SamplingParams
+
+Q4_0, Q4_1, Q4_K = (gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q4_K"))
+
+
+@pytest.fixture(scope="module")
+def kernel() -> packed_matmul.PackedMatmulKernel:
+    kernel, why = packed_matmul.load()
+    assert kernel is not None, why
+    return kernel
+
+
+def weight(kind: gguf.GGMLQuantizationType, out_features: int = 96) -> QuantizedWeight:
+    if kind == Q4_K:
+        return k_quant_weight(Q4_K, out_features, seed=11)
+    return quantized_weight(out_features, 256, kind, seed=12)[1]
+
+
+def rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel multiplies it: per block of 32, q = round(x * (127 / max|x|)) (half to even), times
+    max|x| / 127, each step in float32 as C computes it."""
+    blocks = x.view(x.shape[0], -1, DOT_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return ((blocks * inverse).round() * (amax / 127)).view_as(x)
+
+
+@pytest.mark.parametrize("kind", [Q4_0, Q4_1, Q4_K], ids=lambda kind: kind.name)
+def test_int8_rows_times_the_exact_weights(kernel: packed_matmul.PackedMatmulKernel, kind) -> None:
+    """The result is the float64 product of the rounded rows and the exact weights (to float32's own
+    rounding of the epilogue), and so differs from the float path by the rows' rounding."""
+    quantized = weight(kind)
+    packed, exact = PackedWeight.pack([quantized], dot=True), PackedWeight.pack([quantized])
+    assert packed is not None and exact is not None and packed.format & DOT and not exact.format & DOT
+    x = torch.randn(19, 256, generator=torch.Generator().manual_seed(13))  # tiles of 8, 8, 2 and 1 rows
+    dense = quantized.dequantize().double()
+    reference = rounded_rows(x).double() @ dense.T
+    got = kernel(x, packed)
+    assert (got - reference).abs().max() < 1e-4 * reference.abs().max()
+    assert (got - (x.double() @ dense.T)).abs().max() > 1e-3 * reference.abs().max()  # it did round
+
+
+def test_every_build_and_batch_shape_gives_the_same_bits(kernel: packed_matmul.PackedMatmulKernel) -> None:
+    """Integer sums are exact on every path (VNNI, AVX-512BW without it, plain C) and the float epilogue is
+    the same operations: the bits agree; a row's result does not depend on the rows beside it."""
+    packed = PackedWeight.pack([weight(Q4_1, 64)], dot=True)
+    assert packed is not None
+    x = torch.randn(19, 256, generator=torch.Generator().manual_seed(14))
+    batched = kernel(x, packed)
+    for build in ({"portable": True}, {"vnni": False}):
+        other, why = packed_matmul.load(**build)
+        assert other is not None, why
+        assert torch.equal(other(x, packed), batched), build
+    for rows in (1, 2, 3, 5, 8, 11, 16):
+        for first in (0, 19 - rows):
+            assert torch.equal(kernel(x[first : first + rows], packed), batched[first : first + rows])
+
+
+def test_the_dot_layout_keeps_the_weights() -> None:
+    """Embedding rows read from the dot layout (a tied LM head) are the float layout's; weights the dot
+    products cannot take (8-bit codes, groups of 16) keep the float layout."""
+    quantized = weight(Q4_0)
+    ids = torch.tensor([0, 5, 15, 16, 31, 32, 63, 95])
+    dot, exact = PackedWeight.pack([quantized], dot=True), PackedWeight.pack([quantized])
+    assert dot is not None and exact is not None
+    assert torch.equal(dot.rows(ids), exact.rows(ids))
+    assert torch.equal(dot.rows(ids), quantized.dequantize()[ids])
+    q8 = quantized_weight(32, 64, gguf.GGMLQuantizationType.Q8_0)[1]
+    mixed = [k_quant_weight(Q4_K, 32, 8), k_quant_weight(gguf.GGMLQuantizationType.Q6_K, 32, 9)]
+    for parts in ([q8], mixed):
+        packed = PackedWeight.pack(parts, dot=True)
+        assert packed is not None and not packed.format & DOT
+
+
+def test_the_engine_on_int8_activations_keeps_decode_rows_alone() -> None:
+    """The batch-invariance pin holds: a decode row's logits are the same bits whether or not a prefill
+    shares its steps; requests complete, and the tokens are the model's own (not the float path's)."""
+    model = tiny_model(decode_matmul="kernel", activation_dtype="int8")
+    assert model.activation_dtype == "int8" and model.lm_head.packed is not None
+    assert model.lm_head.packed.format & DOT
+    alone, mixed = decode_logits(model, False), decode_logits(model, True)
+    assert len(alone) == len(mixed) == 8
+    assert all(torch.equal(x, y) for x, y in zip(alone, mixed, strict=True))
+    exact = decode_logits(tiny_model(decode_matmul="kernel"), False)
+    assert not all(torch.equal(x, y) for x, y in zip(alone, exact, strict=True))
+    engine = make_engine(model)
+    finished = engine.generate([[3, 4, 5, 6], [7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(r.output_token_ids) for r in finished] == [6, 6]
+    with pytest.raises(ValueError, match="activation dtype must be one of"):
+        tiny_model(decode_matmul="kernel", activation_dtype="int4")
