@@ -112,18 +112,32 @@ def _place(tokens: list[int | None], rows: Sequence[int], picked: Sequence[int |
 def nucleus(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """top_p over whole rows without sorting them: softmax(scaled) [rows, vocab] keeping, per row, the
     tokens at least as probable as the least probable one `probabilities` keeps (the same set, but for
-    exact ties at the edge, which it keeps all of), renormalised. The edge is found by bisection over the
-    float32 bits of the probabilities (ordered as the floats for values >= 0): at most 31 passes."""
+    exact ties at the edge, which it keeps all of), renormalised. The edge is the largest t with
+    mass(p >= t) >= top_p, found as a radix select over the float32 bits of the probabilities (ordered as
+    the floats for values >= 0): a histogram of the mass by the high 16 bits picks the edge's bin, a
+    second over the low 16 bits of that bin's tokens picks the edge in it; masses summed in float64. Two
+    passes over the rows (a bisection took 31: 111 ms a step for 16 flat rows of 49,152, now a tenth)."""
     probs = torch.softmax(scaled, dim=-1)
     bits = probs.view(torch.int32)
-    low = torch.zeros(len(probs), dtype=torch.int32)  # mass(p >= low) >= top_p: p >= 0 is everything
-    high = bits.max(dim=-1).values + 1  # mass(p >= high) = 0 < top_p
-    while bool((high - low > 1).any()):
-        middle = low + (high - low) // 2
-        reaches = (probs * (bits >= middle[:, None])).sum(dim=-1) >= top_p[:, 0]
-        low, high = torch.where(reaches, middle, low), torch.where(reaches, high, middle)
-    kept = probs.masked_fill(bits < low[:, None], 0.0)
+    high, low = (bits >> 16).long(), (bits & 0xFFFF).long()
+    wanted = top_p.double()
+    above, edge = _edge_bin(torch.zeros(len(probs), dtype=torch.float64), high, probs, wanted, 1 << 15)
+    in_edge = probs * (high == edge[:, None])
+    _, edge_low = _edge_bin(above, low, in_edge, wanted, 1 << 16)
+    kept = probs.masked_fill(bits < ((edge << 16) | edge_low)[:, None], 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _edge_bin(
+    base: torch.Tensor, keys: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor, bins: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the mass of the bins above it, the largest bin b with base + mass(keys >= b) >= top_p) per row.
+    mass(keys >= b) = total - mass(keys < b), and mass(keys < b) rises with b: b is found by bisection."""
+    mass = torch.zeros(len(probs), bins, dtype=torch.float64).scatter_add_(1, keys, probs.double())
+    before = mass.cumsum(1)  # mass(keys <= b)
+    total = before[:, -1:]
+    edge = torch.searchsorted(before - mass, base[:, None] + total - top_p, right=True) - 1
+    return (base[:, None] + total - before.gather(1, edge)).squeeze(1), edge.squeeze(1)
 
 
 def candidates(
@@ -169,7 +183,7 @@ def _pick(
     distribution (a NaN, say)."""
     sound = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
     safe = torch.where(sound[:, None], probs, 1.0)  # an unsound row draws from anything: it is dropped
-    drawn = torch.multinomial(safe, 1, generator=noise)
+    drawn = _inverse_cdf(safe, noise)
     drawn = (drawn if ids is None else ids.gather(1, drawn)).squeeze(1).tolist()
     tokens: list[int | None] = []
     for row, generator in enumerate(generators):
@@ -185,6 +199,17 @@ def _pick(
             )
             tokens.append(int(torch.multinomial(full, 1, generator=generator)))
     return tokens
+
+
+def _inverse_cdf(probs: torch.Tensor, noise: torch.Generator | None) -> torch.Tensor:
+    """[rows, 1]: per row of `probs` (>= 0, some > 0) the first column whose cumulative mass exceeds a
+    uniform draw below the row's total, so never a zero-probability column. One uniform a row: torch's
+    multinomial draws an exponential per column (17 ms for 16 rows of 49,152)."""
+    cumulative = probs.double().cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    target = torch.rand(len(probs), 1, dtype=torch.float64, generator=noise) * total
+    last = probs.shape[1] - 1 - (probs > 0).flip(1).int().argmax(dim=1, keepdim=True)  # a rounding's guard
+    return torch.minimum(torch.searchsorted(cumulative, target, right=True), last)
 
 
 def adjusted_rows(
