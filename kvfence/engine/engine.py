@@ -8,6 +8,8 @@ handoff extends it in disagg/handoff.py.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import itertools
 import logging
@@ -371,4 +373,15 @@ def load_engine(
         gguf, config.decode_attention, config.decode_matmul, config.activation_dtype
     )
     tokenizer = Tokenizer.from_gguf(gguf, chat_template)
-    return engine_cls(config, model, tokenizer, events, log, model_file=gguf.path)
+    model_file = gguf.path
+    del gguf  # the loader's codes, scales and offsets: the model holds its packed copy
+    _return_freed_heap()
+    return engine_cls(config, model, tokenizer, events, log, model_file=model_file)
+
+
+def _return_freed_heap() -> None:
+    """Hand the loader's freed memory back to the system. The unpacked codes are freed once packed, but
+    most were allocated below glibc's (by then raised) mmap threshold, on the heap, which glibc keeps:
+    the 1.07B file's server held 2.0 GB resident, 0.9 GB after this. A no-op where libc is not glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

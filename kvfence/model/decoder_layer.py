@@ -87,7 +87,7 @@ def _weight(projection: Projection) -> _Weight:
     return _Weight(
         packed.codes.data_ptr(),
         packed.scales.data_ptr(),
-        packed.offsets.data_ptr(),
+        packed.offsets_address(),
         _address(projection.bias),
         packed.in_features,
         packed.group,

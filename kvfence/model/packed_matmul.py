@@ -34,7 +34,8 @@ class PackedWeight:
     """codes [panels, in_features, PANEL] int8 (or uint8 nibbles, [panels, in_features, PANEL // 2], or
     nibbles laid out for integer dot products, [panels, in_features // 8, 2, 64]) and scales / offsets
     [panels, in_features // group, PANEL] float32 (or float16): panel p holds output features
-    [p * PANEL, (p + 1) * PANEL), k-major, as the kernel reads them."""
+    [p * PANEL, (p + 1) * PANEL), k-major, as the kernel reads them. `offsets` empty ([panels, 0, PANEL])
+    where every offset is -8 x its scale (Q4_0): the kernel computes them (`centered`)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -48,6 +49,15 @@ class PackedWeight:
             | (HALF if self.scales.dtype == torch.float16 else 0)
             | (DOT if self.codes.dim() == 4 else 0)
         )
+
+    @property
+    def centered(self) -> bool:
+        """The offsets are not stored: each is -8 x its scale."""
+        return self.offsets.shape[1] == 0
+
+    def offsets_address(self) -> int | None:
+        """The offsets as the kernel takes them: None (a NULL pointer) where it computes them."""
+        return None if self.centered else self.offsets.data_ptr()
 
     @property
     def bytes(self) -> int:
@@ -79,7 +89,8 @@ class PackedWeight:
         else:
             codes = self.codes[panel, :, column].float()  # [n, in_features]
         n = len(ids)
-        scales, offsets = self.scales[panel, :, column].float(), self.offsets[panel, :, column].float()
+        scales = self.scales[panel, :, column].float()
+        offsets = -8 * scales if self.centered else self.offsets[panel, :, column].float()
         blocks = codes.view(n, -1, self.group) * scales[..., None] + offsets[..., None]
         return blocks.view(n, self.in_features)
 
@@ -106,6 +117,8 @@ class PackedWeight:
             return None
         codes, offsets = _as_nibbles(codes, scales, offsets)
         scales, offsets = _as_half(scales, offsets)
+        if torch.equal(offsets.float(), -8 * scales.float()):  # Q4_0: the kernel computes them, exactly
+            offsets = offsets.new_empty((offsets.shape[0], 0))  # no view: the storage goes
 
         def panels(t: torch.Tensor) -> torch.Tensor:
             return t.view(out_features // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
@@ -176,7 +189,7 @@ class PackedMatmulKernel:
             rows,
             weight.codes.data_ptr(),
             weight.scales.data_ptr(),
-            weight.offsets.data_ptr(),
+            weight.offsets_address(),
             in_features,
             weight.group,
             weight.codes.shape[0],

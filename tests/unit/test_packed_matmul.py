@@ -244,9 +244,8 @@ def test_every_format_packs_to_its_narrowest_storage_and_multiplies_the_same_wei
     ids = torch.tensor([0, 5, 16, 17, 31, 32, 63])  # both nibbles of a byte, and the second panel
     assert torch.equal(packed.rows(ids), dense[ids])
     bytes_per_weight = packed.bytes / dense.numel()
-    assert (
-        bytes_per_weight
-        == {3: 0.625, 2: 1.125, 1: 0.75, 0: 1.25 if kind != gguf.GGMLQuantizationType.Q6_K else 1.5}[
-            packed.format
-        ]
-    )
+    expected = {3: 0.625, 2: 1.125, 1: 0.75, 0: 1.25 if kind != gguf.GGMLQuantizationType.Q6_K else 1.5}
+    # Q4_0's offsets are -8 x its scales: computed, not stored, 0.5625 bytes a weight as in the file
+    centered = kind == gguf.GGMLQuantizationType.Q4_0
+    assert packed.centered == centered
+    assert bytes_per_weight == (0.5625 if centered else expected[packed.format])
