@@ -19,6 +19,8 @@ Contracts:
   queue, prefill, decode and inference time (by the engine's clock: the router's requests have none) and
   the longest choice. With `compat` "vllm" the scrape repeats them under vLLM's `vllm:` names.
 - Closing the observed stream closes the engine's stream, which aborts the engine request.
+- Embedding requests never reach the scheduler: they are counted apart, once answered
+  (`kvfence_embedding_requests`, and their input tokens in `kvfence_embedding_prompt_tokens`).
 """
 
 from __future__ import annotations
@@ -192,6 +194,12 @@ class Metrics:
         self.generation_tokens = Counter(
             "kvfence_generation_tokens", "Tokens generated", model, registry=r
         ).labels(model_name)
+        self.embedding_requests = Counter(
+            "kvfence_embedding_requests", "Embedding requests answered", model, registry=r
+        ).labels(model_name)
+        self.embedding_tokens = Counter(
+            "kvfence_embedding_prompt_tokens", "Input tokens of answered embeddings", model, registry=r
+        ).labels(model_name)
         self.rejections = Counter(
             "kvfence_admission_rejections", "Requests refused at admission, by reason", ["reason"], registry=r
         )
@@ -240,6 +248,11 @@ class Metrics:
         reads the engine's stats."""
         text = generate_latest(self.registry)
         return text if self._compat is None else text + generate_latest(self._compat)
+
+    def embedded(self, tokens: int) -> None:
+        """An embedding request answered, of `tokens` input tokens."""
+        self.embedding_requests.inc()
+        self.embedding_tokens.inc(tokens)
 
     async def observe(self, outputs: _Outputs) -> _Outputs:
         """Pass `outputs` through, recording the request once however it ends (closing this closes

@@ -3,8 +3,8 @@ generations.
 
 The other jobs live beside it: auth.py (API key -> tenant, the admin key), body_limit.py (413 before a large
 body is read), errors.py (OpenAI-shaped errors), responses.py (JSON bodies and SSE streams), metrics.py
-(Prometheus), protocol.py (the request and response models), tokenize.py (vLLM's token endpoints) and
-responses_api.py (OpenAI's /v1/responses over chat).
+(Prometheus), protocol.py (the request and response models), tokenize.py (vLLM's token endpoints),
+responses_api.py (OpenAI's /v1/responses over chat) and embeddings.py (OpenAI's /v1/embeddings).
 
 Contracts:
 - A request id (`cmpl-…` / `chatcmpl-…`) is the response `id`, the `x-request-id` header and the key of
@@ -14,8 +14,9 @@ Contracts:
 - A refusal at admission keeps the engine's status and code; a request for another model is 404.
 - A chat request to a model without a chat template (none in the file, no `--chat-template`) is 400
   `no_chat_template`, naming /v1/completions and `--chat-template` as the ways out.
-- /tokenize, /detokenize, /version and /v1/models/{id} sit behind the API keys like generation; the
-  audit endpoints behind the admin key; no /docs (a CDN's scripts); CORS only for `allowed_origins`.
+- /v1/embeddings, /tokenize, /detokenize, /version and /v1/models/{id} sit behind the API keys like
+  generation; the audit endpoints behind the admin key; no /docs (a CDN's scripts); CORS only for
+  `allowed_origins`.
 - The app owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 """
 
@@ -41,6 +42,7 @@ from kvfence.api.bodies import ModelCard, ModelList
 from kvfence.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from kvfence.api.choices import check_choices
 from kvfence.api.choices import respond as respond_choices
+from kvfence.api.embeddings import EmbeddingRequest, embedding_response
 from kvfence.api.errors import APIError, abort_error, install_error_handlers
 from kvfence.api.logprobs import LogprobsFormat, prompt_logprobs
 from kvfence.api.metrics import Metrics
@@ -49,7 +51,7 @@ from kvfence.api.responses import EngineStreamResponse, Format, sse_events, usag
 from kvfence.api.responses_api import EventStream, ResponseBuilder, ResponsesRequest, to_chat
 from kvfence.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from kvfence.api.tools import ToolCallParser, finish_reason, template_messages, tool_guide
-from kvfence.engine.async_engine import EngineClient
+from kvfence.engine.async_engine import Embedder, EngineClient
 from kvfence.engine.engine import AdmissionError
 from kvfence.grammar.compiler import GrammarCompiler, GrammarError, Guide, RequestGrammar
 from kvfence.pins import package_version
@@ -165,6 +167,54 @@ class _Service:
             raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
         text = await run_in_threadpool(self._tokenizer().decode, body.tokens, False)
         return DetokenizeResponse(prompt=text)
+
+    async def embed(self, body: EmbeddingRequest) -> Response:
+        """OpenAI's /v1/embeddings (api/embeddings.py): every input's tokens checked first, then each one's
+        vector from the engine, in order."""
+        self.check_model(body.model)
+        engine = self.engine
+        if not isinstance(engine, Embedder):
+            raise APIError(400, "embeddings are not supported by this deployment", param="input")
+        size = engine.embedding_size
+        if body.dimensions is not None and body.dimensions != size:
+            message = f"dimensions: only {size} (the model's hidden size) is supported, not {body.dimensions}"
+            raise APIError(400, message, param="dimensions")
+        prompts = [await self._embedding_prompt(body, i, item) for i, item in enumerate(body.inputs())]
+        request_id = f"embd-{uuid.uuid4().hex}"
+        vectors = [await engine.embed(prompt) for prompt in prompts]
+        tokens = sum(len(prompt) for prompt in prompts)
+        self.metrics.embedded(tokens)
+        answer = embedding_response(request_id, self.model_name, vectors, body.encoding_format, tokens)
+        return JSONResponse(answer.model_dump(mode="json"), headers={"x-request-id": request_id})
+
+    async def _embedding_prompt(self, body: EmbeddingRequest, index: int, item: str | list[int]) -> list[int]:
+        """One input's token ids: encoded (strings), inside the vocabulary (ids), cut to vLLM's
+        `truncate_prompt_tokens` (its last N tokens) and within the window."""
+        window, where = self.max_model_len, f"input[{index}]"
+        if isinstance(item, str):
+            prompt = await run_in_threadpool(self._tokenizer().encode, item, body.add_special_tokens)
+        else:
+            prompt, vocab = item, self.engine.vocab_size
+            if any(not 0 <= token < vocab for token in prompt):
+                raise APIError(400, f"{where}: token ids must be in [0, {vocab})", param="input")
+        keep = body.truncate_prompt_tokens
+        if keep is not None:
+            if keep > window:
+                message = (
+                    f"truncate_prompt_tokens ({keep}) is greater than the model's maximum context length "
+                    f"({window}): choose a smaller value, or -1 for the window"
+                )
+                raise APIError(400, message, param="truncate_prompt_tokens")
+            prompt = prompt[-(window if keep == -1 else keep) :]
+        if not prompt:
+            raise APIError(400, f"{where}: the input has no tokens", param="input")
+        if len(prompt) > window:
+            message = (
+                f"This model's maximum context length is {window} tokens. However, {where} has "
+                f"{len(prompt)} tokens. Shorten it, or set truncate_prompt_tokens."
+            )
+            raise APIError(400, message, code="context_length_exceeded", param="input")
+        return prompt
 
     def check_model(self, model: str | None) -> None:
         """A request naming another model than the served one is a 404 (None: the served one)."""
@@ -369,7 +419,8 @@ def build_app(
 
 
 def _add_routes(app: FastAPI, service: _Service) -> None:
-    """The endpoints: health, models, the two generation endpoints, the admin-only audit pair, metrics."""
+    """The endpoints: health, models, the generation endpoints, embeddings, vLLM's token endpoints, the
+    admin-only audit pair, metrics."""
     engine, metrics = service.engine, service.metrics
 
     @app.get("/health")
@@ -394,6 +445,10 @@ def _add_routes(app: FastAPI, service: _Service) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, tenant: Tenant) -> Response:
         return await service.respond(body, tenant)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, _: Tenant) -> Response:
+        return await service.embed(body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, _: Tenant) -> TokenizeResponse:

@@ -3,6 +3,8 @@
 Contract: every touch of engine state (admission, abort, step) happens on the engine thread; callers hand
 it closures through a queue. Outputs travel back as immutable RequestOutput snapshots on one asyncio
 queue per request. If a step raises, every in-flight request is aborted (fail closed) and the loop goes on.
+Embeddings (engine/embedding.py) run on the same thread, one chunk between two steps, one prompt at a time
+(first come, first served across requests), beside the pool and the scheduler, never through them.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+import torch
+
+from kvfence.engine.embedding import EmbeddingJob
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.info import engine_info
 from kvfence.engine.output import RequestOutput
@@ -67,6 +72,18 @@ class EngineClient(Protocol):
         ...
 
 
+@runtime_checkable
+class Embedder(Protocol):
+    """What /v1/embeddings needs besides an EngineClient: a local engine thread has it, the router does not
+    (the API refuses embeddings there)."""
+
+    embedding_size: int  # the vector's length: the model's hidden size
+
+    async def embed(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """The prompt's embedding, float32 [embedding_size] (engine/embedding.py)."""
+        ...
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -78,6 +95,8 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
+        self.embedding_size = engine.model.config.hidden_size
+        self._embedding = asyncio.Lock()  # one prompt's scratch K/V at a time; waiters served in order
 
     def start(self) -> None:
         self._thread.start()
@@ -145,6 +164,17 @@ class AsyncEngine:
             for stream_id in ids:
                 self._streams.pop(stream_id, None)
                 self.abort(stream_id, "client_disconnected")
+
+    async def embed(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """The prompt's embedding (engine/embedding.py): float32 [embedding_size], unit norm. Its chunks of
+        at most `max_num_batched_tokens` tokens run on the engine thread, between steps; prompts wait for
+        each other in arrival order, so a request of many inputs takes turns with the others'."""
+        job = EmbeddingJob(self.engine.model, prompt_token_ids, self.engine.config.max_num_batched_tokens)
+        async with self._embedding:
+            while not await asyncio.wrap_future(self.call(job.step)):
+                pass
+        assert job.vector is not None
+        return job.vector
 
     def stats(self) -> dict[str, EngineStats]:
         return {"single": self.call(lambda: EngineStats.read(self.engine)).result(timeout=STATS_TIMEOUT_S)}

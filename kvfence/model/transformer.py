@@ -228,6 +228,13 @@ class Transformer:
     def forward(self, inputs: StepInputs, kv: torch.Tensor) -> torch.Tensor:
         """Run one step; `kv` is the pool tensor [layers, 2, pages, page_size, kv_heads, head_dim].
         Returns float32 logits [S, vocab] for `inputs.logits_rows`."""
+        return self._linear(self.hidden_states(inputs, kv), self.lm_head).float()
+
+    @torch.inference_mode()
+    def hidden_states(self, inputs: StepInputs, kv: torch.Tensor) -> torch.Tensor:
+        """`forward` up to the LM head: the hidden states after the final norm [S, hidden_size], in the
+        model's dtype, for `inputs.logits_rows` (what the embedding pooler reads). `kv` may be any tensor
+        of the pool's layout: the step's K/V are written into its slots as `forward` writes the pool's."""
         cfg = self.config
         h = self.embed(inputs.input_ids)
         if cfg.embedding_scale != 1.0:
@@ -245,7 +252,7 @@ class Transformer:
                 gate, up = self._linear(self._rms_norm(h, layer.ffn_norm), layer.gate_up).chunk(2, dim=-1)
                 out = self._linear(self._act(gate) * up, layer.down)
                 h = h + (out if layer.post_ffn_norm is None else self._rms_norm(out, layer.post_ffn_norm))
-        return self._linear(self._rms_norm(h[inputs.logits_rows], self.norm), self.lm_head).float()
+        return self._rms_norm(h[inputs.logits_rows], self.norm)
 
     def _layers_in_c(
         self,
