@@ -352,7 +352,8 @@ class _Service:
 
     def _check_sampling(self, body: GenerationRequest) -> None:
         """What only the served model and engine can tell: logit_bias ids in its vocabulary, and whether
-        this engine reports logprobs (the disaggregated router does not carry them: refused, not dropped)."""
+        this engine reports logprobs and prompt logprobs (the disaggregated router carries the first, not
+        the second: refused, not dropped)."""
         vocab = self.engine.vocab_size
         bad = [token for token in body.logit_bias or {} if int(token) >= vocab]
         if bad:
@@ -360,7 +361,7 @@ class _Service:
             raise APIError(400, message, param="logit_bias")
         if body.logprobs_wanted() is not None and not getattr(self.engine, "supports_logprobs", False):
             raise APIError(400, "logprobs are not supported by this deployment", param="logprobs")
-        if body.prompt_logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
+        if body.prompt_logprobs is not None and not getattr(self.engine, "supports_prompt_logprobs", False):
             raise APIError(
                 400, "prompt_logprobs are not supported by this deployment", param="prompt_logprobs"
             )

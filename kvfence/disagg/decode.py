@@ -427,5 +427,6 @@ class DecodeWorker(Worker):
                 finish_reason=output.finish_reason,
                 prompt_tokens=output.prompt_tokens,
                 completion_tokens=output.completion_tokens,
+                **Output.logprobs_fields(output.logprobs),
             ),
         )

@@ -18,13 +18,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvfence.sampling import SamplingParams
+from kvfence.sampling import SamplingParams, TokenLogprobs
 
 MAX_ID_CHARS = 256  # request ids, tenants, tokens, codes, reasons, peer addresses
 MAX_TEXT_CHARS = 1 << 16  # error messages and one step's output text
 MAX_INT = 1 << 64  # an xxh3_64 checksum is the widest integer a message carries
 MAX_ITEMS = 1 << 16  # any other list: a request's audit trail, stop strings
 MAX_AGENT_BYTES = 1 << 16  # a NIXL agent's metadata (about 500 bytes over UCX)
+LOGPROB_FLOOR = -9999.0  # -inf on the wire, as OpenAI writes it (JSON has no infinity)
 
 
 class BadMessage(ValueError):
@@ -217,6 +218,36 @@ class Output(Msg):
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    # When the request asked for logprobs: per token id, its logprob, then the top ids and their logprobs
+    # (best first); -inf is sent as LOGPROB_FLOOR.
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+    @staticmethod
+    def logprobs_fields(entries: list[TokenLogprobs] | None) -> dict[str, Any]:
+        """The three logprobs fields of `entries` (none without them)."""
+        if entries is None:
+            return {}
+        return {
+            "logprobs": [_finite(entry.logprob) for entry in entries],
+            "top_ids": [[token for token, _ in entry.top] for entry in entries],
+            "top_logprobs": [[_finite(value) for _, value in entry.top] for entry in entries],
+        }
+
+    def token_logprobs(self) -> list[TokenLogprobs] | None:
+        if self.logprobs is None or self.top_ids is None or self.top_logprobs is None:
+            return None
+        return [
+            TokenLogprobs(token, value, list(zip(ids, values, strict=True)))
+            for token, value, ids, values in zip(
+                self.token_ids, self.logprobs, self.top_ids, self.top_logprobs, strict=True
+            )
+        ]
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
 
 
 KINDS: dict[str, type[Msg]] = {
@@ -365,12 +396,33 @@ def _checked(kind: Any, value: Any, where: str, bounds: Bounds) -> Any:
     return value
 
 
+def _check_logprobs(message: Output, bounds: Bounds) -> None:
+    """An output's logprobs: all three lists or none, one entry per token, as many top ids as logprobs,
+    ids in the vocabulary, no log-probability above 0."""
+    parts = (message.logprobs, message.top_ids, message.top_logprobs)
+    if all(part is None for part in parts):
+        return
+    logprobs, top_ids, top_logprobs = parts
+    if logprobs is None or top_ids is None or top_logprobs is None:
+        raise BadMessage("bad_field", "output: logprobs, top_ids and top_logprobs come together")
+    if not len(logprobs) == len(top_ids) == len(top_logprobs) == len(message.token_ids):
+        raise BadMessage("bad_field", "output: not one logprobs entry per token")
+    if any(len(ids) != len(values) for ids, values in zip(top_ids, top_logprobs, strict=True)):
+        raise BadMessage("bad_field", "output: top ids and top logprobs differ in length")
+    if any(t >= bounds.vocab_size for ids in top_ids for t in ids):
+        raise BadMessage("bad_field", "output.top_ids: token id outside the vocabulary")
+    if any(value > 0 for value in [*logprobs, *(v for values in top_logprobs for v in values)]):
+        raise BadMessage("bad_field", "output: a log-probability above 0")
+
+
 def _check_meaning(message: Msg, bounds: Bounds) -> None:
     """What the types alone cannot say: token ids in the vocabulary, pairs as targets, sane params."""
     for name in ("prompt", "token_ids"):
         tokens = getattr(message, name, None)
         if tokens is not None and any(t >= bounds.vocab_size for t in tokens):
             raise BadMessage("bad_field", f"{message.KIND}.{name}: token id outside the vocabulary")
+    if isinstance(message, Output):
+        _check_logprobs(message, bounds)
     targets = getattr(message, "targets", None)
     if targets is not None and any(len(t) != 2 for t in targets):
         raise BadMessage("bad_field", f"{message.KIND}.targets: not (page, generation) pairs")

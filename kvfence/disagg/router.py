@@ -86,6 +86,10 @@ class BadReply(RuntimeError):
 
 
 class Router:
+    # Decode samples every token, so its outputs carry their logprobs; the prompt's logits are prefill's,
+    # which reports none: prompt_logprobs stay refused here (the API checks supports_prompt_logprobs).
+    supports_logprobs = True
+
     def __init__(
         self,
         prefill: str | Sequence[str],
@@ -478,4 +482,5 @@ def _output(message: Msg) -> RequestOutput:
         message.finish_reason,
         message.prompt_tokens,
         message.completion_tokens,
+        message.token_logprobs(),
     )

@@ -124,7 +124,8 @@ class AsyncEngine:
         return future
 
     supports_grammar = True
-    supports_logprobs = True  # outputs carry logprobs (the router's do not: the API refuses them there)
+    supports_logprobs = True  # outputs carry logprobs (the router's too)
+    supports_prompt_logprobs = True  # the first output carries the prompt's (the router's do not)
     supports_parallel_sampling = True  # generate takes n > 1 (the router's does not: refused there)
 
     async def generate(

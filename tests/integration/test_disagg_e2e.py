@@ -108,6 +108,44 @@ def test_streaming_through_the_router(fenced: Cluster) -> None:
     )
 
 
+def test_logprobs_through_the_router_are_decodes_own(fenced: Cluster, smollm2: GGUFModel) -> None:
+    """Decode samples every token and sends each one's logprob and top entries with it: the router's answer
+    carries the single node's tokens and logprobs. Prompt logprobs are prefill's, which reports none: a
+    400 naming them, never an answer without them."""
+    question = "Name a color."
+    reply = client(fenced, "key-a").chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    engine = real_engine(smollm2)
+    assert engine.tokenizer is not None
+    request = engine.add_request(
+        chat_ids(engine.tokenizer, question), SamplingParams(max_tokens=6, logprobs=3)
+    )
+    expected = []
+    while not request.is_finished:
+        expected += [
+            entry
+            for out in engine.step()
+            if out.request_id == request.request_id
+            for entry in out.logprobs or []
+        ]
+    content = reply.choices[0].logprobs.content
+    assert len(content) == len(expected) == 6
+    assert [got.token for got in content] == [engine.tokenizer.decode([want.token]) for want in expected]
+    for got, want in zip(content, expected, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert len(got.top_logprobs) == 3 and got.top_logprobs[0].logprob >= got.top_logprobs[-1].logprob
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client(fenced, "key-a").completions.create(
+            model=MODEL, prompt="Hi", max_tokens=2, extra_body={"prompt_logprobs": 1}
+        )
+
+
 def test_incident_is_refused_before_any_reservation(fenced: Cluster) -> None:
     b = client(fenced, "key-b")
     with pytest.raises(openai.BadRequestError) as err:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import time
 from typing import Any
@@ -29,12 +30,14 @@ from kvfence.disagg.keys import KeyConfigError, ephemeral, is_loopback, resolve
 from kvfence.disagg.launch import free_ports
 from kvfence.disagg.messages import (
     KINDS,
+    LOGPROB_FLOOR,
     Abort,
     Audit,
     BadMessage,
     Bounds,
     Hello,
     HelloReply,
+    Output,
     Page,
     Prefill,
     Reserve,
@@ -44,7 +47,7 @@ from kvfence.disagg.messages import (
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.disagg.router import Router
 from kvfence.model.transformer import Transformer
-from kvfence.sampling import SamplingParams
+from kvfence.sampling import SamplingParams, TokenLogprobs
 
 BOUNDS = Bounds(max_tokens=48, vocab_size=256)
 ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
@@ -180,6 +183,14 @@ PAGE = {
 }
 
 
+def output(**overrides: Any) -> dict[str, Any]:
+    """A decode -> router output of two tokens with their logprobs (two top entries each)."""
+    fields = {"request_id": "r", "token_ids": [5, 6], "text": "ab", "finished": False, "status": "running"}
+    fields |= {"finish_reason": None, "prompt_tokens": 3, "completion_tokens": 2, "logprobs": [-0.5, -1.0]}
+    fields |= {"top_ids": [[5, 7], [6, 5]], "top_logprobs": [[-0.5, -2.0], [-1.0, -1.5]]}
+    return {"kind": "output", **fields, **overrides}
+
+
 @pytest.mark.parametrize(
     ("fields", "reason"),
     [
@@ -194,12 +205,34 @@ PAGE = {
         (PAGE | {"checksum": 1 << 64}, "bad_field"),
         ({"kind": "complete", "request_id": "r", "pages": True, "tokens": 1}, "bad_field"),
         ({"request_id": "r"}, "unknown_kind"),
+        (output(top_ids=None), "bad_field"),  # logprobs without their top entries
+        (output(logprobs=[-0.5]), "bad_field"),  # not one entry per token
+        (output(top_ids=[[5], [6, 5]]), "bad_field"),  # top ids and top logprobs differ in length
+        (output(top_ids=[[5, 999], [6, 5]]), "bad_field"),  # a top id outside the vocabulary
+        (output(logprobs=[0.5, -1.0]), "bad_field"),  # a probability above 1
+        (output(top_logprobs=[[-0.5, "x"], [-1.0, -1.5]]), "bad_field"),
     ],
 )
 def test_out_of_bounds_fields_are_refused(fields: dict[str, Any], reason: str) -> None:
     with pytest.raises(BadMessage) as err:
         decode(json.dumps(fields).encode(), b"", BOUNDS)
     assert err.value.reason == reason
+
+
+def test_output_logprobs_round_trip() -> None:
+    """What decode sends is what the router rebuilds: each token's logprob and its top entries, -inf as
+    the floor (JSON has no infinity)."""
+    entries = [TokenLogprobs(5, -0.5, [(5, -0.5), (7, -math.inf)]), TokenLogprobs(6, -1.0, [(6, -1.0)])]
+    sent = Output("r", [5, 6], "ab", False, "running", None, 3, 2, **Output.logprobs_fields(entries))
+    received = decode(*encode(sent), BOUNDS)
+    assert isinstance(received, Output)
+    assert received.token_logprobs() == [
+        TokenLogprobs(5, -0.5, [(5, -0.5), (7, LOGPROB_FLOOR)]),
+        TokenLogprobs(6, -1.0, [(6, -1.0)]),
+    ]
+    plain = decode(*encode(Output("r", [5], "a", True, "finished", "stop", 3, 1)), BOUNDS)
+    assert isinstance(plain, Output) and plain.token_logprobs() is None
+    assert isinstance(decode(json.dumps(output()).encode(), b"", BOUNDS), Output)
 
 
 def test_nesting_past_the_stack_is_a_bad_message(tiny: Transformer) -> None:
