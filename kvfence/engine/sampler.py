@@ -17,9 +17,11 @@ import torch
 
 from kvfence.sampling import SamplingParams, TokenLogprobs
 
-# Top-p's candidates: the `CANDIDATES` best tokens of a row are sorted, not its whole vocabulary; a row whose
-# nucleus is wider than that (a flat distribution) is cut by a threshold instead (`nucleus`).
-CANDIDATES = 1024
+# Top-p's candidates: a row's best tokens are sorted, not its whole vocabulary: the 64 best first (a model's
+# nucleus is usually narrower; topk of 64 costs an eighth of topk of 1024), then the `CANDIDATES` best for
+# the rows whose nucleus is wider; a row wider still (a flat distribution) is cut by a threshold (`nucleus`).
+CANDIDATE_STAGES = (64, 1024)
+CANDIDATES = CANDIDATE_STAGES[-1]
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -62,7 +64,10 @@ def sample(
             top, token = row_logits.max(dim=-1)
             tokens[row] = int(token) if torch.isfinite(top) else None
     if drawn:
-        rows = torch.stack([adjusted.get(r, logits[r]) for r in drawn])  # type: ignore[misc]
+        if any(r in adjusted for r in drawn):
+            rows = torch.stack([adjusted.get(r, logits[r]) for r in drawn])  # type: ignore[misc]
+        else:  # no copy of the batch's logits where every row draws
+            rows = logits if len(drawn) == len(params) else logits[drawn]
         picked = draw(rows, [params[r] for r in drawn], [generators[r] for r in drawn], noise)
         for row, token in zip(drawn, picked, strict=True):
             tokens[row] = token
@@ -81,26 +86,30 @@ def draw(
     torch.multinomial from its own generator; the others in one torch.multinomial from `noise`. None for
     a row that cannot be sampled."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
-    scaled = (logits.float() - logits.max(dim=-1, keepdim=True).values) / temperature
-    floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]).unsqueeze(1)
-    scaled = scaled.masked_fill(scaled < floor, -math.inf)
+    scaled = (logits.float() - logits.max(dim=-1, keepdim=True).values).div_(temperature)
+    if any(p.min_p > 0 for p in params):
+        floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]).unsqueeze(1)
+        scaled.masked_fill_(scaled < floor, -math.inf)
     tokens: list[int | None] = [None] * len(params)
     cut = [r for r, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
     whole = [r for r in range(len(params)) if r not in set(cut)]
     if whole:
         probs = torch.softmax(scaled[whole], dim=-1)
         _place(tokens, whole, _pick(probs, None, [generators[r] for r in whole], noise))
-    if cut:
-        probs, ids, wide = candidates(scaled[cut], [params[r] for r in cut])
+    for limit in CANDIDATE_STAGES:
+        if not cut:
+            break
+        rows = scaled if len(cut) == len(params) else scaled[cut]  # no copy where every row is cut
+        probs, ids, wide = candidates(rows, [params[r] for r in cut], limit)
         narrow = [i for i in range(len(cut)) if i not in wide]
         if narrow:
             picked = _pick(probs[narrow], ids[narrow], [generators[cut[i]] for i in narrow], noise)
             _place(tokens, [cut[i] for i in narrow], picked)
-        if wide:
-            rows = [cut[i] for i in sorted(wide)]
-            top_p = torch.tensor([params[r].top_p for r in rows]).unsqueeze(1)
-            picked = _pick(nucleus(scaled[rows], top_p), None, [generators[r] for r in rows], noise)
-            _place(tokens, rows, picked)
+        cut = [cut[i] for i in sorted(wide)]
+    if cut:
+        top_p = torch.tensor([params[r].top_p for r in cut]).unsqueeze(1)
+        picked = _pick(nucleus(scaled[cut], top_p), None, [generators[r] for r in cut], noise)
+        _place(tokens, cut, picked)
     return tokens
 
 
@@ -141,15 +150,15 @@ def _edge_bin(
 
 
 def candidates(
-    scaled: torch.Tensor, params: Sequence[SamplingParams]
+    scaled: torch.Tensor, params: Sequence[SamplingParams], limit: int = CANDIDATES
 ) -> tuple[torch.Tensor, torch.Tensor, set[int]]:
     """(probabilities [rows, K], token ids [rows, K], rows whose nucleus is wider than K) after top_k and
-    top_p over each row's K best tokens: K covers every top_k asked for, and CANDIDATES for top_p alone.
+    top_p over each row's K best tokens: K covers every top_k asked for, and `limit` for top_p alone.
     The probabilities are normalised over the tokens kept, as the per-row definition (sort the row, keep
     a token while the mass before it is under top_p) does."""
     vocab = scaled.shape[1]
     top_k = [p.top_k or vocab for p in params]
-    needed = [k if p.top_p >= 1.0 else min(k, CANDIDATES) for k, p in zip(top_k, params, strict=True)]
+    needed = [k if p.top_p >= 1.0 else min(k, limit) for k, p in zip(top_k, params, strict=True)]
     width = min(vocab, max(needed))
     # One softmax over the rows (a fused kernel: a separate logsumexp costs twice as much), then the best.
     values, ids = torch.topk(torch.softmax(scaled, dim=-1), width, dim=-1)  # sorted, best first
