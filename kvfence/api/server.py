@@ -243,7 +243,7 @@ class _Service:
         if not guides:
             return None
         param, guide = next(iter(guides.items()))
-        if not getattr(self.engine, "supports_grammar", False):  # the disaggregated router does not
+        if not getattr(self.engine, "supports_grammar", False):
             message = f"{param}: structured output is not supported by this deployment"
             raise APIError(400, message, param=param)
         try:
@@ -294,7 +294,7 @@ class _Service:
         check_choices(body, self.engine, grammar is not None or tools is not None)
         # max_tokens left out: the rest of the window, as vLLM (a prompt filling it is refused at admission).
         params = body.sampling_params(max(1, self.max_model_len - len(prompt)), self.sampling)
-        # Only a grammar-capable engine gets the keyword (the router's generate does not take it).
+        # Only a grammar-capable engine gets the keyword (a client without it does not take it).
         extra: dict[str, Any] = {"grammar": grammar} if grammar is not None else {}
         if body.num_choices > 1:  # likewise n, for an engine that forks (check_choices made sure)
             extra["n"] = body.num_choices

@@ -51,6 +51,7 @@ from kvfence.disagg.seal import TAG_BYTES, new_key, open_page
 from kvfence.disagg.worker import Worker
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
+from kvfence.grammar.compiler import GrammarCompiler, GrammarError, RequestGrammar
 from kvfence.request import Status
 from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF, STALE_WRITE
 from kvfence.units import cdiv
@@ -97,6 +98,7 @@ class DecodeWorker(Worker):
             self._pages_for(engine.max_model_len), engine.pool.num_pages // 2
         )
         self.down_peers: set[str] = set()  # prefill workers whose connection is lost
+        self._grammars: GrammarCompiler | None = None  # made at the first reserve with a guide
 
     @property
     def isolation(self) -> bool:
@@ -124,6 +126,7 @@ class DecodeWorker(Worker):
             self._reject(sender, request_id, SERVER_BUSY, "This tenant holds too many decode pages waiting.")
             return
         try:
+            grammar = self._grammar(message)
             request = self.engine.reserve(prompt, message.sampling(), message.tenant, request_id)
         except AdmissionError as refusal:
             self.reply(sender, Rejected(request_id=request_id, code=refusal.code, message=str(refusal)))
@@ -133,6 +136,7 @@ class DecodeWorker(Worker):
                 sender, request_id, SERVER_BUSY, "The decode pool has no free pages for this prompt."
             )
             return
+        request.grammar = grammar
         self.routers[request_id] = sender
         targets = [[p, g] for p, g in zip(request.record.pages, request.record.generations, strict=True)]
         if len(prompt) == 1:  # no KV to transfer: the decode side computes the only token itself
@@ -149,6 +153,21 @@ class DecodeWorker(Worker):
                 self.reply(message.prefill, SealKey(request_id=request_id, key=inbound.key.hex()))
             self.inbound[request_id] = inbound
         self.reply(sender, Reserved(request_id=request_id, targets=targets))
+
+    def _grammar(self, message: Reserve) -> RequestGrammar | None:
+        """The reserve's guide compiled for this worker's tokenizer (a cached compile, then a copy of the
+        matcher); AdmissionError 400 when it does not compile or the model has no tokenizer."""
+        guide = message.output_guide()
+        if guide is None:
+            return None
+        if self.engine.tokenizer is None:
+            raise AdmissionError("invalid_request_error", "structured output needs the model's tokenizer")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.engine.tokenizer, self.bounds.vocab_size)
+        try:
+            return self._grammars.for_guide(guide)
+        except GrammarError as exc:
+            raise AdmissionError("invalid_grammar", str(exc)) from None
 
     def _reject(self, router: str, request_id: str, code: str, why: str) -> None:
         self.reply(

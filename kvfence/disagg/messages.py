@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kvfence.grammar.compiler import Guide
 from kvfence.sampling import SamplingParams, TokenLogprobs
 
 MAX_ID_CHARS = 256  # request ids, tenants, tokens, codes, reasons, peer addresses
@@ -25,6 +26,8 @@ MAX_TEXT_CHARS = 1 << 16  # error messages and one step's output text
 MAX_INT = 1 << 64  # an xxh3_64 checksum is the widest integer a message carries
 MAX_ITEMS = 1 << 16  # any other list: a request's audit trail, stop strings
 MAX_AGENT_BYTES = 1 << 16  # a NIXL agent's metadata (about 500 bytes over UCX)
+MAX_GUIDE_CHARS = 1 << 20  # a structured-output guide (schema, pattern, choices or grammar), as JSON
+GUIDE_KINDS = {"json": dict, "regex": str, "choice": list, "lark": str}  # Guide.kind -> its spec's type
 LOGPROB_FLOOR = -9999.0  # -inf on the wire, as OpenAI writes it (JSON has no infinity)
 
 
@@ -112,9 +115,15 @@ class Reserve(Msg):
     prompt: list[int]
     params: dict[str, Any]
     prefill: str  # the prefill worker (a configured peer) the router assigned
+    # Structured output or a forced tool call: {"kind", "spec"} of the Guide the API compiled; decode
+    # compiles it again (its own tokenizer's matcher) before it reserves anything.
+    guide: dict[str, Any] | None = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(**self.params)
+
+    def output_guide(self) -> Guide | None:
+        return None if self.guide is None else Guide(self.guide["kind"], self.guide["spec"])
 
 
 @dataclass(frozen=True)
@@ -436,3 +445,16 @@ def _check_meaning(message: Msg, bounds: Bounds) -> None:
             message.sampling()
         except (TypeError, ValueError) as exc:
             raise BadMessage("bad_field", f"reserve.params: {str(exc)[:80]}") from None
+        if message.guide is not None:
+            _check_guide(message.guide)
+
+
+def _check_guide(guide: dict[str, Any]) -> None:
+    """A reserve's guide: exactly a known kind and a spec of its type, bounded. Whether it compiles is
+    decode's to find out (a 400 back to the router), as it is the API's."""
+    kind = guide.get("kind")
+    shaped = set(guide) == {"kind", "spec"} and kind in GUIDE_KINDS
+    if not shaped or not isinstance(guide["spec"], GUIDE_KINDS[kind]):
+        raise BadMessage("bad_field", "reserve.guide: not a {kind, spec} guide")
+    if len(json.dumps(guide["spec"])) > MAX_GUIDE_CHARS:
+        raise BadMessage("bad_field", f"reserve.guide: longer than {MAX_GUIDE_CHARS} characters")

@@ -62,6 +62,7 @@ from kvfence.engine.async_engine import STATS_TIMEOUT_S
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.stats import EngineStats
+from kvfence.grammar.compiler import Guide, RequestGrammar
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import code_info
 from kvfence.request import Status
@@ -89,6 +90,7 @@ class Router:
     # Decode samples every token, so its outputs carry their logprobs; the prompt's logits are prefill's,
     # which reports none: prompt_logprobs stay refused here (the API checks supports_prompt_logprobs).
     supports_logprobs = True
+    supports_grammar = True  # the guide goes to decode, which compiles and enforces it
 
     def __init__(
         self,
@@ -193,8 +195,14 @@ class Router:
     # ---- EngineClient -----------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenant: str,
+        request_id: str,
+        grammar: RequestGrammar | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """As the single node's; `grammar` travels as the guide it was compiled from."""
         try:
             route = self.placement.choose(len(prompt_token_ids), params.max_tokens)
         except AdmissionError as refusal:
@@ -214,7 +222,8 @@ class Router:
         self.placement.take(request_id, route)
         finished = False
         try:
-            await self._handoff(request_id, prompt_token_ids, params, tenant, stream)
+            guide = None if grammar is None else grammar.guide
+            await self._handoff(request_id, prompt_token_ids, params, tenant, stream, guide)
             while not finished:
                 output = _output(await self._next(stream, request_id))
                 self.placement.release_prefill(route)
@@ -233,10 +242,13 @@ class Router:
         params: SamplingParams,
         tenant: str,
         stream: asyncio.Queue[Msg],
+        guide: Guide | None,
     ) -> None:
         """Reserve on the pair's decode, then start its prefill; AdmissionError when either refuses."""
         route = self.placement.routes[request_id]
-        self._send(route.decode, Reserve(request_id, tenant, prompt, dict(params.__dict__), route.prefill))
+        shape = None if guide is None else {"kind": guide.kind, "spec": guide.spec}
+        reserve = Reserve(request_id, tenant, prompt, dict(params.__dict__), route.prefill, shape)
+        self._send(route.decode, reserve)
         reply = await self._next(stream, request_id)
         if isinstance(reply, Rejected):
             raise AdmissionError(reply.code, reply.message, reply.status)

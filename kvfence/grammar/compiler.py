@@ -76,10 +76,11 @@ class GrammarError(ValueError):
 
 
 class RequestGrammar:
-    """One request's position in its grammar: the mask for the next token, then the sampled token."""
+    """One request's position in its grammar: the mask for the next token, then the sampled token.
+    `guide`: what it was compiled from (the disaggregated router sends that to decode, never a matcher)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher: llguidance.LLMatcher, guide: Guide | None = None) -> None:
+        self.matcher, self.guide = matcher, guide
 
     @property
     def error(self) -> str:
@@ -124,7 +125,7 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(key)
             # deep_copy shares the compiled lexer and parser tables: microseconds, not a compile.
-            return RequestGrammar(template.deep_copy())
+            return RequestGrammar(template.deep_copy(), guide)
 
     def _compile(self, guide: Guide) -> llguidance.LLMatcher:
         what = _WHAT[guide.kind]

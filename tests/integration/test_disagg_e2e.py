@@ -7,6 +7,7 @@ reads A's stale pages. Isolation on: B gets a 400 before anything is reserved an
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -18,6 +19,7 @@ import pytest
 from conftest import real_engine
 
 from kvfence.config import EngineConfig
+from kvfence.grammar.compiler import GrammarCompiler
 from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.server import metric
 from kvfence.harness.workers import Spawned
@@ -144,6 +146,37 @@ def test_logprobs_through_the_router_are_decodes_own(fenced: Cluster, smollm2: G
         client(fenced, "key-a").completions.create(
             model=MODEL, prompt="Hi", max_tokens=2, extra_body={"prompt_logprobs": 1}
         )
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_structured_output_and_forced_tools_through_the_router(fenced: Cluster, smollm2: GGUFModel) -> None:
+    """The guide travels to decode, which compiles and enforces it on every token it samples: a json_schema
+    answer is the single node's under the same grammar, a forced tool call comes back as a call."""
+    a = client(fenced, "key-a")
+    messages = [{"role": "user", "content": "Name a large city in France as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    reply = a.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=32, temperature=0, response_format=response_format
+    )
+    content = reply.choices[0].message.content
+    assert "city" in json.loads(content)
+    engine = real_engine(smollm2)
+    assert engine.tokenizer is not None
+    grammar = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size).for_schema(CITY)
+    request = engine.add_request(
+        chat_ids(engine.tokenizer, messages[0]["content"]), SamplingParams(max_tokens=32), grammar=grammar
+    )
+    while not request.is_finished:
+        engine.step()
+    assert content == request.output_text
+    tool = {"type": "function", "function": {"name": "locate", "parameters": CITY}}
+    called = a.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=48, temperature=0, tools=[tool], tool_choice="required"
+    )
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "locate" and "city" in json.loads(call.function.arguments)
 
 
 def test_incident_is_refused_before_any_reservation(fenced: Cluster) -> None:

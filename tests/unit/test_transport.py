@@ -211,6 +211,9 @@ def output(**overrides: Any) -> dict[str, Any]:
         (output(top_ids=[[5, 999], [6, 5]]), "bad_field"),  # a top id outside the vocabulary
         (output(logprobs=[0.5, -1.0]), "bad_field"),  # a probability above 1
         (output(top_logprobs=[[-0.5, "x"], [-1.0, -1.5]]), "bad_field"),
+        (reserve(guide={"kind": "json", "spec": "not a schema"}), "bad_field"),  # a spec of another type
+        (reserve(guide={"kind": "python", "spec": "import os"}), "bad_field"),  # no such kind
+        (reserve(guide={"kind": "regex", "spec": "a+", "extra": 1}), "bad_field"),
     ],
 )
 def test_out_of_bounds_fields_are_refused(fields: dict[str, Any], reason: str) -> None:
@@ -337,6 +340,18 @@ def test_a_reserve_must_name_a_configured_prefill(tiny: Transformer) -> None:
     node.decode.handle(frame(ROUTER, "router", Reserve("r1", "A", [1, 2, 3], PARAMS, "tcp://unreachable:1")))
     assert node.state() == before and node.replies() == []
     assert node.decode.rejected["bad_peer"] == 1
+
+
+def test_a_guide_decode_cannot_compile_is_refused_before_any_page(tiny: Transformer) -> None:
+    """A reserve's guide is compiled on decode before anything is reserved: one it cannot enforce (here,
+    the tiny model has no tokenizer) is a `rejected` to the router, the pool unchanged."""
+    node = Node(tiny)
+    before = node.state()
+    guided = Reserve("r1", "A", [1, 2, 3], PARAMS, PREFILL, {"kind": "regex", "spec": "[ab]+"})
+    node.decode.handle(frame(ROUTER, "router", guided))
+    assert node.state() == before
+    (reply,) = node.replies()
+    assert reply.KIND == "rejected" and "tokenizer" in reply.message
 
 
 def test_only_the_reserving_router_may_abort(tiny: Transformer) -> None:
