@@ -3,8 +3,8 @@ engine/engine.py), rendered as one body or one SSE stream in OpenAI's shape, eac
 
 Contracts:
 - Refused before admission, with a 400 naming `n`, where it cannot be served as asked: by an engine that
-  does not fork (the disaggregated router), or together with logprobs, tools or structured output (each
-  of those keeps per-sequence state that a fork would have to copy).
+  does not fork, or together with logprobs, tools or structured output (each of those keeps per-sequence
+  state that a fork would have to copy).
 - Usage counts the prompt once and the completion tokens of every choice.
 - An abort of any choice, or of the prompt before it forked, fails the whole answer as it would with n=1
   (invariant 8): HTTP 500 without content, or, streaming, an error event and `[DONE]` with no finish after.

@@ -52,7 +52,7 @@ from kvfence.disagg.worker import Worker
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
 from kvfence.grammar.compiler import GrammarCompiler, GrammarError, RequestGrammar
-from kvfence.request import Status
+from kvfence.request import Status, fork_id
 from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF, STALE_WRITE
 from kvfence.units import cdiv
 
@@ -99,6 +99,8 @@ class DecodeWorker(Worker):
         )
         self.down_peers: set[str] = set()  # prefill workers whose connection is lost
         self._grammars: GrammarCompiler | None = None  # made at the first reserve with a guide
+        self.forks: dict[str, tuple[str, int]] = {}  # n > 1: fork id -> (its request, its index)
+        self.open_forks: dict[str, int] = {}  # request -> its forks not finished yet
 
     @property
     def isolation(self) -> bool:
@@ -127,7 +129,9 @@ class DecodeWorker(Worker):
             return
         try:
             grammar = self._grammar(message)
-            request = self.engine.reserve(prompt, message.sampling(), message.tenant, request_id)
+            if message.n > 1 and grammar is not None:
+                raise AdmissionError("invalid_request_error", "n > 1 is not supported with structured output")
+            request = self.engine.reserve(prompt, message.sampling(), message.tenant, request_id, message.n)
         except AdmissionError as refusal:
             self.reply(sender, Rejected(request_id=request_id, code=refusal.code, message=str(refusal)))
             return
@@ -138,6 +142,9 @@ class DecodeWorker(Worker):
             return
         request.grammar = grammar
         self.routers[request_id] = sender
+        if message.n > 1:
+            self.forks.update((fork_id(request_id, i), (request_id, i)) for i in range(message.n))
+            self.open_forks[request_id] = message.n
         targets = [[p, g] for p, g in zip(request.record.pages, request.record.generations, strict=True)]
         if len(prompt) == 1:  # no KV to transfer: the decode side computes the only token itself
             self.engine.resume(request_id)
@@ -187,7 +194,9 @@ class DecodeWorker(Worker):
         if self.routers.get(message.request_id, sender) != sender:
             self.drop(sender, "not_assigned", f"abort of {message.request_id} from another router")
             return
-        self._abort(message.request_id, message.reason)
+        forks = [f for f, (parent, _) in self.forks.items() if parent == message.request_id]
+        for request_id in (message.request_id, *forks):  # after forking, the forks are what runs
+            self._abort(request_id, message.reason)
 
     # ---- from the prefill worker ------------------------------------------------------------------------
 
@@ -430,15 +439,21 @@ class DecodeWorker(Worker):
             self._send_output(output)
 
     def _send_output(self, output: RequestOutput) -> None:
-        router = self.routers.get(output.request_id)
+        """To the router that reserved the request; a fork's output under its request's id with its index.
+        The router's entry goes when the request ends: it finished or was aborted before forking, or its
+        last fork finished."""
+        request_id, fork = self.forks.get(output.request_id, (output.request_id, None))
+        router = self.routers.get(request_id)
         if router is None:
             return
-        if output.finished:
-            del self.routers[output.request_id]
+        if output.finished and (fork is None or self._last_fork(request_id)):
+            del self.routers[request_id]
+            self.open_forks.pop(request_id, None)
+            self.forks = {f: owner for f, owner in self.forks.items() if owner[0] != request_id}
         self.reply(
             router,
             Output(
-                request_id=output.request_id,
+                request_id=request_id,
                 token_ids=output.new_token_ids,
                 text=output.new_text,
                 finished=output.finished,
@@ -447,5 +462,10 @@ class DecodeWorker(Worker):
                 prompt_tokens=output.prompt_tokens,
                 completion_tokens=output.completion_tokens,
                 **Output.logprobs_fields(output.logprobs),
+                fork=fork,
             ),
         )
+
+    def _last_fork(self, request_id: str) -> bool:
+        self.open_forks[request_id] -= 1
+        return self.open_forks[request_id] == 0

@@ -42,12 +42,13 @@ class HandoffEngine(LLMEngine):
         self._finish(self.requests[request_id], Status.FINISHED, "transferred")
 
     def reserve(
-        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str, n: int = 1
     ) -> Request | None:
         """A decode worker's request: admit it and reserve pages for the KV of every prompt token but the
         last (the decode side computes that one and samples from it), then park it until the KV arrives.
-        None when the pages are not free right now (nothing is then held)."""
-        request = self._admit(prompt_token_ids, params, tenant, request_id)
+        None when the pages are not free right now (nothing is then held). `n` > 1: forked once its
+        prompt is computed, as `add_request` forks."""
+        request = self._admit(prompt_token_ids, params, tenant, request_id, n)
         if not self.scheduler.reserve(request, len(prompt_token_ids) - 1):
             self._finish(request, Status.ABORTED, "no_free_pages")
             return None

@@ -27,6 +27,7 @@ MAX_INT = 1 << 64  # an xxh3_64 checksum is the widest integer a message carries
 MAX_ITEMS = 1 << 16  # any other list: a request's audit trail, stop strings
 MAX_AGENT_BYTES = 1 << 16  # a NIXL agent's metadata (about 500 bytes over UCX)
 MAX_GUIDE_CHARS = 1 << 20  # a structured-output guide (schema, pattern, choices or grammar), as JSON
+MAX_CHOICES = 128  # n, as OpenAI bounds it
 GUIDE_KINDS = {"json": dict, "regex": str, "choice": list, "lark": str}  # Guide.kind -> its spec's type
 LOGPROB_FLOOR = -9999.0  # -inf on the wire, as OpenAI writes it (JSON has no infinity)
 
@@ -118,6 +119,7 @@ class Reserve(Msg):
     # Structured output or a forced tool call: {"kind", "spec"} of the Guide the API compiled; decode
     # compiles it again (its own tokenizer's matcher) before it reserves anything.
     guide: dict[str, Any] | None = None
+    n: int = 1  # choices sampled from the prompt: decode computes it once and forks (n > 1)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(**self.params)
@@ -232,6 +234,7 @@ class Output(Msg):
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    fork: int | None = None  # n > 1: the choice this output is of; None: the request itself
 
     @staticmethod
     def logprobs_fields(entries: list[TokenLogprobs] | None) -> dict[str, Any]:
@@ -447,6 +450,8 @@ def _check_meaning(message: Msg, bounds: Bounds) -> None:
             raise BadMessage("bad_field", f"reserve.params: {str(exc)[:80]}") from None
         if message.guide is not None:
             _check_guide(message.guide)
+        if not 1 <= message.n <= MAX_CHOICES:
+            raise BadMessage("bad_field", f"reserve.n: not in [1, {MAX_CHOICES}]")
 
 
 def _check_guide(guide: dict[str, Any]) -> None:

@@ -91,6 +91,7 @@ class Router:
     # which reports none: prompt_logprobs stay refused here (the API checks supports_prompt_logprobs).
     supports_logprobs = True
     supports_grammar = True  # the guide goes to decode, which compiles and enforces it
+    supports_parallel_sampling = True  # n goes to decode, which forks the computed prompt
 
     def __init__(
         self,
@@ -201,8 +202,10 @@ class Router:
         tenant: str,
         request_id: str,
         grammar: RequestGrammar | None = None,
+        n: int = 1,
     ) -> AsyncIterator[RequestOutput]:
-        """As the single node's; `grammar` travels as the guide it was compiled from."""
+        """As the single node's; `grammar` travels as the guide it was compiled from, `n` to decode. With
+        n > 1 the outputs are the forks' (`index`), until all n finished or the request ended unforked."""
         try:
             route = self.placement.choose(len(prompt_token_ids), params.max_tokens)
         except AdmissionError as refusal:
@@ -223,11 +226,15 @@ class Router:
         finished = False
         try:
             guide = None if grammar is None else grammar.guide
-            await self._handoff(request_id, prompt_token_ids, params, tenant, stream, guide)
+            await self._handoff(request_id, prompt_token_ids, params, tenant, stream, guide, n)
+            running = n
             while not finished:
-                output = _output(await self._next(stream, request_id))
+                message = await self._next(stream, request_id)
+                output = _output(message)
                 self.placement.release_prefill(route)
-                finished = output.finished
+                if output.finished:
+                    running -= 1
+                    finished = getattr(message, "fork", None) is None or running == 0
                 yield output
         finally:
             self._streams.pop(request_id, None)
@@ -243,11 +250,12 @@ class Router:
         tenant: str,
         stream: asyncio.Queue[Msg],
         guide: Guide | None,
+        n: int,
     ) -> None:
         """Reserve on the pair's decode, then start its prefill; AdmissionError when either refuses."""
         route = self.placement.routes[request_id]
         shape = None if guide is None else {"kind": guide.kind, "spec": guide.spec}
-        reserve = Reserve(request_id, tenant, prompt, dict(params.__dict__), route.prefill, shape)
+        reserve = Reserve(request_id, tenant, prompt, dict(params.__dict__), route.prefill, shape, n)
         self._send(route.decode, reserve)
         reply = await self._next(stream, request_id)
         if isinstance(reply, Rejected):
@@ -495,4 +503,5 @@ def _output(message: Msg) -> RequestOutput:
         message.prompt_tokens,
         message.completion_tokens,
         message.token_logprobs(),
+        message.fork or 0,
     )

@@ -179,6 +179,24 @@ def test_structured_output_and_forced_tools_through_the_router(fenced: Cluster, 
     assert call.function.name == "locate" and "city" in json.loads(call.function.arguments)
 
 
+def test_n_choices_through_the_router(fenced: Cluster) -> None:
+    """n goes to decode, which computes the prompt once and forks it: n choices come back, each with its
+    index, in one body and in one stream; usage counts every choice's tokens."""
+    a = client(fenced, "key-a")
+    messages = [{"role": "user", "content": "Write a word."}]
+    reply = a.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, n=3)
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2]
+    assert all(c.message.content and c.finish_reason in ("stop", "length") for c in reply.choices)
+    assert reply.usage is not None and reply.usage.completion_tokens >= 3
+    events = {(e["where"], e["kind"]) for e in fenced.audit(reply.id)}
+    assert ("decode", "forked") in events, events
+    chunks = a.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=1.0, n=2, stream=True
+    )
+    finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+
+
 def test_incident_is_refused_before_any_reservation(fenced: Cluster) -> None:
     b = client(fenced, "key-b")
     with pytest.raises(openai.BadRequestError) as err:

@@ -214,6 +214,8 @@ def output(**overrides: Any) -> dict[str, Any]:
         (reserve(guide={"kind": "json", "spec": "not a schema"}), "bad_field"),  # a spec of another type
         (reserve(guide={"kind": "python", "spec": "import os"}), "bad_field"),  # no such kind
         (reserve(guide={"kind": "regex", "spec": "a+", "extra": 1}), "bad_field"),
+        (reserve(n=0), "bad_field"),  # no choice at all
+        (reserve(n=1000), "bad_field"),  # more choices than OpenAI allows
     ],
 )
 def test_out_of_bounds_fields_are_refused(fields: dict[str, Any], reason: str) -> None:
