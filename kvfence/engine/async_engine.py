@@ -54,8 +54,9 @@ class EngineClient(Protocol):
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         """A client that constrains decoding also takes `grammar: RequestGrammar | None` and sets
-        `supports_grammar = True` (the router does not: the API refuses structured output there); one that
-        samples n > 1 choices from one prompt takes `n` and sets `supports_parallel_sampling = True`."""
+        `supports_grammar = True`; one that samples n > 1 choices from one prompt takes `n` and sets
+        `supports_parallel_sampling = True` (the API refuses each where it is not set). The single node
+        and the disaggregated router both do."""
         ...
 
     def stats(self) -> dict[str, EngineStats]:
