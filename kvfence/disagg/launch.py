@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import random
 import socket
 import threading
 import time
@@ -182,10 +183,28 @@ class LocalWorkers:
                     print(f"[{name}] restart failed: {exc}", flush=True)
 
 
+# Ports for workers to bind later, chosen below Linux's ephemeral range (32768-60999 by default): a port
+# the kernel handed out for port 0 was free when chosen, but any outgoing connection (ZeroMQ's, UCX's) could
+# be given it before the worker bound it ("Address already in use", seen in a disaggregated test). Ports
+# here are only ever taken by an explicit bind.
+_CHOSEN_PORTS = range(20000, 32768)
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct TCP ports free on `host` right now (held together while chosen)."""
+    """`count` distinct TCP ports free on `host` right now (held together while chosen), at random from
+    `_CHOSEN_PORTS`."""
+    chooser = random.SystemRandom()
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind((host, 0))
-        return [int(s.getsockname()[1]) for s in sockets]
+        found: list[int] = []
+        for port in chooser.sample(_CHOSEN_PORTS, len(_CHOSEN_PORTS)):
+            if len(found) == count:
+                break
+            held = stack.enter_context(socket.socket())
+            try:
+                held.bind((host, port))
+            except OSError:  # taken: try the next
+                continue
+            found.append(port)
+        if len(found) < count:
+            raise OSError(f"fewer than {count} free ports in {_CHOSEN_PORTS} on {host}")
+        return found
