@@ -366,6 +366,7 @@ def load_engine(
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    _map_large_buffers()
     path = config.model or default_model_path()
     device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=device, progress=log)
@@ -379,9 +380,26 @@ def load_engine(
     return engine_cls(config, model, tokenizer, events, log, model_file=model_file)
 
 
-def _return_freed_heap() -> None:
-    """Hand the loader's freed memory back to the system. The unpacked codes are freed once packed, but
-    most were allocated below glibc's (by then raised) mmap threshold, on the heap, which glibc keeps:
-    the 1.07B file's server held 2.0 GB resident, 0.9 GB after this. A no-op where libc is not glibc."""
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_MMAP_FROM_BYTES = 1 << 20
+
+
+def _glibc(call: Callable[[ctypes.CDLL], object]) -> None:
+    """`call` on glibc; a no-op where libc is not glibc."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        call(ctypes.CDLL("libc.so.6"))
+
+
+def _map_large_buffers() -> None:
+    """Before loading: every buffer of 1 MiB or more is mapped on its own and unmapped when freed. glibc's
+    default raises that threshold as large buffers are freed, so the loader's unpacked codes and a prefill
+    chunk's activations (freed, then reused piecemeal) stayed resident: after 16 prompts of 246 tokens the
+    1.07B engine grew 36 MiB over its start instead of 147 (a page fault per 4 KiB of such a buffer: well
+    under 1% of the step that allocates it)."""
+    _glibc(lambda libc: libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM_BYTES))
+
+
+def _return_freed_heap() -> None:
+    """After packing: hand what the loader freed on the heap back to the system (the 1.07B file's server
+    held 2.0 GB resident before these two, 1.35 GB after)."""
+    _glibc(lambda libc: libc.malloc_trim(0))
