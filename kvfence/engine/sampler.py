@@ -83,7 +83,7 @@ def draw(
     """A sampled token per row of `logits` [rows, vocab], the batch in a few tensor ops: temperature and
     min_p over every row at once; top_k and top_p over each row's best candidates (`candidates`), or, for a
     nucleus wider than them, by a threshold over the whole row (`nucleus`). A seeded row draws with
-    torch.multinomial from its own generator; the others in one torch.multinomial from `noise`. None for
+    torch.multinomial from its own generator; the others together by inverse CDF from `noise`. None for
     a row that cannot be sampled."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
     scaled = (logits.float() - logits.max(dim=-1, keepdim=True).values).div_(temperature)
@@ -188,8 +188,8 @@ def _pick(
 ) -> list[int | None]:
     """One token per row of `probs` [rows, width] (`ids`: each column's token; None: the column is the
     token): seeded rows by multinomial from their own generator, over the whole vocabulary as the per-row
-    sampler drew, the others in one multinomial from `noise`. None where a row's probabilities are no
-    distribution (a NaN, say)."""
+    sampler drew, the others by inverse CDF from `noise` (`_inverse_cdf`). None where a row's
+    probabilities are no distribution (a NaN, say)."""
     sound = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
     safe = torch.where(sound[:, None], probs, 1.0)  # an unsound row draws from anything: it is dropped
     drawn = _inverse_cdf(safe, noise)

@@ -11,7 +11,9 @@ from conftest import LogitsRecorder, make_engine
 
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.sampler import (
+    CANDIDATE_STAGES,
     CANDIDATES,
+    _inverse_cdf,
     _pick,
     adjusted_rows,
     candidates,
@@ -310,3 +312,34 @@ def test_prompt_logprobs_are_each_prompt_tokens_log_softmax_at_the_position_befo
         assert entry is not None and entry.token == prompt[position]
         assert math.isclose(entry.logprob, float(logp[position - 1, prompt[position]]), abs_tol=1e-4)
         assert [t for t, _ in entry.top] == torch.topk(logp[position - 1], 3).indices.tolist()
+
+
+def test_each_candidate_stage_draws_only_what_the_row_keeps() -> None:
+    """Rows whose nucleus fits the 64 best, the 1,024 best, or neither are drawn by the stage that holds
+    it: every drawn token is one the per-row definition keeps, and the wider rows do draw beyond 64 and
+    beyond 1,024 tokens (each stage ran)."""
+    gen = torch.Generator().manual_seed(21)
+    base = torch.randn(4 * CANDIDATES, generator=gen)
+    rows = torch.stack([base * 12, base * 2.5, base * 0.3])  # nuclei of ~tens, hundreds, thousands
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    kept = [reference_probabilities(row, params) > 0 for row in rows]
+    widths = [int(k.sum()) for k in kept]
+    assert widths[0] < CANDIDATE_STAGES[0] < widths[1] < CANDIDATES < widths[2], widths
+    batch = rows.repeat_interleave(300, dim=0)
+    tokens = sample(batch, [params] * len(batch), [None] * len(batch), noise=gen)
+    for which in range(3):
+        drawn = torch.tensor(tokens[which * 300 : (which + 1) * 300])
+        assert bool(kept[which][drawn].all()), f"row {which}: a token its definition drops"
+    rank = torch.argsort(torch.argsort(rows, dim=1, descending=True), dim=1)  # each token's place in its row
+    assert int(rank[1][torch.tensor(tokens[300:600])].max()) >= CANDIDATE_STAGES[0]
+    assert int(rank[2][torch.tensor(tokens[600:])].max()) >= CANDIDATES
+
+
+def test_the_draw_follows_the_probabilities_and_never_a_zero() -> None:
+    """Unseeded rows are drawn by inverse CDF: frequencies follow the probabilities, and a token of
+    probability 0 (inside the row or at its end) never comes out."""
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0, 0.0]]).expand(20000, -1)
+    drawn = _inverse_cdf(probs, torch.Generator().manual_seed(3)).squeeze(1)
+    counts = torch.bincount(drawn, minlength=6).double() / len(drawn)
+    assert counts[1] == counts[4] == counts[5] == 0
+    assert torch.allclose(counts[[0, 2, 3]], torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.015)
