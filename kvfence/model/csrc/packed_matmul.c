@@ -34,6 +34,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define KVF_OK 0
 #define KVF_NO_MEMORY 2
@@ -271,7 +272,8 @@ static inline __attribute__((always_inline)) void block_sums(const int rows, con
         }
 #pragma GCC unroll 8
         for (int m = 0; m < rows; m++) {
-            const int32_t *k = (const int32_t *)(q + m * q_stride + t * 8);
+            int32_t k[2]; /* four activations each; memcpy, not a cast: int8 storage read as int32 */
+            memcpy(k, q + m * q_stride + t * 8, sizeof k);
             const __m512i first = _mm512_set1_epi32(k[0]), second = _mm512_set1_epi32(k[1]);
             for (int h = 0; h < 2; h++) acc[m][h] = dot4(dot4(acc[m][h], low[h], first), high[h], second);
         }
