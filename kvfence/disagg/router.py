@@ -230,6 +230,11 @@ class Router:
             running = n
             while not finished:
                 message = await self._next(stream, request_id)
+                fork = getattr(message, "fork", None)
+                if fork is not None and fork >= n:  # a choice this request has not: fail it closed
+                    self._drop(route.decode, "bad_field", f"output of choice {fork} of {request_id} (n={n})")
+                    self._send(route.decode, Abort(request_id=request_id, reason="bad_reply"))
+                    message = _aborted(request_id, "bad_reply")
                 output = _output(message)
                 self.placement.release_prefill(route)
                 if output.finished:

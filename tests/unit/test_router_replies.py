@@ -25,12 +25,16 @@ from kvfence.api.server import build_app
 from kvfence.disagg import replies
 from kvfence.disagg.connector import Received, ZmqConnector
 from kvfence.disagg.messages import (
+    Abort,
     Audit,
     AuditReply,
     Bounds,
     Hello,
     HelloReply,
     Msg,
+    Output,
+    Reserve,
+    Reserved,
     Stats,
     StatsReply,
     decode,
@@ -306,3 +310,36 @@ def test_a_worker_restarted_with_another_page_size_is_kept_out() -> None:
             assert router.workers["decode"] == before and first.address in router.placement.down
         finally:
             successor.stop()
+
+
+class ForgedChoice(StandIn):
+    """A decode stand-in that reserves a one-token prompt and answers it with the output of a choice the
+    request does not have."""
+
+    def _serve(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                item = self.connector.recv(0.05)
+                if not isinstance(item, Received):
+                    continue
+                question = decode(item.header, item.payload, BOUNDS)
+                if isinstance(question, Reserve):
+                    rid = question.request_id
+                    self.connector.send(item.sender, Reserved(rid, []))
+                    self.connector.send(
+                        item.sender, Output(rid, [5], "x", True, "finished", "stop", 1, 1, fork=7)
+                    )
+                elif not isinstance(question, Abort):
+                    self.connector.send(item.sender, self._answer(question))
+        finally:
+            self.connector.close()
+
+
+def test_an_output_of_a_choice_the_request_has_not_fails_it_closed() -> None:
+    """n=2, and decode says choice 7 finished: the router drops it (bad_field), tells decode to abort, and
+    the client gets an error, never a body with a choice it did not ask for."""
+    with serving([StandIn("prefill")], [ForgedChoice("decode")]) as (router, client):
+        body = {"model": "m", "prompt": [5], "max_tokens": 1, "n": 2, "temperature": 1.0}
+        response = client.post("/v1/completions", json=body)
+    assert response.status_code >= 500 and "choices" not in response.json(), response.text
+    assert router.rejected["bad_field"] == 1
