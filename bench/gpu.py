@@ -276,7 +276,7 @@ def replayed_layout(graphs: DecodeGraphRunner, layout: StepLayout) -> StepLayout
     same = np.array_equal(pages, layout.pages) and np.array_equal(slots // page_size, layout.write_pages)
     if not same:
         return None
-    return StepLayout(
+    return StepLayout.of(
         tenants=layout.tenants,
         num_cached=lens - 1,  # a decode row attends over its cached tokens and the one it feeds
         starts=np.concatenate([[0], np.cumsum(counts)]),

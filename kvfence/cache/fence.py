@@ -2,11 +2,11 @@
 
 A request's MappingRecord says which pages it may touch, at which generation, for which tenant. The
 allocator creates and extends it; nothing else edits it. Before a step, `validate_step` compares every
-record in the batch with the pool's metadata in one pass and names the requests that must be aborted: one
-C call (csrc/fence.c, a few microseconds) where a C compiler is found, else the same check in numpy
-(gathers and compares over flat arrays, no Python loop over pages; also the C check's reference in the
-tests). It is deliberately a separate check, not fused into attention: the model reads only pages the
-fence has already cleared.
+record in the batch with the pool's metadata in one pass and names the requests that must be aborted:
+one call into csrc/fence.c (a Python extension module, a few microseconds) where a C compiler is found,
+else the same check in numpy (gathers and compares over flat arrays, no Python loop over pages; also the
+C check's reference in the tests). It is deliberately a separate check, not fused into attention: the
+model reads only pages the fence has already cleared.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -39,30 +40,68 @@ class MappingRecord:
     generations: list[int] = field(default_factory=list)
 
 
-@dataclass
+# StepLayout's arrays in the order csrc/fence.c reads them from `StepLayout.flat`.
+_SECTIONS = (
+    "starts",
+    "tenants",
+    "num_cached",
+    "write_rows",
+    "write_pages",
+    "write_generations",
+    "write_offsets",
+    "pages",
+    "generations",
+)
+
+
+@dataclass(frozen=True)  # its arrays are edited in place only: a new array would not be in `flat`
 class StepLayout:
     """A batch flattened for one step: what each request reads and where each new token is written.
 
     Row r of the batch reads its first `num_cached[r]` tokens from `pages[starts[r]:starts[r+1]]` and
     writes new token t (at `write_positions[t]`) into `write_pages[t]`, slot `write_offsets[t]`.
+    Every array but `write_positions` is a view into `flat`, one int64 buffer: the fence validates it
+    through one address, and the model then reads the very arrays the fence cleared.
     """
 
+    flat: np.ndarray
+    starts: np.ndarray  # [batch + 1] offsets into pages
     tenants: np.ndarray  # [batch]
     num_cached: np.ndarray  # [batch] tokens that must already be written before the step
-    starts: np.ndarray  # [batch + 1] offsets into pages
-    pages: np.ndarray  # [sum of mapped pages]
-    generations: np.ndarray
     write_rows: np.ndarray  # [new tokens] batch row of each new token
     write_pages: np.ndarray
     write_generations: np.ndarray
     write_offsets: np.ndarray
+    pages: np.ndarray  # [sum of mapped pages]
+    generations: np.ndarray
     write_positions: np.ndarray  # token position of each new token in its sequence
+
+    @classmethod
+    def empty(cls, rows: int, pages: int, writes: int) -> StepLayout:
+        """A layout of these sizes to fill in place (its arrays are views into one new `flat`)."""
+        sizes = (rows + 1, rows, rows, writes, writes, writes, writes, pages, pages)
+        flat = np.empty(sum(sizes), dtype=np.int64)
+        views, begin = [], 0
+        for size in sizes:
+            views.append(flat[begin : begin + size])
+            begin += size
+        return cls(flat, *views, write_positions=np.empty(writes, dtype=np.int64))
+
+    @classmethod
+    def of(cls, write_positions: np.ndarray, **arrays: np.ndarray) -> StepLayout:
+        """A layout holding copies of the given arrays (each of `_SECTIONS`, by name)."""
+        assert arrays.keys() == set(_SECTIONS), arrays.keys() ^ set(_SECTIONS)
+        layout = cls.empty(len(arrays["tenants"]), len(arrays["pages"]), len(arrays["write_rows"]))
+        for name, values in arrays.items():
+            getattr(layout, name)[:] = values
+        layout.write_positions[:] = write_positions
+        return layout
 
     @classmethod
     def reads_only(cls, records: list[MappingRecord], num_cached: list[int]) -> StepLayout:
         """A layout that reads each record's first `num_cached` tokens from all its pages and writes none."""
         no_writes = np.zeros(0, dtype=np.int64)
-        return cls(
+        return cls.of(
             tenants=np.array([r.tenant for r in records], dtype=np.int64),
             num_cached=np.array(num_cached, dtype=np.int64),
             starts=np.concatenate([[0], np.cumsum([len(r.pages) for r in records])]).astype(np.int64),
@@ -94,10 +133,15 @@ class Fence:
         self.stats = FenceStats()
         self._native = _native_check() if native_check else None
         # The pool's metadata arrays are allocated once with it and only ever edited in place: their
-        # addresses are taken once (2 us each, a fifth of the check).
-        self._metadata = tuple(
-            _pointer(a) for a in (pool.generation, pool.owner, pool.state, pool.written, pool.holders)
+        # addresses go into csrc/fence.c's `struct pool` once, not as arguments of every check.
+        self._pool = _PoolArrays(
+            pool.generation.size,
+            pool.page_size,
+            int(PageState.OWNED),
+            *(_pointer(a) for a in (pool.generation, pool.owner, pool.state, pool.written, pool.holders)),
         )
+        self._pool_address = ctypes.addressof(self._pool)
+        self._reasons = np.zeros(64, dtype=np.int8)  # the C check's verdict per row, grown when needed
 
     def validate_step(self, layout: StepLayout) -> dict[int, str]:
         """Batch rows that must be aborted, each with its reason; empty when the whole batch is clean."""
@@ -118,31 +162,17 @@ class Fence:
 
     def _native_verdict(self, layout: StepLayout) -> dict[int, str]:
         """The same verdict from csrc/fence.c, in one call over the layout's and the pool's arrays."""
-        pool, rows = self.pool, layout.tenants.size
-        reasons = np.zeros(rows, dtype=np.int8)
-        arrays = (layout.starts, layout.pages, layout.generations, layout.tenants, layout.num_cached)
-        writes = (layout.write_rows, layout.write_pages, layout.write_generations, layout.write_offsets)
-        # One int64 copy of all nine arrays, one address: a numpy array's address costs ~2 us in Python,
-        # nine of them were 70% of a 1-row step's check.
-        flat = np.concatenate([*arrays, *writes], dtype=np.int64)
-        base, addresses = _pointer(flat), []
-        for array in (*arrays, *writes):
-            addresses.append(base)
-            base += array.size * flat.itemsize
+        rows = layout.tenants.size
+        if rows > self._reasons.size:
+            self._reasons = np.zeros(2 * rows, dtype=np.int8)
         assert self._native is not None
-        refused = self._native(
-            rows,
-            *addresses[:5],
-            layout.write_pages.size,
-            *addresses[5:],
-            pool.generation.size,
-            pool.page_size,
-            *self._metadata,
-            int(PageState.OWNED),
-            _pointer(reasons),
+        bad, refused = self._native.validate(
+            layout.flat, rows, layout.write_rows.size, self._pool_address, self._reasons
         )
-        pool.refused_writes += refused
-        return {row: _REASONS[code] for row, code in enumerate(reasons.tolist()) if code}
+        if not bad:  # the common case: nothing more to read (a refused write always makes its row bad)
+            return {}
+        self.pool.refused_writes += refused
+        return {row: _REASONS[code] for row, code in enumerate(self._reasons[:rows].tolist()) if code}
 
     def check_handoff(self, record: MappingRecord, num_tokens: int) -> str | None:
         """Invariant 6: after a transfer, every page must be current, the tenant's, and written far enough
@@ -211,20 +241,18 @@ def _pointer(array: np.ndarray) -> int:
     return int(array.ctypes.data)
 
 
-@functools.cache
-def _native_check() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """csrc/fence.c's validate_step, or None where it cannot be built (the numpy check runs instead)."""
-    library, _ = native.load_library("fence", csrc=Path(__file__).parent / "csrc")
-    if library is None:
-        return None
-    function = library.validate_step
-    function.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 5, ctypes.c_int64, *[ctypes.c_void_p] * 4]
-    function.argtypes += [
-        ctypes.c_int64,
-        ctypes.c_int64,
-        *[ctypes.c_void_p] * 5,
-        ctypes.c_int8,
-        ctypes.c_void_p,
+class _PoolArrays(ctypes.Structure):
+    """csrc/fence.c's `struct pool`."""
+
+    _fields_ = [
+        ("num_pages", ctypes.c_int64),
+        ("page_size", ctypes.c_int64),
+        ("owned", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in ("generation", "owner", "state", "written", "holders")),
     ]
-    function.restype = ctypes.c_int64
-    return function
+
+
+@functools.cache
+def _native_check() -> ModuleType | None:
+    """csrc/fence.c's module, or None where it cannot be built (the numpy check runs instead)."""
+    return native.load_extension("fence", Path(__file__).parent / "csrc")

@@ -225,37 +225,37 @@ def fork_rows(requests: list[Request], logits: torch.Tensor) -> tuple[list[Reque
 
 
 def build_layout(requests: list[Request], num_new: list[int], page_size: int) -> StepLayout:
-    """Flatten the batch's records: the pages each row reads/writes this step and every new token's slot."""
-    cached = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+    """Flatten the batch's records: the pages each row reads/writes this step and every new token's slot,
+    written in place into one StepLayout."""
+    cached = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests))
     new = np.array(num_new, dtype=np.int64)
     mapped = cdiv(cached + new, page_size)  # pages covering every token the step touches
-    starts = np.concatenate([[0], np.cumsum(mapped)]).astype(np.int64)
-    pages = np.fromiter(
-        chain.from_iterable(r.record.pages[:m] for r, m in zip(requests, mapped.tolist(), strict=True)),
+    counts = mapped.tolist()
+    layout = StepLayout.empty(len(requests), int(mapped.sum()), int(new.sum()))
+    layout.starts[0] = 0
+    np.cumsum(mapped, out=layout.starts[1:])
+    layout.tenants[:] = [r.record.tenant for r in requests]
+    layout.num_cached[:] = cached
+    layout.pages[:] = np.fromiter(
+        chain.from_iterable(r.record.pages[:m] for r, m in zip(requests, counts, strict=True)),
         dtype=np.int64,
-        count=int(starts[-1]),
+        count=layout.pages.size,
     )
-    generations = np.fromiter(
-        chain.from_iterable(r.record.generations[:m] for r, m in zip(requests, mapped.tolist(), strict=True)),
+    layout.generations[:] = np.fromiter(
+        chain.from_iterable(r.record.generations[:m] for r, m in zip(requests, counts, strict=True)),
         dtype=np.int64,
-        count=int(starts[-1]),
+        count=layout.pages.size,
     )
-    write_rows = np.repeat(np.arange(len(requests)), new)
+    write_rows = layout.write_rows
+    write_rows[:] = np.repeat(np.arange(len(requests)), new)
     token_starts = np.concatenate([[0], np.cumsum(new)])
-    positions = cached[write_rows] + np.arange(int(token_starts[-1])) - token_starts[write_rows]
-    flat = starts[write_rows] + positions // page_size
-    return StepLayout(
-        tenants=np.array([r.record.tenant for r in requests], dtype=np.int64),
-        num_cached=cached,
-        starts=starts,
-        pages=pages,
-        generations=generations,
-        write_rows=write_rows,
-        write_pages=pages[flat],
-        write_generations=generations[flat],
-        write_offsets=positions % page_size,
-        write_positions=positions,
-    )
+    positions = layout.write_positions
+    positions[:] = cached[write_rows] + np.arange(write_rows.size) - token_starts[write_rows]
+    flat = layout.starts[write_rows] + positions // page_size
+    layout.write_pages[:] = layout.pages[flat]
+    layout.write_generations[:] = layout.generations[flat]
+    layout.write_offsets[:] = positions % page_size
+    return layout
 
 
 def _redirect_a_write(layout: StepLayout) -> int | None:

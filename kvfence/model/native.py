@@ -8,7 +8,9 @@ takes well under a second. The libraries link libgomp, which resolves to the Ope
 loaded, so the kernels share torch's thread pool instead of competing with a second one.
 
 `load_library()` returns None with the reason when a kernel cannot be used (no compiler, a build error):
-the model then takes its torch path, which computes the same thing.
+the model then takes its torch path, which computes the same thing. `load_extension()` builds a source
+that is a Python extension module instead (the fence's check: called once a step, where a ctypes call's
+own cost would be most of it), None likewise when it cannot be built.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
@@ -94,3 +100,23 @@ def load_library(
         return None, f"kernel build failed: {exc.stderr.strip()[-500:]}"
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"kernel unavailable: {exc}"
+
+
+@functools.cache
+def load_extension(name: str, csrc: Path) -> ModuleType | None:
+    """`csrc`/`name`.c built as the extension module `kvfence_<name>` and imported, or None where it cannot
+    be (no compiler, no Python headers, a build error)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    include = Path(sysconfig.get_paths()["include"])
+    if compiler is None or not (include / "Python.h").exists():
+        return None
+    try:
+        built = _build(compiler, (csrc / f"{name}.c",), ("-O2", "-shared", "-fPIC", f"-I{include}"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    loader = importlib.machinery.ExtensionFileLoader(f"kvfence_{name}", str(built))
+    spec = importlib.util.spec_from_file_location(loader.name, str(built), loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module

@@ -39,7 +39,7 @@ def random_layout(rng: np.random.Generator, pool: KVPool) -> StepLayout:
     writes = int(rng.integers(0, 8))
     write_rows = rng.integers(0, rows, writes)
     write_pages = rng.integers(0, PAGES, writes)
-    return StepLayout(
+    return StepLayout.of(
         tenants=tenants,
         num_cached=num_cached,
         starts=starts,
@@ -72,7 +72,7 @@ def test_the_c_check_gives_the_numpy_verdict_on_random_layouts() -> None:
 def test_a_page_outside_the_pool_fails_closed(page: int) -> None:
     pool = random_pool(np.random.default_rng(3))
     pool.state[:] = PageState.OWNED
-    layout = StepLayout(
+    layout = StepLayout.of(
         tenants=np.array([0]),
         num_cached=np.array([0]),
         starts=np.array([0, 1]),
@@ -85,3 +85,17 @@ def test_a_page_outside_the_pool_fails_closed(page: int) -> None:
         write_positions=np.array([0]),
     )
     assert Fence(pool).validate_step(layout) == {0: FOREIGN_OWNER}
+
+
+@pytest.mark.parametrize("section", ["starts", "write_rows"])
+def test_a_layout_pointing_outside_itself_is_refused_before_anything_is_read(section: str) -> None:
+    """An offset past the layout's pages, or a write of a row the batch has not: the C check would read
+    beyond the buffer, so it refuses the layout instead of judging it."""
+    rng = np.random.default_rng(5)
+    pool = random_pool(rng)
+    layout = random_layout(rng, pool)
+    while layout.write_rows.size == 0:
+        layout = random_layout(rng, pool)
+    getattr(layout, section)[-1] += 1_000
+    with pytest.raises(ValueError, match="malformed step layout"):
+        Fence(pool).validate_step(layout)

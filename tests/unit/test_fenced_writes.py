@@ -52,10 +52,17 @@ def test_the_fence_aborts_a_chunk_that_rewrites_a_shared_prefix_page() -> None:
     is aborted with stale_write, the other row (appending to its own page) is clean."""
     pool = pool_with(written=[PAGE_SIZE, PAGE_SIZE, 1], holders=[2, 1, 1])
     records = [MappingRecord(0, [0, 1], [1, 1]), MappingRecord(0, [0, 2], [1, 1])]
-    layout = StepLayout.reads_only(records, [0, PAGE_SIZE + 1])
-    layout.write_rows = np.array([0, 0, 0, 0, 1])
-    layout.write_pages = np.array([0, 0, 0, 0, 2])
-    layout.write_generations = np.ones(5, dtype=np.int64)
-    layout.write_offsets = np.array([0, 1, 2, 3, 1])
-    layout.write_positions = np.array([0, 1, 2, 3, PAGE_SIZE + 1])
+    reads = StepLayout.reads_only(records, [0, PAGE_SIZE + 1])
+    layout = StepLayout.of(
+        starts=reads.starts,
+        tenants=reads.tenants,
+        num_cached=reads.num_cached,
+        pages=reads.pages,
+        generations=reads.generations,
+        write_rows=np.array([0, 0, 0, 0, 1]),
+        write_pages=np.array([0, 0, 0, 0, 2]),
+        write_generations=np.ones(5, dtype=np.int64),
+        write_offsets=np.array([0, 1, 2, 3, 1]),
+        write_positions=np.array([0, 1, 2, 3, PAGE_SIZE + 1]),
+    )
     assert Fence(pool).validate_step(layout) == {0: STALE_WRITE}

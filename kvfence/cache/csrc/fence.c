@@ -1,47 +1,80 @@
-/* The fence's batched validation (cache/fence.py) in one pass over a step's layout.
+/* The fence's batched validation (cache/fence.py) in one pass over a step's layout: a Python extension
+ * module, `kvfence_fence.validate(flat, rows, writes, pool, reasons) -> (bad rows, refused writes)`.
  *
  * Contract: the verdict of `Fence._numpy_verdict` for the same layout and pool, row by row (tested
  * against it on random layouts): reasons[r] is the first violation of row r in the order STALE_GENERATION,
  * FOREIGN_OWNER, UNWRITTEN_READ over every page it reads, then STALE_WRITE over every slot it writes; 0
- * for a clean row. A page id outside [0, num_pages) fails closed, as a foreign page. Returns how many
- * writes were refused (the pool counts them).
+ * for a clean row. A page id outside [0, num_pages) fails closed, as a foreign page. A layout whose
+ * offsets or write rows point outside it is refused (ValueError) before anything is read.
+ *
+ * The layout is `StepLayout.flat`, one int64 array in the order of `struct layout` below; the pool is
+ * `struct pool` at an address fixed when the fence is made (its arrays are allocated once and edited in
+ * place). A module function, not ctypes: after a model step has flushed the caches, a ctypes call and an
+ * array's `.ctypes.data` cost tens of microseconds each (measured), most of the check.
  */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 #include <stdint.h>
 
 enum { CLEAN = 0, STALE_GENERATION = 1, FOREIGN_OWNER = 2, UNWRITTEN_READ = 3, STALE_WRITE = 4 };
+
+struct pool {
+    int64_t num_pages, page_size, owned;
+    const int64_t *generation, *owner;
+    const int8_t *state;
+    const int64_t *written, *holders;
+};
+
+struct layout {
+    const int64_t *starts, *tenants, *num_cached;                            /* [rows + 1], [rows], [rows] */
+    const int64_t *write_rows, *write_pages, *write_generations, *write_offsets; /* [writes] each */
+    const int64_t *pages, *generations;                                      /* [starts[rows]] each */
+};
+
+static struct layout sections(const int64_t *flat, int64_t rows, int64_t writes) {
+    struct layout l;
+    l.starts = flat;
+    l.tenants = l.starts + rows + 1;
+    l.num_cached = l.tenants + rows;
+    l.write_rows = l.num_cached + rows;
+    l.write_pages = l.write_rows + writes;
+    l.write_generations = l.write_pages + writes;
+    l.write_offsets = l.write_generations + writes;
+    l.pages = l.write_offsets + writes;
+    l.generations = l.pages + l.starts[rows];
+    return l;
+}
 
 /* A row keeps its first reason in the order above, whichever page shows it. */
 static void worst(int8_t *reason, int8_t found) {
     if (*reason == CLEAN || found < *reason) *reason = found;
 }
 
-int64_t validate_step(int64_t rows, const int64_t *starts, const int64_t *pages, const int64_t *generations,
-                      const int64_t *tenants, const int64_t *num_cached, int64_t writes,
-                      const int64_t *write_rows, const int64_t *write_pages, const int64_t *write_generations,
-                      const int64_t *write_offsets, int64_t num_pages, int64_t page_size,
-                      const int64_t *generation, const int64_t *owner, const int8_t *state,
-                      const int64_t *written, const int64_t *holders, int8_t owned, int8_t *reasons) {
+static void check_reads(const struct layout *l, int64_t rows, const struct pool *p, int8_t *reasons) {
     for (int64_t r = 0; r < rows; r++) {
         reasons[r] = CLEAN;
-        for (int64_t i = starts[r]; i < starts[r + 1]; i++) {
-            const int64_t page = pages[i], logical = i - starts[r];
-            if (page < 0 || page >= num_pages) {
+        for (int64_t i = l->starts[r]; i < l->starts[r + 1]; i++) {
+            const int64_t page = l->pages[i], logical = i - l->starts[r];
+            if (page < 0 || page >= p->num_pages) {
                 worst(reasons + r, FOREIGN_OWNER);
                 continue;
             }
-            int64_t required = num_cached[r] - logical * page_size;
-            required = required < 0 ? 0 : required > page_size ? page_size : required;
-            if (generation[page] != generations[i]) worst(reasons + r, STALE_GENERATION);
-            if (owner[page] != tenants[r] || state[page] != owned) worst(reasons + r, FOREIGN_OWNER);
-            if (written[page] < required) worst(reasons + r, UNWRITTEN_READ);
+            int64_t required = l->num_cached[r] - logical * p->page_size;
+            required = required < 0 ? 0 : required > p->page_size ? p->page_size : required;
+            if (p->generation[page] != l->generations[i]) worst(reasons + r, STALE_GENERATION);
+            if (p->owner[page] != l->tenants[r] || p->state[page] != p->owned) worst(reasons + r, FOREIGN_OWNER);
+            if (p->written[page] < required) worst(reasons + r, UNWRITTEN_READ);
         }
     }
+}
+
+static int64_t check_writes(const struct layout *l, int64_t writes, const struct pool *p, int8_t *reasons) {
     int64_t refused = 0;
     for (int64_t w = 0; w < writes; w++) {
-        const int64_t page = write_pages[w], r = write_rows[w];
-        const int ok = page >= 0 && page < num_pages && generation[page] == write_generations[w] &&
-                       owner[page] == tenants[r] && state[page] == owned && write_offsets[w] >= written[page] &&
-                       holders[page] <= 1;
+        const int64_t page = l->write_pages[w], r = l->write_rows[w];
+        const int ok = page >= 0 && page < p->num_pages && p->generation[page] == l->write_generations[w] &&
+                       p->owner[page] == l->tenants[r] && p->state[page] == p->owned &&
+                       l->write_offsets[w] >= p->written[page] && p->holders[page] <= 1;
         if (!ok) {
             refused++;
             if (reasons[r] == CLEAN) reasons[r] = STALE_WRITE;
@@ -49,3 +82,66 @@ int64_t validate_step(int64_t rows, const int64_t *starts, const int64_t *pages,
     }
     return refused;
 }
+
+/* The layout's offsets and write rows stay inside it: nothing below reads past `length` int64s. */
+static int well_formed(const int64_t *flat, Py_ssize_t length, int64_t rows, int64_t writes) {
+    if (rows < 0 || writes < 0 || length < 3 * rows + 1 + 4 * writes) return 0;
+    const struct layout l = sections(flat, rows, writes);
+    if (l.starts[0] != 0 || length != 3 * rows + 1 + 4 * writes + 2 * l.starts[rows]) return 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (l.starts[r + 1] < l.starts[r]) return 0;
+    for (int64_t w = 0; w < writes; w++)
+        if (l.write_rows[w] < 0 || l.write_rows[w] >= rows) return 0;
+    return 1;
+}
+
+static int int64_buffer(PyObject *object, Py_buffer *view, int itemsize) {
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return 0;
+    if (view->itemsize != itemsize) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "validate: wrong item size");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *validate(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "validate(flat, rows, writes, pool, reasons)");
+        return NULL;
+    }
+    const int64_t rows = PyLong_AsLongLong(args[1]), writes = PyLong_AsLongLong(args[2]);
+    const struct pool *pool = PyLong_AsVoidPtr(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer flat, reasons;
+    if (!int64_buffer(args[0], &flat, 8)) return NULL;
+    if (!int64_buffer(args[4], &reasons, 1)) {
+        PyBuffer_Release(&flat);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (!well_formed(flat.buf, flat.len / 8, rows, writes) || reasons.len < rows) {
+        PyErr_SetString(PyExc_ValueError, "validate: a malformed step layout");
+    } else {
+        const struct layout l = sections(flat.buf, rows, writes);
+        int8_t *reason = reasons.buf;
+        check_reads(&l, rows, pool, reason);
+        const int64_t refused = check_writes(&l, writes, pool, reason);
+        int64_t bad = 0;
+        for (int64_t r = 0; r < rows; r++) bad += reason[r] != CLEAN;
+        result = Py_BuildValue("(LL)", (long long)bad, (long long)refused);
+    }
+    PyBuffer_Release(&reasons);
+    PyBuffer_Release(&flat);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"validate", (PyCFunction)(void (*)(void))validate, METH_FASTCALL, "The step's verdict (see fence.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvfence_fence", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_kvfence_fence(void) { return PyModule_Create(&module); }
