@@ -59,8 +59,7 @@ class PageAllocator:
                 self.prefix.forget(page)  # hashes are per generation (a bug may hand out a cached page)
             self.pool.begin_generation(page, record.tenant)
             self.refcount[page] += 1
-            record.pages.append(page)
-            record.generations.append(int(self.pool.generation[page]))
+            record.append(page, int(self.pool.generation[page]))
         return pages
 
     def _take_page(self, record: MappingRecord) -> int:
@@ -85,8 +84,7 @@ class PageAllocator:
             if self.refcount[page] == 0 and self.prefix is not None:
                 self.prefix.acquire(page)
             self.refcount[page] += 1
-            record.pages.append(page)
-            record.generations.append(int(self.pool.generation[page]))
+            record.append(page, int(self.pool.generation[page]))
 
     def fork(self, parent: MappingRecord, child: MappingRecord, count: int) -> list[int]:
         """The child takes references on the parent's first `count` entries, at the generations the
@@ -97,8 +95,7 @@ class PageAllocator:
         for page, generation in zip(pages, generations, strict=True):
             if self.pool.generation[page] == generation and self.refcount[page] > 0:
                 self.refcount[page] += 1
-            child.pages.append(page)
-            child.generations.append(generation)
+            child.append(page, generation)
         return list(pages)
 
     def release(self, record: MappingRecord) -> None:
@@ -114,8 +111,7 @@ class PageAllocator:
                 self.stale_releases += 1
                 continue
             self._drop_reference(page)
-        record.pages.clear()
-        record.generations.clear()
+        record.clear()
         if self.faults.fire("stale_mapping"):
             self._free_a_held_page()
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 
+from kvfence.cache.block_table import BlockTable
 from kvfence.cache.pool import KVPool, PageState
 from kvfence.model import native
 from kvfence.trail.reasons import (
@@ -31,13 +33,53 @@ from kvfence.trail.reasons import (
 )
 
 
-@dataclass
 class MappingRecord:
-    """Pages in logical order with the generation each had when handed out. Allocator-edited only."""
+    """Pages in logical order with the generation each had when handed out, for one tenant: a row of a
+    BlockTable (the cache manager's, shared by every request's record; a record made alone gets its own).
+    Allocator-edited only (`append`, `clear`); read as tuples (`pages`, `generations`), by `entry`, or
+    through the table's rows (`row`, -1 while the record holds nothing)."""
 
-    tenant: int
-    pages: list[int] = field(default_factory=list)
-    generations: list[int] = field(default_factory=list)
+    __slots__ = ("row", "table", "tenant")
+
+    def __init__(
+        self,
+        tenant: int,
+        pages: Sequence[int] = (),
+        generations: Sequence[int] = (),
+        table: BlockTable | None = None,
+    ) -> None:
+        self.tenant = tenant
+        self.table = table if table is not None else BlockTable(rows=1)
+        self.row = -1
+        for page, generation in zip(pages, generations, strict=True):
+            self.append(page, generation)
+
+    def __len__(self) -> int:
+        return int(self.table.lengths[self.row]) if self.row >= 0 else 0
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        return tuple(self.table.pages[self.row, : len(self)].tolist()) if self.row >= 0 else ()
+
+    @property
+    def generations(self) -> tuple[int, ...]:
+        return tuple(self.table.generations[self.row, : len(self)].tolist()) if self.row >= 0 else ()
+
+    def entry(self, logical: int) -> tuple[int, int]:
+        """(page, generation) of one logical page; IndexError past the record's length."""
+        if not 0 <= logical < len(self):
+            raise IndexError(logical)
+        return int(self.table.pages[self.row, logical]), int(self.table.generations[self.row, logical])
+
+    def append(self, page: int, generation: int) -> None:
+        if self.row < 0:
+            self.row = self.table.take_row()
+        self.table.append(self.row, page, generation)
+
+    def clear(self) -> None:
+        if self.row >= 0:
+            self.table.give_row(self.row)
+            self.row = -1
 
 
 # StepLayout's arrays in the order csrc/fence.c reads them from `StepLayout.flat`.
@@ -104,7 +146,7 @@ class StepLayout:
         return cls.of(
             tenants=np.array([r.tenant for r in records], dtype=np.int64),
             num_cached=np.array(num_cached, dtype=np.int64),
-            starts=np.concatenate([[0], np.cumsum([len(r.pages) for r in records])]).astype(np.int64),
+            starts=np.concatenate([[0], np.cumsum([len(r) for r in records])]).astype(np.int64),
             pages=np.array([p for r in records for p in r.pages], dtype=np.int64),
             generations=np.array([g for r in records for g in r.generations], dtype=np.int64),
             write_rows=no_writes,
@@ -178,7 +220,7 @@ class Fence:
         """Invariant 6: after a transfer, every page must be current, the tenant's, and written far enough
         to hold `num_tokens` tokens. A "complete" message is never trusted on its own."""
         verdict = self._check_reads(StepLayout.reads_only([record], [num_tokens]))
-        if verdict or len(record.pages) * self.pool.page_size < num_tokens:
+        if verdict or len(record) * self.pool.page_size < num_tokens:
             return INCOMPLETE_HANDOFF
         return None
 

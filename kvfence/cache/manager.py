@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvfence.cache.allocator import PageAllocator
+from kvfence.cache.block_table import BlockTable
 from kvfence.cache.fence import MappingRecord
 from kvfence.cache.pool import KVPool, PageState
 from kvfence.cache.prefix import PrefixCache, extend_chain
@@ -47,10 +48,11 @@ class KVCacheManager:
         self.prefix = prefix
         self.events = events
         self.page_size = pool.page_size
+        self.block_table = BlockTable()  # every record's entries: the rows a step gathers its pages from
 
     def new_record(self, tenant: str) -> MappingRecord:
         """An empty record for a tenant (the pool's owner id comes from the name, never from a request)."""
-        return MappingRecord(self.allocator.tenant_id(tenant))
+        return MappingRecord(self.allocator.tenant_id(tenant), table=self.block_table)
 
     @property
     def num_free_pages(self) -> int:
@@ -58,7 +60,7 @@ class KVCacheManager:
 
     def pages_needed(self, seq: CachedSequence, num_tokens: int) -> int:
         """Pages to add so that the record covers the sequence's first `num_tokens` tokens."""
-        return max(0, cdiv(num_tokens, self.page_size) - len(seq.record.pages))
+        return max(0, cdiv(num_tokens, self.page_size) - len(seq.record))
 
     def allocate(self, seq: CachedSequence, num_tokens: int) -> bool:
         """Fresh pages (each at a new generation) until the record covers `num_tokens` tokens: all of
@@ -68,7 +70,7 @@ class KVCacheManager:
             return False
         if count:
             pages = self.allocator.allocate(seq.record, count)
-            generations = seq.record.generations[-count:]
+            generations = list(seq.record.generations[-count:])
             self.events.emit(seq.request_id, "pages_allocated", pages=pages, generations=generations)
         return True
 
@@ -98,17 +100,17 @@ class KVCacheManager:
             return
         extend_chain(seq.tenant, seq.page_hashes, seq.all_token_ids, self.page_size)
         for logical in range(seq.num_published_pages, full):
-            page = seq.record.pages[logical]
+            page, _ = seq.record.entry(logical)
             if self._holds(seq.record, logical) and not self.prefix.is_cached(page):
                 self.prefix.insert(page, seq.page_hashes[logical])
         seq.num_published_pages = full
 
     def _holds(self, record: MappingRecord, logical: int) -> bool:
         """The record's entry is still its page: same generation, owned by the record's tenant."""
-        page = record.pages[logical]
+        page, generation = record.entry(logical)
         pool = self.pool
         return bool(
-            pool.generation[page] == record.generations[logical]
+            pool.generation[page] == generation
             and pool.state[page] == PageState.OWNED
             and pool.owner[page] == record.tenant
         )
@@ -125,15 +127,15 @@ class KVCacheManager:
         checked the parent's record with the fence and made `fork_pages_needed` pages free; the parent
         keeps its own references until it is released."""
         full, slots = divmod(num_tokens, self.page_size)
-        source = parent.record.pages[full] if slots else None
+        source = parent.record.entry(full)[0] if slots else None
         copies = []
         for child in children:
-            assert not child.record.pages, "a fork starts from an empty record"
+            assert not len(child.record), "a fork starts from an empty record"
             shared = self.allocator.fork(parent.record, child.record, full)
             if source is not None:
                 [copy] = self.allocator.allocate(child.record, 1)
                 record = child.record
-                self.pool.copy_page(source, copy, record.generations[-1], record.tenant, slots)
+                self.pool.copy_page(source, copy, record.entry(len(record) - 1)[1], record.tenant, slots)
                 copies.append(copy)
             child.page_hashes[:] = parent.page_hashes  # the prompt's chain: its full pages are the same
             child.num_published_pages = parent.num_published_pages
@@ -152,7 +154,7 @@ class KVCacheManager:
             parent.request_id,
             "forked",
             children=[c.request_id for c in children],
-            shared=parent.record.pages[:full],
+            shared=list(parent.record.pages[:full]),
             source=source,
             copies=copies,
         )
@@ -160,7 +162,7 @@ class KVCacheManager:
     def release(self, seq: CachedSequence) -> None:
         """Give back every page of the record (to the prefix cache or the free queue)."""
         seq.num_published_pages = 0
-        if seq.record.pages:
+        if len(seq.record):
             pages = list(seq.record.pages)
             self.allocator.release(seq.record)
             self.events.emit(seq.request_id, "released", pages=pages)
@@ -168,7 +170,7 @@ class KVCacheManager:
     def quarantine(self, seq: CachedSequence) -> None:
         """Block every read and write of the record's pages while a transfer into them may be in flight
         (invariant 4); `release` later, once the transfer is drained."""
-        if seq.record.pages:
+        if len(seq.record):
             self.events.emit(seq.request_id, "quarantined", pages=self.allocator.quarantine(seq.record))
 
     def check_integrity(self) -> None:

@@ -183,7 +183,7 @@ class DecodeWorker(Worker):
 
     def _reserved_pages(self, tenant: str) -> int:
         requests = (self.engine.requests.get(rid) for rid in self.inbound)
-        return sum(len(r.record.pages) for r in requests if r is not None and r.tenant == tenant)
+        return sum(len(r.record) for r in requests if r is not None and r.tenant == tenant)
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.engine.pool.page_size)
@@ -221,10 +221,7 @@ class DecodeWorker(Worker):
             return
         self.inbound[request_id].started = True
         record, logical = request.record, message.logical
-        if not logical < len(record.pages) or (record.pages[logical], record.generations[logical]) != (
-            page,
-            generation,
-        ):
+        if not 0 <= logical < len(record) or record.entry(logical) != (page, generation):
             self._refuse(request_id, page, "target is not in the request's record")
             self._abort(request_id, STALE_WRITE)
             return
@@ -362,10 +359,10 @@ class DecodeWorker(Worker):
         request, inbound = self.engine.requests[request_id], self.inbound[request_id]
         tokens, record = request.num_tokens - 1, request.record
         needed = cdiv(tokens, self.engine.pool.page_size)
-        if self.isolation and (len(checksums) != needed or len(record.pages) < needed):
+        if self.isolation and (len(checksums) != needed or len(record) < needed):
             return INCOMPLETE_HANDOFF
-        for logical in range(min(needed, len(record.pages), len(checksums))):
-            page, generation = record.pages[logical], record.generations[logical]
+        for logical in range(min(needed, len(record), len(checksums))):
+            page, generation = record.entry(logical)
             slots = self.engine.page_slots(tokens, logical)
             sealed = self.agent.area[page, : slots * self.engine.pool.token_bytes + TAG_BYTES].tobytes()
             self.agent.area[page] = 0

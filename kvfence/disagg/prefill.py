@@ -230,7 +230,7 @@ class PrefillWorker(Worker):
             del self.awaiting_key[request_id]
         if transfer is None or request is None or (request_id, transfer.decode) not in self.keys:
             return
-        if len(self.free_slots) < len(request.record.pages):
+        if len(self.free_slots) < len(request.record):
             return  # `tick` tries again as WRITEs finish
         del self.awaiting_key[request_id]
         self._post(transfer, self.keys.pop((request_id, transfer.decode)))

@@ -316,7 +316,7 @@ class LLMEngine:
         """Every prefill chunk and the first decode step are on the record. Later decode steps repeat the
         first with one more token; the finish event's token count sums them up, so the trail stays small."""
         if n > 1 or len(request.output_token_ids) <= 1:
-            pages = request.record.pages[: cdiv(request.num_computed_tokens + n, self.pool.page_size)]
+            pages = list(request.record.pages[: cdiv(request.num_computed_tokens + n, self.pool.page_size)])
             if self.fence.enabled:
                 self.events.emit(request.request_id, "validated", pages=pages)
             self.events.emit(request.request_id, "step", tokens=n, position=request.num_computed_tokens)

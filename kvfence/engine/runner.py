@@ -14,6 +14,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from kvfence.cache.block_table import BlockTable
 from kvfence.cache.fence import Fence, StepLayout
 from kvfence.cache.pool import KVPool
 from kvfence.engine.sampler import hold_ends, raw_logprobs, sample, token_logprobs
@@ -226,26 +227,24 @@ def fork_rows(requests: list[Request], logits: torch.Tensor) -> tuple[list[Reque
 
 def build_layout(requests: list[Request], num_new: list[int], page_size: int) -> StepLayout:
     """Flatten the batch's records: the pages each row reads/writes this step and every new token's slot,
-    written in place into one StepLayout."""
-    cached = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=len(requests))
+    written in place into one StepLayout. The pages come from the block table's rows in one gather (the
+    records of an engine's requests all live in its cache manager's table)."""
+    records = [r.record for r in requests]
+    table = records[0].table if records else BlockTable(rows=0)
+    if any(record.table is not table for record in records):
+        raise ValueError("a batch's records must share one block table")
+    count = len(requests)
+    cached = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=count)
     new = np.array(num_new, dtype=np.int64)
     mapped = cdiv(cached + new, page_size)  # pages covering every token the step touches
-    counts = mapped.tolist()
-    layout = StepLayout.empty(len(requests), int(mapped.sum()), int(new.sum()))
+    pages, generations = table.gather(np.fromiter((r.row for r in records), np.int64, count), mapped)
+    layout = StepLayout.empty(count, pages.size, int(new.sum()))
     layout.starts[0] = 0
     np.cumsum(mapped, out=layout.starts[1:])
-    layout.tenants[:] = [r.record.tenant for r in requests]
+    layout.tenants[:] = np.fromiter((r.tenant for r in records), np.int64, count)
     layout.num_cached[:] = cached
-    layout.pages[:] = np.fromiter(
-        chain.from_iterable(r.record.pages[:m] for r, m in zip(requests, counts, strict=True)),
-        dtype=np.int64,
-        count=layout.pages.size,
-    )
-    layout.generations[:] = np.fromiter(
-        chain.from_iterable(r.record.generations[:m] for r, m in zip(requests, counts, strict=True)),
-        dtype=np.int64,
-        count=layout.pages.size,
-    )
+    layout.pages[:] = pages
+    layout.generations[:] = generations
     write_rows = layout.write_rows
     write_rows[:] = np.repeat(np.arange(len(requests)), new)
     token_starts = np.concatenate([[0], np.cumsum(new)])

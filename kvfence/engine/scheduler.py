@@ -146,7 +146,7 @@ class Scheduler:
         """Pages held by running requests, by tenant."""
         held: Counter[str] = Counter()
         for request in self.running:
-            held[request.tenant] += len(request.record.pages)
+            held[request.tenant] += len(request.record)
         return held
 
     def _victim(self, scheduled: list[Request]) -> Request:
@@ -177,7 +177,7 @@ class Scheduler:
             self.admitting = None
 
     def _first_chunk(self, request: Request, budget: int) -> int:
-        if not request.record.pages and request.params.prompt_logprobs is None:
+        if not len(request.record) and request.params.prompt_logprobs is None:
             # At least one token must be computed to produce logits, so never take the last from cache; a
             # request for its prompt's logprobs computes every prompt token (a cached page has no logits).
             request.num_computed_tokens = self.kv_cache.share_cached_prefix(request, request.num_tokens - 1)
@@ -262,7 +262,7 @@ class Scheduler:
             self.events.emit(request.request_id, "rejected", reason=reason, tenant=request.tenant)
         else:
             self.events.emit(request.request_id, "aborted", reason=reason)
-        if quarantine and request.record.pages:
+        if quarantine and len(request.record):
             self.kv_cache.quarantine(request)
             self.quarantined[request.request_id] = request
         else:

@@ -144,8 +144,8 @@ class FenceMachine(RuleBasedStateMachine):
             forked, record = trail[0], request.record
             count = len(forked["pages"])
             assert forked["pages"] == forked["shared"] + forked["copied"]
-            assert record.pages[:count] == forked["pages"]
-            assert record.generations[:count] == forked["generations"]
+            assert list(record.pages[:count]) == forked["pages"]
+            assert list(record.generations[:count]) == forked["generations"]
 
     @invariant()
     def generations_never_decrease(self) -> None:

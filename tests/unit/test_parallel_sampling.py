@@ -54,7 +54,8 @@ def test_forks_share_full_pages_and_copy_the_partial_one(tiny: Transformer) -> N
     assert len(set(copies)) == 3 and source not in copies and forked["copies"] == copies
     for child in parent.forks:
         record = child.record
-        assert record.pages[:2] == shared and record.generations[:2] == pool.generation[shared].tolist()
+        assert list(record.pages[:2]) == shared
+        assert list(record.generations[:2]) == pool.generation[shared].tolist()
         assert record.generations[2] == pool.generation[record.pages[2]] and refcount[record.pages[2]] == 1
         copy = record.pages[2]
         # The source page is free now but never zeroed: what the copy took from it is still there.
