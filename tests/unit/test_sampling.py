@@ -9,15 +9,18 @@ import pytest
 import torch
 from conftest import LogitsRecorder, make_engine
 
+from kvfence.engine import sampler
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.sampler import (
     CANDIDATE_STAGES,
     CANDIDATES,
     _inverse_cdf,
+    _nucleus_kernel,
     _pick,
     adjusted_rows,
     candidates,
     make_generator,
+    native_draw,
     nucleus,
     raw_logprobs,
     sample,
@@ -314,10 +317,16 @@ def test_prompt_logprobs_are_each_prompt_tokens_log_softmax_at_the_position_befo
         assert [t for t, _ in entry.top] == torch.topk(logp[position - 1], 3).indices.tolist()
 
 
-def test_each_candidate_stage_draws_only_what_the_row_keeps() -> None:
+@pytest.mark.parametrize("path", ["tensor ops", "C"])
+def test_each_candidate_stage_draws_only_what_the_row_keeps(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rows whose nucleus fits the 64 best, the 1,024 best, or neither are drawn by the stage that holds
     it: every drawn token is one the per-row definition keeps, and the wider rows do draw beyond 64 and
-    beyond 1,024 tokens (each stage ran)."""
+    beyond 1,024 tokens (each stage ran). The same of csrc/nucleus.c, which draws such rows where it is
+    built (seeded rows always take the tensor ops)."""
+    if path == "tensor ops":
+        monkeypatch.setattr(sampler, "_nucleus_kernel", lambda: None)
     gen = torch.Generator().manual_seed(21)
     base = torch.randn(4 * CANDIDATES, generator=gen)
     rows = torch.stack([base * 12, base * 2.5, base * 0.3])  # nuclei of ~tens, hundreds, thousands
@@ -343,3 +352,59 @@ def test_the_draw_follows_the_probabilities_and_never_a_zero() -> None:
     counts = torch.bincount(drawn, minlength=6).double() / len(drawn)
     assert counts[1] == counts[4] == counts[5] == 0
     assert torch.allclose(counts[[0, 2, 3]], torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.015)
+
+
+def scaled_as_drawn(rows: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What `draw` hands the truncation: logits less their max, over the temperature, min_p's drops -inf."""
+    scaled = rows - rows.max(dim=-1, keepdim=True).values
+    scaled = scaled / torch.tensor([[p.temperature] for p in params])
+    floor = torch.tensor([[math.log(p.min_p) if p.min_p > 0 else -math.inf] for p in params])
+    return scaled.masked_fill(scaled < floor, -math.inf)
+
+
+def test_the_c_draw_keeps_what_the_per_row_formulas_keep() -> None:
+    """csrc/nucleus.c, which draws the unseeded truncated rows: on sharp and flat rows under random top_k,
+    top_p and min_p, the tokens it keeps (all at or above its edge) are the per-row definition's, and the
+    token it draws is one of them."""
+    assert _nucleus_kernel() is not None, "CI has a C compiler: a silent fallback would leave it untested"
+    gen = torch.Generator().manual_seed(13)
+    rows = torch.cat([torch.randn(40, 3000, generator=gen) * 4, torch.randn(24, 3000, generator=gen) * 0.3])
+    params = [
+        SamplingParams(
+            temperature=float(0.2 + 1.5 * torch.rand(1, generator=gen)),
+            top_k=int(torch.randint(0, 60, (1,), generator=gen)) if i % 2 else 0,
+            top_p=float(0.05 + 0.95 * torch.rand(1, generator=gen)),
+            min_p=float(0.2 * torch.rand(1, generator=gen)) if i % 3 == 0 else 0.0,
+        )
+        for i in range(len(rows))
+    ]
+    scaled = scaled_as_drawn(rows, params)
+    tokens, edges = native_draw(scaled, params, torch.Generator().manual_seed(5))
+    widths = []
+    for row, p in enumerate(params):
+        want = reference_probabilities(rows[row], p) > 0
+        # The edge is the C exp of the least kept logit; torch's exp of it may be an ulp away.
+        kept = torch.exp(scaled[row]) >= edges[row] * (1 - 1e-6)
+        assert torch.equal(kept, want), f"row {row}: another set of tokens kept"
+        assert tokens[row] is not None and bool(want[tokens[row]])
+        widths.append(int(want.sum()))
+    assert min(widths) < 10 and max(widths) > 1000, widths  # narrow and wide nuclei both ran
+
+
+def test_the_c_draw_follows_the_probabilities() -> None:
+    """20,000 draws of one row (top_k 6, top_p 0.9) with fixed noise: each kept token comes out at its
+    probability (within four standard deviations) and a dropped one never; a row with no finite logit
+    draws nothing."""
+    row = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0]])
+    p = SamplingParams(temperature=1.0, top_k=6, top_p=0.9)
+    want = reference_probabilities(row[0], p)
+    batch = row.expand(20_000, -1)
+    tokens, _ = native_draw(
+        scaled_as_drawn(batch, [p] * 20_000), [p] * 20_000, torch.Generator().manual_seed(3)
+    )
+    freq = torch.bincount(torch.tensor(tokens), minlength=8).double() / 20_000
+    sigma = (want * (1 - want) / 20_000).sqrt().double()
+    assert bool((freq[want == 0] == 0).all()) and bool(
+        ((freq - want.double()).abs() <= 4 * sigma + 1e-12).all()
+    )
+    assert native_draw(torch.full((1, 8), -math.inf), [p], None)[0] == [None]
