@@ -117,6 +117,9 @@ def load_extension(name: str, csrc: Path) -> ModuleType | None:
     loader = importlib.machinery.ExtensionFileLoader(f"kvfence_{name}", str(built))
     spec = importlib.util.spec_from_file_location(loader.name, str(built), loader=loader)
     assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
+    try:
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError:  # built against other headers than this interpreter's, say
+        return None
     return module
