@@ -128,8 +128,8 @@ def native_draw(
     scaled: torch.Tensor, params: Sequence[SamplingParams], noise: torch.Generator | None
 ) -> tuple[list[int | None], torch.Tensor]:
     """csrc/nucleus.c's draw for `scaled` [rows, vocab] (temperature and min_p applied) under each row's
-    top_k and top_p, one uniform a row from `noise`: (tokens, None where no logit is finite; each row's
-    least kept probability relative to its largest, the kept set's edge)."""
+    top_k and top_p, one uniform a row from `noise`: (tokens, None where no logit is finite or one is NaN
+    or +inf; each row's least kept probability relative to its largest, the kept set's edge)."""
     kernel = _nucleus_kernel()
     assert kernel is not None
     rows = scaled.float().contiguous()

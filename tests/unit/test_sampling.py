@@ -393,8 +393,8 @@ def test_the_c_draw_keeps_what_the_per_row_formulas_keep() -> None:
 
 def test_the_c_draw_follows_the_probabilities() -> None:
     """20,000 draws of one row (top_k 6, top_p 0.9) with fixed noise: each kept token comes out at its
-    probability (within four standard deviations) and a dropped one never; a row with no finite logit
-    draws nothing."""
+    probability (within four standard deviations) and a dropped one never; a row with no finite logit,
+    or with a NaN or +inf one, draws nothing."""
     row = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0]])
     p = SamplingParams(temperature=1.0, top_k=6, top_p=0.9)
     want = reference_probabilities(row[0], p)
@@ -408,3 +408,5 @@ def test_the_c_draw_follows_the_probabilities() -> None:
         ((freq - want.double()).abs() <= 4 * sigma + 1e-12).all()
     )
     assert native_draw(torch.full((1, 8), -math.inf), [p], None)[0] == [None]
+    for poison in (math.nan, math.inf):  # a penalty gone wrong: no distribution, the row fails closed
+        assert native_draw(row.index_fill(1, torch.tensor([3]), poison), [p], None)[0] == [None]

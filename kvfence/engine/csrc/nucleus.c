@@ -7,7 +7,8 @@
  *   at or above t reaches top_p of the kept mass (ties at the edge all kept): the per-row definition (sort,
  *   keep while the mass before a token is under top_p), found without sorting;
  *   the token is the first in vocabulary order whose cumulative kept mass exceeds u[r] times the kept mass
- *   (inverse CDF: never a dropped token). tokens[r] = -1 where no logit is finite (nothing to draw).
+ *   (inverse CDF: never a dropped token). tokens[r] = -1 where no logit is finite, or one is NaN or +inf
+ *   (nothing sound to draw: the caller aborts that request alone).
  *   edges[r] = the least p kept, relative to the largest (for tests: the kept set is p >= edge * max).
  * Edges are found by a radix select over the float bits of p (ordered as the values, p >= 0): a histogram
  * of the high 16 bits, then of the low 16 bits within the edge's bin; masses summed in double.
@@ -57,8 +58,10 @@ static uint32_t edge_key(const float *p, int64_t n, uint32_t floor, double want,
 static int64_t draw_row(const float *scaled, int64_t vocab, int64_t top_k, double top_p, double u, float *p,
                         double *bins, float *edge) {
     float best = -INFINITY;
-    for (int64_t i = 0; i < vocab; i++)
+    for (int64_t i = 0; i < vocab; i++) {
+        if (isnan(scaled[i]) || scaled[i] == INFINITY) return -1; /* no distribution: fail the row closed */
         if (scaled[i] > best) best = scaled[i];
+    }
     if (!isfinite(best)) return -1;
     int64_t finite = 0;
     for (int64_t i = 0; i < vocab; i++) {
