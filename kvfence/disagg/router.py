@@ -234,12 +234,12 @@ class Router:
                 if fork is not None and fork >= n:  # a choice this request has not: fail it closed
                     self._drop(route.decode, "bad_field", f"output of choice {fork} of {request_id} (n={n})")
                     self._send(route.decode, Abort(request_id=request_id, reason="bad_reply"))
-                    message = _aborted(request_id, "bad_reply")
+                    message, fork = _aborted(request_id, "bad_reply"), None
                 output = _output(message)
                 self.placement.release_prefill(route)
                 if output.finished:
                     running -= 1
-                    finished = getattr(message, "fork", None) is None or running == 0
+                    finished = fork is None or running == 0
                 yield output
         finally:
             self._streams.pop(request_id, None)

@@ -57,6 +57,10 @@ def isa_flags() -> tuple[str, ...]:
     return next((isa for needed, isa in _ISA if needed <= flags), ())
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "kvfence" / "kernels"
@@ -90,7 +94,7 @@ def load_library(
     """(`csrc`/`name`.c, linked with `csrc`/`with_sources`.c, built and loaded, "") or (None, why not).
     Built once per process and per machine; `extra_flags` (e.g. a -D switch) give a separately cached
     build. `csrc`: another package's C sources (the fence's, cache/csrc)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         return None, "no C compiler (cc) on PATH"
     try:
@@ -106,7 +110,7 @@ def load_library(
 def load_extension(name: str, csrc: Path) -> ModuleType | None:
     """`csrc`/`name`.c built as the extension module `kvfence_<name>` and imported, or None where it cannot
     be (no compiler, no Python headers, a build error)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     include = Path(sysconfig.get_paths()["include"])
     if compiler is None or not (include / "Python.h").exists():
         return None

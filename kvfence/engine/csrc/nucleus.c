@@ -55,6 +55,14 @@ static uint32_t edge_key(const float *p, int64_t n, uint32_t floor, double want,
     return key > floor ? key : floor;
 }
 
+/* The mass of the tokens whose key is at least `floor`. */
+static double mass_from(const float *p, int64_t n, uint32_t floor) {
+    double mass = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        if (bits_of(p[i]) >= floor) mass += p[i];
+    return mass;
+}
+
 static int64_t draw_row(const float *scaled, int64_t vocab, int64_t top_k, double top_p, double u, float *p,
                         double *bins, float *edge) {
     float best = -INFINITY;
@@ -70,14 +78,10 @@ static int64_t draw_row(const float *scaled, int64_t vocab, int64_t top_k, doubl
     }
     uint32_t floor = bits_of(0.0f) + 1; /* the least positive float: zeros are never kept */
     if (top_k > 0 && top_k < finite) floor = edge_key(p, vocab, floor, (double)top_k, 1, bins);
-    double kept = 0.0;
-    for (int64_t i = 0; i < vocab; i++)
-        if (bits_of(p[i]) >= floor) kept += p[i];
+    double kept = mass_from(p, vocab, floor);
     if (top_p < 1.0) {
         floor = edge_key(p, vocab, floor, top_p * kept, 0, bins);
-        kept = 0.0;
-        for (int64_t i = 0; i < vocab; i++)
-            if (bits_of(p[i]) >= floor) kept += p[i];
+        kept = mass_from(p, vocab, floor);
     }
     float least;
     const uint32_t f = floor;
