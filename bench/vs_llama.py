@@ -17,8 +17,9 @@ per-step overhead decides. `--activation-dtype int8` serves kvfence with 4-bit w
 int8-quantized rows, as llama.cpp computes them (default float32: exact products). Prints a table of output
 tok/s with the ratio, TTFT and TPOT p50, and each server's resident memory after the rows (and its peak,
 loading included); writes bench/results/vs_llama.json. Exit status 1 when a verdict fails: kvfence >=
-llama-server at every row, sampled >= 0.9 x greedy at 16 streams, resident memory <= 1.5 x the file plus the
-KV pool.
+llama-server at every row, sampled >= 0.9 x greedy at 16 streams, resident memory serving the 1B file <= 1.5 x
+the file plus the KV pool (SmolLM2's is in the table: its bound, 653 MiB, is less than torch's runtime plus
+the pool).
 """
 
 from __future__ import annotations
@@ -158,6 +159,8 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
             found.append(
                 verdict(f"{model} x16: sampled / greedy", share >= 0.9, f"{share:.2f} (target >= 0.9)")
             )
+        if model != "llama-1b":
+            continue  # the issue bounds the 1B file; under 0.2 GB the bound is less than torch's own runtime
         first = next(iter(by.values()))
         bound = 1.5 * first["file_mb"] + parse_size(KV_POOL) / 2**20
         rss = first["rss_mb"]["kvfence"]

@@ -154,14 +154,18 @@ class Tokenizer:
                 f"unsupported GGUF tokenizer model {tokenizer_model!r}: "
                 "only byte-level BPE ('gpt2') and SentencePiece ('llama')"
             )
-        self._tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+        # The vocab's texts are read here and not kept: the backend holds them (49,152 strings are 3.4 MiB).
+        tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
         token_types: list[int] = list(metadata["tokenizer.ggml.token_type"])
-        self._backend = self._build_backend(metadata, token_types)
+        self._vocab_size = len(tokens)
+        self._backend = self._build_backend(metadata, tokens, token_types)
         self._bos_token_id = _optional_int(metadata.get("tokenizer.ggml.bos_token_id"))
         default_bos = _DEFAULT_ADD_BOS[str(tokenizer_model)]
         self._add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
         self._eos_token_id = int(metadata["tokenizer.ggml.eos_token_id"])
-        self._stop_token_ids = self._end_of_generation_ids(metadata, token_types)
+        self._stop_token_ids = self._end_of_generation_ids(metadata, tokens, token_types)
+        self._bos_text = "" if self._bos_token_id is None else tokens[self._bos_token_id]
+        self._eos_text = tokens[self._eos_token_id]
         template = chat_template if chat_template is not None else metadata.get("tokenizer.chat_template")
         self._template_source = None if template is None else str(template)
         self._chat_template = _compile_template(self._template_source)
@@ -171,28 +175,23 @@ class Tokenizer:
         """The tokenizer stored in a loaded GGUF model's metadata (`chat_template` as in `__init__`)."""
         return cls(model.metadata, chat_template)
 
-    def _build_backend(self, metadata: Mapping[str, object], token_types: list[int]) -> tokenizers.Tokenizer:
+    @staticmethod
+    def _build_backend(
+        metadata: Mapping[str, object], tokens: list[str], token_types: list[int]
+    ) -> tokenizers.Tokenizer:
         """The file's kind of `tokenizers` model; control tokens become special tokens."""
         if metadata["tokenizer.ggml.model"] == "llama":
-            backend = _sentencepiece_backend(metadata, self._tokens, token_types)
+            backend = _sentencepiece_backend(metadata, tokens, token_types)
         else:
-            backend = _byte_level_backend(metadata, self._tokens)
+            backend = _byte_level_backend(metadata, tokens)
         # Both kinds are matched whole in raw text (as llama.cpp does) instead of being cut into pieces.
-        backend.add_special_tokens(self._tokens_of_type(token_types, _CONTROL, special=True))
-        backend.add_tokens(self._tokens_of_type(token_types, _USER_DEFINED, special=False))
+        backend.add_special_tokens(_tokens_of_type(tokens, token_types, _CONTROL, special=True))
+        backend.add_tokens(_tokens_of_type(tokens, token_types, _USER_DEFINED, special=False))
         return backend
 
-    def _tokens_of_type(
-        self, token_types: list[int], wanted: int, special: bool
-    ) -> list[tokenizers.AddedToken]:
-        """The vocab entries of token type `wanted`, as added tokens that never go through normalization."""
-        return [
-            tokenizers.AddedToken(token, normalized=False, special=special)
-            for token, token_type in zip(self._tokens, token_types, strict=True)
-            if token_type == wanted
-        ]
-
-    def _end_of_generation_ids(self, metadata: Mapping[str, object], token_types: list[int]) -> set[int]:
+    def _end_of_generation_ids(
+        self, metadata: Mapping[str, object], tokens: list[str], token_types: list[int]
+    ) -> set[int]:
         """eos, eot and eom ids from the header, plus control tokens llama.cpp treats as end of turn."""
         ids = {self._eos_token_id}
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -200,7 +199,7 @@ class Tokenizer:
                 ids.add(token_id)
         ids.update(
             index
-            for index, (token, token_type) in enumerate(zip(self._tokens, token_types, strict=True))
+            for index, (token, token_type) in enumerate(zip(tokens, token_types, strict=True))
             if token_type == _CONTROL and token in _END_OF_GENERATION_TEXTS
         )
         return ids
@@ -216,7 +215,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return len(self._tokens)
+        return self._vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token texts in `text` (e.g. "<|im_start|>") always map to their
@@ -260,12 +259,20 @@ class Tokenizer:
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_text(self._bos_token_id),
-            eos_token=self._token_text(self._eos_token_id),
+            bos_token=self._bos_text,
+            eos_token=self._eos_text,
         )
 
-    def _token_text(self, token_id: int | None) -> str:
-        return "" if token_id is None else self._tokens[token_id]
+
+def _tokens_of_type(
+    tokens: list[str], token_types: list[int], wanted: int, special: bool
+) -> list[tokenizers.AddedToken]:
+    """The vocab entries of token type `wanted`, as added tokens that never go through normalization."""
+    return [
+        tokenizers.AddedToken(token, normalized=False, special=special)
+        for token, token_type in zip(tokens, token_types, strict=True)
+        if token_type == wanted
+    ]
 
 
 def _optional_int(value: object) -> int | None:
