@@ -132,7 +132,10 @@ def native_draw(
     or +inf; each row's least kept probability relative to its largest, the kept set's edge)."""
     kernel = _nucleus_kernel()
     assert kernel is not None
-    rows = scaled.float().contiguous()
+    rows = scaled.float()
+    # The exps here, vectorised (a scalar expf a token was most of the C draw's time); a NaN or +inf logit
+    # leaves its row a NaN, which the kernel refuses.
+    rows = torch.exp(rows - rows.amax(dim=-1, keepdim=True)).contiguous()
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
     uniform = torch.rand(len(params), dtype=torch.float64, generator=noise)
