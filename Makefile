@@ -27,13 +27,17 @@ setup-test: $(VENV)/.test
 serve: setup
 	$(VENV)/bin/kvfence serve $(ARGS)
 
+# The suite on TEST_WORKERS processes (pytest-xdist; CI has 2 cores), each test on one OpenMP thread: two
+# processes' OpenMP threads spinning on each other's barriers would slow both many times over. The kernels'
+# tests set two threads where a thread count could change a result.
+TEST_WORKERS ?= 2
 test: setup-test
 	$(VENV)/bin/ruff check kvfence tests bench
-	$(PY) -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 # The unit tests alone (tiny random model, no processes): the quick loop while working.
 test-fast: setup-test
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests/unit
 
 lint: setup-test
 	$(VENV)/bin/ruff check kvfence tests bench

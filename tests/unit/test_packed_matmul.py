@@ -84,6 +84,24 @@ def test_a_row_is_computed_the_same_whatever_the_batch(kernel: packed_matmul.Pac
             assert torch.equal(kernel(x[first : first + rows], packed), batched[first : first + rows])
 
 
+@pytest.mark.parametrize("dot", [False, True], ids=["float rows", "int8 rows"])
+def test_two_threads_compute_the_bits_one_does(kernel: packed_matmul.PackedMatmulKernel, dot: bool) -> None:
+    """A product big enough to be split over threads (16 x 512 x 1024 multiply-adds, over the C threshold):
+    each output is one thread's, so the thread count changes no bit (the suite's default is one thread)."""
+    _, quantized = quantized_weight(1024, 512, gguf.GGMLQuantizationType.Q4_0)
+    packed = PackedWeight.pack([quantized], dot)
+    assert packed is not None
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(6))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernel(x, packed)
+        torch.set_num_threads(2)
+        assert torch.equal(kernel(x, packed), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_strided_rows_give_the_contiguous_result(kernel: packed_matmul.PackedMatmulKernel) -> None:
     _, quantized = quantized_weight(32, 64, gguf.GGMLQuantizationType.Q8_0)
     packed = PackedWeight.pack([quantized])

@@ -390,6 +390,21 @@ def test_the_c_draw_keeps_what_the_per_row_formulas_keep() -> None:
     assert min(widths) < 10 and max(widths) > 1000, widths  # narrow and wide nuclei both ran
 
 
+def test_the_c_draw_takes_the_same_tokens_on_two_threads() -> None:
+    """Rows are drawn in parallel, each from its own uniform: the thread count changes no token."""
+    rows = torch.randn(16, 3000, generator=torch.Generator().manual_seed(8)) * 3
+    params = [SamplingParams(temperature=0.7, top_k=40 * (i % 2), top_p=0.9) for i in range(16)]
+    threads = torch.get_num_threads()
+    drawn = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            drawn.append(native_draw(scaled_as_drawn(rows, params), params, torch.Generator().manual_seed(9)))
+    finally:
+        torch.set_num_threads(threads)
+    assert drawn[0][0] == drawn[1][0] and torch.equal(drawn[0][1], drawn[1][1])
+
+
 def test_the_c_draw_follows_the_probabilities() -> None:
     """20,000 draws of one row (top_k 6, top_p 0.9) with fixed noise: each kept token comes out at its
     probability (within four standard deviations) and a dropped one never; a row with no finite logit,
