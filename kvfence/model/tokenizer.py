@@ -164,6 +164,9 @@ class Tokenizer:
         self._add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
         self._eos_token_id = int(metadata["tokenizer.ggml.eos_token_id"])
         self._stop_token_ids = self._end_of_generation_ids(metadata, tokens, token_types)
+        for name, token_id in (("bos", self._bos_token_id), ("eos", self._eos_token_id)):
+            if token_id is not None and not 0 <= token_id < len(tokens):
+                raise ValueError(f"the file's {name} token id {token_id} is outside its {len(tokens)} tokens")
         self._bos_text = "" if self._bos_token_id is None else tokens[self._bos_token_id]
         self._eos_text = tokens[self._eos_token_id]
         template = chat_template if chat_template is not None else metadata.get("tokenizer.chat_template")

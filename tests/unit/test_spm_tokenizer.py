@@ -46,6 +46,15 @@ def pieces(tokenizer: Tokenizer, text: str) -> list[str]:
     return [tiny_spm()["tokenizer.ggml.tokens"][i] for i in tokenizer.encode(text)]
 
 
+@pytest.mark.parametrize("key", ["bos", "eos"])
+def test_a_bos_or_eos_id_outside_the_vocab_is_refused_at_load(key: str) -> None:
+    """The chat template renders their texts: an id the vocab lacks is the file's error, named at load."""
+    size = len(tiny_spm()["tokenizer.ggml.tokens"])
+    with pytest.raises(ValueError, match=f"{key} token id {size} is outside"):
+        Tokenizer(tiny_spm(**{f"tokenizer.ggml.{key}_token_id": size}))
+    assert Tokenizer(tiny_spm(**{f"tokenizer.ggml.{key}_token_id": size - 1})).vocab_size == size
+
+
 def test_pieces_merge_by_highest_score() -> None:
     """llama.cpp joins the best-scored pair first: "ll" before "▁h", and "ab" or "bc" by their scores."""
     tokenizer = Tokenizer(tiny_spm())
