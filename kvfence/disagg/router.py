@@ -449,7 +449,12 @@ class Router:
             future.set_result(reply)
 
     def _on_link(self, event: LinkEvent) -> None:
-        if event.up:  # possibly a new process: it stays down until its hello is in
+        if event.up:
+            # A link that was never down is the first connection, whose hello start() asks itself (this
+            # event may come after it: the I/O thread reads frames before monitor events). One that was
+            # down may be a new process: it stays down until its hello is in.
+            if event.peer not in self.placement.down:
+                return
             token = f"re{next(self._tokens)}"
             self._replies[token] = (event.peer, "hello_reply", None)
             self._send(event.peer, Hello(token=token))

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.api.server import build_app
 from kvfence.disagg import replies
-from kvfence.disagg.connector import Received, ZmqConnector
+from kvfence.disagg.connector import LinkEvent, Received, ZmqConnector
 from kvfence.disagg.messages import (
     Abort,
     Audit,
@@ -229,6 +229,18 @@ def test_forged_and_oversized_pins_are_dropped_and_shown_as_the_workers_claim() 
         assert "own claim" in info["pools_note"]
         dropped_extras = 100 - (replies.MAX_PINS - 1)  # `transport` took one of the places
         assert router.rejected["bad_reply"] == 2 + dropped_extras
+
+
+def test_the_first_link_up_read_after_start_asks_no_second_hello() -> None:
+    """The I/O thread reads frames before monitor events, so a link's first `up` can come after start()
+    has its hello: asking again would count each dropped pin twice. Only a link that was down is asked."""
+    liar = StandIn("prefill", hello={"info": {"nested": {"deeper": {"still": 1}}}})
+    with serving([liar], [StandIn("decode")]) as (router, _):
+        router._on_link(LinkEvent(liar.address, up=True))
+        assert [asked for asked in router._replies.values() if asked[1] == "hello_reply"] == []
+        router._on_link(LinkEvent(liar.address, up=False))
+        router._on_link(LinkEvent(liar.address, up=True))
+        assert [asked[:2] for asked in router._replies.values()] == [(liar.address, "hello_reply")]
 
 
 # ---- the hello: capacity and page size -------------------------------------------------------------------
