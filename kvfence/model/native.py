@@ -36,11 +36,11 @@ FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 _ISA = (
     ({"avx512f", "avx512bw", "fma", "avx512_vnni"}, ("-mavx512f", "-mavx512bw", "-mfma", "-mavx512vnni")),
     ({"avx512f", "avx512bw", "fma"}, ("-mavx512f", "-mavx512bw", "-mfma")),
-    ({"avx2", "fma"}, ("-mavx2", "-mfma")),
+    ({"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c")),
 )
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo); empty elsewhere, which builds the portable code."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -53,7 +53,7 @@ def isa_flags() -> tuple[str, ...]:
     """The widest instruction-set flags this CPU runs (x86-64 only; other machines get none)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return ()
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return next((isa for needed, isa in _ISA if needed <= flags), ())
 
 

@@ -203,9 +203,13 @@ class PackedMatmulKernel:
 
 
 @functools.cache
-def load(portable: bool = False, vnni: bool = True) -> tuple[PackedMatmulKernel | None, str]:
+def load(
+    portable: bool = False, vnni: bool = True, avx512: bool = True
+) -> tuple[PackedMatmulKernel | None, str]:
     """(the kernel, "") or (None, why not). `portable` builds the plain-C path, without the CPU's vector
-    intrinsics; `vnni=False` the AVX-512 dot products without VNNI: both must give the same bits (tested)."""
+    intrinsics; `vnni=False` the AVX-512 dot products without VNNI; `avx512=False` the AVX2 path (an
+    AVX-512 machine then runs what an AVX2-only one does): all must give the same bits (tested)."""
     flags = ("-DKVF_PORTABLE",) if portable else () if vnni else ("-mno-avx512vnni",)
+    flags += () if avx512 else ("-mno-avx512f",)
     library, why = native.load_library("packed_matmul", flags)
     return (PackedMatmulKernel(library), "") if library is not None else (None, why)

@@ -21,7 +21,7 @@ from hf_reference import K_QUANTS, k_quant_blocks
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
-from kvfence.model import packed_matmul
+from kvfence.model import native, packed_matmul
 from kvfence.model.gguf import BLOCK_FORMATS, QuantizedWeight, read_blocks
 from kvfence.model.packed_matmul import PackedWeight
 from kvfence.model.transformer import Transformer
@@ -110,14 +110,31 @@ def test_strided_rows_give_the_contiguous_result(kernel: packed_matmul.PackedMat
     assert torch.equal(kernel(wide[:, 10:74], packed), kernel(wide[:, 10:74].contiguous(), packed))
 
 
-def test_the_portable_build_gives_the_same_bits(kernel: packed_matmul.PackedMatmulKernel) -> None:
-    portable, why = packed_matmul.load(portable=True)
-    assert portable is not None, why
-    _, quantized = quantized_weight(64, 96, gguf.GGMLQuantizationType.Q4_1)
-    packed = PackedWeight.pack([quantized])
-    assert packed is not None
+@pytest.mark.parametrize(
+    ("kind", "dot"),
+    [
+        (gguf.GGMLQuantizationType.Q4_1, False),  # nibbles, float16 scales and offsets
+        (gguf.GGMLQuantizationType.Q8_0, False),  # int8 codes
+        (gguf.GGMLQuantizationType.Q4_0, True),  # integer dot products, offsets computed
+        (gguf.GGMLQuantizationType.Q4_1, True),
+    ],
+    ids=lambda v: v.name if isinstance(v, gguf.GGMLQuantizationType) else ("dot" if v else "float"),
+)
+@pytest.mark.parametrize("build", ["portable", "avx2"])
+def test_every_build_gives_the_same_bits(
+    kernel: packed_matmul.PackedMatmulKernel, kind: gguf.GGMLQuantizationType, dot: bool, build: str
+) -> None:
+    """This CPU's vector path against plain C, and against the AVX2 path (two vectors of 8 for each of 16)
+    that an AVX2-only machine runs: an AVX-512 machine builds it too, so CI checks it whatever its CPU."""
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= native.cpu_flags():
+        pytest.skip("this CPU runs no AVX2")
+    other, why = packed_matmul.load(portable=build == "portable", avx512=build != "avx2")
+    assert other is not None, why
+    _, quantized = quantized_weight(64, 96, kind)
+    packed = PackedWeight.pack([quantized], dot=dot)
+    assert packed is not None and bool(packed.format & packed_matmul.DOT) == dot
     x = torch.randn(13, 96, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(portable(x, packed), kernel(x, packed))
+    assert torch.equal(other(x, packed), kernel(x, packed))
 
 
 def test_pack_fuses_parts_and_refuses_what_it_cannot_hold() -> None:

@@ -18,8 +18,8 @@
  *   y        [rows, panels * PANEL], contiguous
  * Each row accumulates alone, over k in order (a partial sum per group, added to the row's total),
  * with fused multiply-adds, whatever tile it lands in: a row's result does not depend on how many rows
- * share the call (batch invariance). The AVX-512 path and the portable one (KVF_PORTABLE, or any other
- * CPU) perform the same operations and give the same bits.
+ * share the call (batch invariance). The AVX-512 path, the AVX2 one (two vectors of 8 for each of 16) and
+ * the portable one (KVF_PORTABLE, or any other CPU) perform the same operations and give the same bits.
  *
  * KVF_DOT (with KVF_NIBBLES, group 32): llama.cpp's method, integer dot products. Each row of x is
  * quantized per block of 32 to int8 (q = round(x / d), d = max|x| / 127), and a block's weights
@@ -68,6 +68,37 @@ static inline void vec_nibbles(const uint8_t *c, vec *low, vec *high) {
     const __m128i bytes = _mm_loadu_si128((const __m128i *)c), mask = _mm_set1_epi8(0x0F);
     *low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
     *high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVF_PORTABLE)
+/* AVX2 machines (no AVX-512): a vector of 16 is two of 8, each lane the same operation as above. */
+#include <immintrin.h>
+typedef struct {
+    __m256 lo, hi;
+} vec;
+static inline vec vec_load(const float *p) { return (vec){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+static inline vec vec_zero(void) { return (vec){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vec vec_broadcast(float x) { return (vec){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline vec vec_fma(vec a, vec b, vec c) {
+    return (vec){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline vec vec_add(vec a, vec b) { return (vec){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline vec vec_mul(vec a, vec b) { return (vec){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline vec vec_of_bytes(__m128i bytes, int is_signed) { /* 16 bytes as 16 floats */
+    const __m128i upper = _mm_srli_si128(bytes, 8);
+    if (is_signed)
+        return (vec){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(upper))};
+    return (vec){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(upper))};
+}
+static inline vec vec_codes(const int8_t *c) { return vec_of_bytes(_mm_loadu_si128((const __m128i *)c), 1); }
+static inline vec vec_load_half(const uint16_t *p) {
+    return (vec){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
+static inline void vec_nibbles(const uint8_t *c, vec *low, vec *high) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)c), mask = _mm_set1_epi8(0x0F);
+    *low = vec_of_bytes(_mm_and_si128(bytes, mask), 0);
+    *high = vec_of_bytes(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), 0);
 }
 #else
 typedef struct {
@@ -280,6 +311,39 @@ static inline __attribute__((always_inline)) void block_sums(const int rows, con
     }
     for (int m = 0; m < rows; m++)
         for (int h = 0; h < 2; h++) sums[m][h] = _mm512_cvtepi32_ps(acc[m][h]);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVF_PORTABLE)
+/* As above on 32-byte lines: each 64-byte line is two, columns 16h + 0-7 and 16h + 8-15 (no VNNI here). */
+static inline __m256i dot4(__m256i acc, __m256i weights, __m256i activations) {
+    const __m256i pairs = _mm256_maddubs_epi16(weights, activations);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) void block_sums(const int rows, const uint8_t *codes,
+                                                             const int8_t *q, int64_t q_stride,
+                                                             vec sums[MAX_TILE][2]) {
+    __m256i acc[MAX_TILE][4];
+    for (int m = 0; m < rows; m++)
+        for (int e = 0; e < 4; e++) acc[m][e] = _mm256_setzero_si256();
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < DOT_BLOCK / 8; t++) {
+        __m256i low[4], high[4]; /* e = 2h + which 8 columns of half h */
+        for (int e = 0; e < 4; e++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(codes + (2 * t) * 64 + 32 * e));
+            low[e] = _mm256_and_si256(w, mask);
+            high[e] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            int32_t k[2];
+            memcpy(k, q + m * q_stride + t * 8, sizeof k);
+            const __m256i first = _mm256_set1_epi32(k[0]), second = _mm256_set1_epi32(k[1]);
+            for (int e = 0; e < 4; e++) acc[m][e] = dot4(dot4(acc[m][e], low[e], first), high[e], second);
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int h = 0; h < 2; h++)
+            sums[m][h] = (vec){_mm256_cvtepi32_ps(acc[m][2 * h]), _mm256_cvtepi32_ps(acc[m][2 * h + 1])};
 }
 #else
 static inline __attribute__((always_inline)) void block_sums(const int rows, const uint8_t *codes,
