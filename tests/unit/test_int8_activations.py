@@ -9,7 +9,7 @@ import torch
 from conftest import make_engine, tiny_model
 from test_packed_matmul import decode_logits, k_quant_weight, quantized_weight
 
-from kvfence.model import packed_matmul
+from kvfence.model import native, packed_matmul
 from kvfence.model.gguf import QuantizedWeight
 from kvfence.model.packed_matmul import DOT, DOT_BLOCK, PackedWeight
 from kvfence.sampling import SamplingParams
@@ -68,6 +68,31 @@ def test_every_build_and_batch_shape_gives_the_same_bits(kernel: packed_matmul.P
     for rows in (1, 2, 3, 5, 8, 11, 16):
         for first in (0, 19 - rows):
             assert torch.equal(kernel(x[first : first + rows], packed), batched[first : first + rows])
+
+
+@pytest.mark.parametrize("build", [{}, {"avx512": False}], ids=["this CPU", "avx2"])
+def test_the_largest_block_sums_are_exact(build: dict[str, bool]) -> None:
+    """Codes of 15 against activations of +-127 all through a block: the largest integer sums any path
+    accumulates (AVX2's int16 lanes reach 8 x 2 x 15 x 127 = 30480 of 32767): each path computes what plain
+    C does and what float64 does."""
+    if build and not {"avx2", "fma", "f16c"} <= native.cpu_flags():
+        pytest.skip("this CPU runs no AVX2")
+    kernel, why = packed_matmul.load(**build)
+    portable, why_not = packed_matmul.load(portable=True)
+    assert kernel is not None and portable is not None, why or why_not
+    codes = torch.full((64, 256), 15, dtype=torch.int8)
+    codes[7] = 0  # the least code 0: nibbles keep the codes as they are (15 is the largest a nibble holds)
+    scales, offsets = torch.ones(64, 8), torch.zeros(64, 8)
+    packed = PackedWeight.pack([QuantizedWeight(codes, scales, offsets)], dot=True)
+    assert packed is not None and packed.format & DOT
+    x = torch.stack(
+        [torch.ones(256), -torch.ones(256), torch.ones(256).index_fill(0, torch.arange(0, 256, 2), -1)]
+    )
+    got = kernel(x, packed)
+    assert torch.equal(got, portable(x, packed))
+    reference = x.double() @ QuantizedWeight(codes, scales, offsets).dequantize().double().T
+    assert torch.allclose(got.double(), reference, rtol=1e-6, atol=1e-6)
+    assert got[0, 0] == 15 * 256 and got[1, 0] == -15 * 256 and got[0, 7] == 0
 
 
 def test_the_dot_layout_keeps_the_weights() -> None:

@@ -24,9 +24,10 @@
  * KVF_DOT (with KVF_NIBBLES, group 32): llama.cpp's method, integer dot products. Each row of x is
  * quantized per block of 32 to int8 (q = round(x / d), d = max|x| / 127), and a block's weights
  * w = c * s + o contribute d * (s * sum(c * q) + o * sum(q)): the integer sums are exact (VNNI's
- * vpdpbusd, AVX-512BW's vpmaddubsw + vpmaddwd, or plain C: the same integers), the float epilogue is the
- * same operations on every path, so the bits agree across paths and batch shapes as above; the results
- * differ from the float path by the activations' rounding (about 0.4% of a block's largest value).
+ * vpdpbusd, AVX-512BW's or AVX2's vpmaddubsw + vpmaddwd, or plain C: the same integers), the float
+ * epilogue is the same operations on every path, so the bits agree across paths and batch shapes as
+ * above; the results differ from the float path by the activations' rounding (about 0.4% of a block's
+ * largest value).
  * Four times fewer instructions a weight: decode reads the codes at memory speed. Codes then lie
  * [panels, in_features / 8, 2 halves of 16 columns, 64 bytes]: byte 4j + i of line (t, h) holds column
  * 16h + j's code for k = 8t + i in its low nibble and for k = 8t + 4 + i in its high one.
@@ -313,37 +314,43 @@ static inline __attribute__((always_inline)) void block_sums(const int rows, con
         for (int h = 0; h < 2; h++) sums[m][h] = _mm512_cvtepi32_ps(acc[m][h]);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVF_PORTABLE)
-/* As above on 32-byte lines: each 64-byte line is two, columns 16h + 0-7 and 16h + 8-15 (no VNNI here). */
-static inline __m256i dot4(__m256i acc, __m256i weights, __m256i activations) {
-    const __m256i pairs = _mm256_maddubs_epi16(weights, activations);
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
+/* As above on 32-byte lines (each 64-byte line is two: columns 16h + 0-7 and 16h + 8-15), with no VNNI and
+ * half the multiply throughput: the block's products are summed as int16 and widened once. Each vpmaddubsw
+ * lane is two products of at most 15 x 127, so the block's 8 of them per lane stay within 8 x 3810 = 30480
+ * < 2^15: the sums are exact, the same integers as every other path. 16 vector registers, not 32: tiles of
+ * at most 4 rows (DOT_TILE_MAX) and one half panel at a time keep the 8 sums, 4 weight vectors and 2
+ * broadcasts in registers. */
+#define DOT_TILE_MAX 4
 static inline __attribute__((always_inline)) void block_sums(const int rows, const uint8_t *codes,
                                                              const int8_t *q, int64_t q_stride,
                                                              vec sums[MAX_TILE][2]) {
-    __m256i acc[MAX_TILE][4];
-    for (int m = 0; m < rows; m++)
-        for (int e = 0; e < 4; e++) acc[m][e] = _mm256_setzero_si256();
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    for (int t = 0; t < DOT_BLOCK / 8; t++) {
-        __m256i low[4], high[4]; /* e = 2h + which 8 columns of half h */
-        for (int e = 0; e < 4; e++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(codes + (2 * t) * 64 + 32 * e));
-            low[e] = _mm256_and_si256(w, mask);
-            high[e] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256i acc[DOT_TILE_MAX][2]; /* [row][which 8 columns of half h], int16 */
+        for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1 /* unrolled, GCC hoists every step's weights together and spills them to the stack */
+        for (int t = 0; t < DOT_BLOCK / 8; t++) {
+            __m256i low[2], high[2];
+            for (int e = 0; e < 2; e++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(codes + (2 * t + h) * 64 + 32 * e));
+                low[e] = _mm256_and_si256(w, mask);
+                high[e] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+            }
+            for (int m = 0; m < rows; m++) {
+                int32_t k[2];
+                memcpy(k, q + m * q_stride + t * 8, sizeof k);
+                const __m256i lo4 = _mm256_set1_epi32(k[0]), hi4 = _mm256_set1_epi32(k[1]);
+                for (int e = 0; e < 2; e++) {
+                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low[e], lo4),
+                                                           _mm256_maddubs_epi16(high[e], hi4));
+                    acc[m][e] = _mm256_add_epi16(acc[m][e], pairs);
+                }
+            }
         }
-#pragma GCC unroll 8
-        for (int m = 0; m < rows; m++) {
-            int32_t k[2];
-            memcpy(k, q + m * q_stride + t * 8, sizeof k);
-            const __m256i first = _mm256_set1_epi32(k[0]), second = _mm256_set1_epi32(k[1]);
-            for (int e = 0; e < 4; e++) acc[m][e] = dot4(dot4(acc[m][e], low[e], first), high[e], second);
-        }
+        for (int m = 0; m < rows; m++)
+            sums[m][h] = (vec){_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][0], ones)),
+                               _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][1], ones))};
     }
-    for (int m = 0; m < rows; m++)
-        for (int h = 0; h < 2; h++)
-            sums[m][h] = (vec){_mm256_cvtepi32_ps(acc[m][2 * h]), _mm256_cvtepi32_ps(acc[m][2 * h + 1])};
 }
 #else
 static inline __attribute__((always_inline)) void block_sums(const int rows, const uint8_t *codes,
@@ -408,6 +415,14 @@ static const dot_tile_fn DOT_TILE_FNS[2][4] = {
     {dot_tile_8_2, dot_tile_4_2, dot_tile_2_2, dot_tile_1_2},
 };
 
+#ifndef DOT_TILE_MAX
+#define DOT_TILE_MAX MAX_TILE
+#endif
+/* As tile_rows, never more than this path's block_sums holds (AVX2: 4, so its tiles of 8 are never used). */
+static int dot_tile_rows(int64_t remaining) {
+    return remaining >= DOT_TILE_MAX ? DOT_TILE_MAX : tile_rows(remaining);
+}
+
 static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void *codes, const void *scales,
                       const void *offsets, int64_t in_features, int64_t panels, int64_t format, float *y,
                       int num_threads) {
@@ -427,8 +442,8 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
         const uint8_t *c = (const uint8_t *)codes + p * in_features * (PANEL / 2);
         const char *s = (const char *)scales + p * blocks * PANEL * scale_bytes;
         const char *o = offsets ? (const char *)offsets + p * blocks * PANEL * scale_bytes : NULL;
-        for (int64_t first = 0; first < rows; first += tile_rows(rows - first)) {
-            const int n = tile_rows(rows - first);
+        for (int64_t first = 0; first < rows; first += dot_tile_rows(rows - first)) {
+            const int n = dot_tile_rows(rows - first);
             DOT_TILE_FNS[format & KVF_HALF ? 1 : 0][n == 8 ? 0 : n == 4 ? 1 : n == 2 ? 2 : 3](
                 q + first * in_features, d + first * blocks, qsum + first * blocks, c, s, o, in_features,
                 y + first * out_features + p * PANEL, out_features);
