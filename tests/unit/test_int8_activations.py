@@ -82,15 +82,15 @@ def test_the_largest_block_sums_are_exact(build: dict[str, bool]) -> None:
     assert kernel is not None and portable is not None, why or why_not
     codes = torch.full((64, 256), 15, dtype=torch.int8)
     codes[7] = 0  # the least code 0: nibbles keep the codes as they are (15 is the largest a nibble holds)
-    scales, offsets = torch.ones(64, 8), torch.zeros(64, 8)
-    packed = PackedWeight.pack([QuantizedWeight(codes, scales, offsets)], dot=True)
+    quantized = QuantizedWeight(codes, torch.ones(64, 8), torch.zeros(64, 8))
+    packed = PackedWeight.pack([quantized], dot=True)
     assert packed is not None and packed.format & DOT
     x = torch.stack(
         [torch.ones(256), -torch.ones(256), torch.ones(256).index_fill(0, torch.arange(0, 256, 2), -1)]
     )
     got = kernel(x, packed)
     assert torch.equal(got, portable(x, packed))
-    reference = x.double() @ QuantizedWeight(codes, scales, offsets).dequantize().double().T
+    reference = x.double() @ quantized.dequantize().double().T
     assert torch.allclose(got.double(), reference, rtol=1e-6, atol=1e-6)
     assert got[0, 0] == 15 * 256 and got[1, 0] == -15 * 256 and got[0, 7] == 0
 
