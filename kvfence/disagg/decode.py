@@ -39,7 +39,6 @@ from kvfence.disagg.messages import (
     AbortAck,
     Complete,
     KvAgent,
-    Output,
     Page,
     Rejected,
     Reserve,
@@ -47,6 +46,7 @@ from kvfence.disagg.messages import (
     SealKey,
 )
 from kvfence.disagg.nixl_transport import OneSidedAgent
+from kvfence.disagg.outputs import to_wire
 from kvfence.disagg.seal import TAG_BYTES, new_key, open_page
 from kvfence.disagg.worker import Worker
 from kvfence.engine.engine import AdmissionError
@@ -447,21 +447,7 @@ class DecodeWorker(Worker):
             del self.routers[request_id]
             self.open_forks.pop(request_id, None)
             self.forks = {f: owner for f, owner in self.forks.items() if owner[0] != request_id}
-        self.reply(
-            router,
-            Output(
-                request_id=request_id,
-                token_ids=output.new_token_ids,
-                text=output.new_text,
-                finished=output.finished,
-                status=output.status.value,
-                finish_reason=output.finish_reason,
-                prompt_tokens=output.prompt_tokens,
-                completion_tokens=output.completion_tokens,
-                **Output.logprobs_fields(output.logprobs),
-                fork=fork,
-            ),
-        )
+        self.reply(router, to_wire(output, request_id, fork))
 
     def _last_fork(self, request_id: str) -> bool:
         self.open_forks[request_id] -= 1

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
 import logging
 import queue
 import threading
@@ -57,7 +56,9 @@ from kvfence.disagg.messages import (
     StatsReply,
     accept,
 )
+from kvfence.disagg.outputs import aborted, from_wire
 from kvfence.disagg.placement import Placement, Route, WorkerInfo
+from kvfence.disagg.questions import Answered, Questions
 from kvfence.engine.async_engine import STATS_TIMEOUT_S
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
@@ -65,7 +66,6 @@ from kvfence.engine.stats import EngineStats
 from kvfence.grammar.compiler import Guide, RequestGrammar
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import code_info
-from kvfence.request import Status
 from kvfence.sampling import SamplingParams
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
@@ -128,14 +128,12 @@ class Router:
         self._outbox: queue.Queue[tuple[str, Msg]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Msg]]] = {}
         self.placement = Placement(self.by_role, self.names, isolation)
-        # token -> (the worker asked, the reply kind, the future awaiting it); None for a re-hello
-        self._replies: dict[str, tuple[str, str, concurrent.futures.Future[Msg] | None]] = {}
+        self.questions = Questions()  # asked by callers' threads, answered by the I/O thread
         self.rejected: Counter[str] = Counter()  # frames dropped by the I/O thread, by reason
         # `bad_reply` is counted by callers' threads too (stats, audit); every other reason by the I/O
         # thread alone, so this lock guards that one count.
         self._bad_reply_lock = threading.Lock()
         self._bounds = Bounds(max_tokens=1 << 20, vocab_size=vocab_size)
-        self._tokens = itertools.count()
         self._stopped = threading.Event()
         self._started = threading.Event()  # every pool learnt: reconnections are adopted from now on
         self._ready: concurrent.futures.Future[Connector] = concurrent.futures.Future()
@@ -234,8 +232,8 @@ class Router:
                 if fork is not None and fork >= n:  # a choice this request has not: fail it closed
                     self._drop(route.decode, "bad_field", f"output of choice {fork} of {request_id} (n={n})")
                     self._send(route.decode, Abort(request_id=request_id, reason="bad_reply"))
-                    message, fork = _aborted(request_id, "bad_reply"), None
-                output = _output(message)
+                    message, fork = aborted(request_id, "bad_reply"), None
+                output = from_wire(message)
                 self.placement.release_prefill(route)
                 if output.finished:
                     running -= 1
@@ -297,7 +295,7 @@ class Router:
         route = self.placement.routes.get(request_id)
         if route is not None:
             self._send(route.decode, Abort(request_id=request_id, reason=reason))
-        return _aborted(request_id, reason)
+        return aborted(request_id, reason)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -353,14 +351,12 @@ class Router:
     def _ask(self, peer: str, question: Callable[[str], Msg], answer: type[Reply]) -> Reply:
         """A blocking request/reply with a worker (never call it on the event loop): only an `answer`,
         from that worker, carrying this question's token, answers it."""
-        token = f"q{next(self._tokens)}"
-        future: concurrent.futures.Future[Msg] = concurrent.futures.Future()
-        self._replies[token] = (peer, answer.KIND, future)
+        token, future = self.questions.ask(peer, answer.KIND)
         self._send(peer, question(token))
         try:
             reply = future.result(timeout=STATS_TIMEOUT_S)
         finally:
-            self._replies.pop(token, None)
+            self.questions.close(token)
         assert isinstance(reply, answer)  # _answer checked its kind
         return reply
 
@@ -436,17 +432,12 @@ class Router:
 
     def _answer(self, sender: str, token: str, reply: Msg) -> None:
         """A reply is taken only as the answer to a question this router asked that worker."""
-        asked = self._replies.get(token)
-        if asked is None or asked[:2] != (sender, reply.KIND):
+        answered = self.questions.take(sender, token, reply)
+        if answered is Answered.UNSOLICITED:
             self._drop(sender, "unsolicited", f"{reply.KIND} answering no question of ours")
-            return
-        future = asked[2]
-        if future is None:  # the hello sent when the worker's connection came (back) up
-            del self._replies[token]
+        elif answered is Answered.UNAWAITED:  # the hello sent when the worker's connection came back up
             assert isinstance(reply, HelloReply)
             self._adopt(sender, reply)
-        else:
-            future.set_result(reply)
 
     def _on_link(self, event: LinkEvent) -> None:
         if event.up:
@@ -455,9 +446,7 @@ class Router:
             # down may be a new process: it stays down until its hello is in.
             if event.peer not in self.placement.down:
                 return
-            token = f"re{next(self._tokens)}"
-            self._replies[token] = (event.peer, "hello_reply", None)
-            self._send(event.peer, Hello(token=token))
+            self._send(event.peer, Hello(token=self.questions.ask_unawaited(event.peer, HelloReply.KIND)))
             return
         self.placement.down.add(event.peer)
         if self.roles.get(event.peer) == "decode":
@@ -491,27 +480,6 @@ class Router:
             if route.decode != decode or target is None:
                 continue
             loop, stream = target
-            lost = _aborted(request_id, reason)
+            lost = aborted(request_id, reason)
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stream.put_nowait, lost)
-
-
-def _aborted(request_id: str, reason: str) -> Output:
-    """An `output` ending the request as ABORTED, made by the router itself."""
-    return Output(request_id, [], "", True, Status.ABORTED.value, reason, 0, 0)
-
-
-def _output(message: Msg) -> RequestOutput:
-    assert isinstance(message, Output), f"expected an output, got {message.KIND}"
-    return RequestOutput(
-        message.request_id,
-        message.token_ids,
-        message.text,
-        message.finished,
-        Status(message.status),
-        message.finish_reason,
-        message.prompt_tokens,
-        message.completion_tokens,
-        message.token_logprobs(),
-        message.fork or 0,
-    )

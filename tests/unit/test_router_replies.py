@@ -237,10 +237,10 @@ def test_the_first_link_up_read_after_start_asks_no_second_hello() -> None:
     liar = StandIn("prefill", hello={"info": {"nested": {"deeper": {"still": 1}}}})
     with serving([liar], [StandIn("decode")]) as (router, _):
         router._on_link(LinkEvent(liar.address, up=True))
-        assert [asked for asked in router._replies.values() if asked[1] == "hello_reply"] == []
+        assert [asked for asked in router.questions.pending() if asked[1] == "hello_reply"] == []
         router._on_link(LinkEvent(liar.address, up=False))
         router._on_link(LinkEvent(liar.address, up=True))
-        assert [asked[:2] for asked in router._replies.values()] == [(liar.address, "hello_reply")]
+        assert router.questions.pending() == [(liar.address, "hello_reply")]
 
 
 # ---- the hello: capacity and page size -------------------------------------------------------------------

@@ -41,10 +41,12 @@ from kvfence.disagg.messages import (
     Page,
     Prefill,
     Reserve,
+    StatsReply,
     decode,
     encode,
 )
 from kvfence.disagg.prefill import PrefillWorker
+from kvfence.disagg.questions import Answered, Questions
 from kvfence.disagg.router import Router
 from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams, TokenLogprobs
@@ -436,6 +438,26 @@ def test_the_router_takes_only_answers_to_its_own_questions(tiny: Transformer) -
     for header in (b"\xff\xfe", b"{}", b'{"kind": "peer_down", "peer": "decode"}', b"[1, 2]"):
         router._dispatch_safely(Received(DECODE, "decode", header, b""))
     assert DECODE not in router.placement.down and sum(router.rejected.values()) == 6
+
+
+def test_a_question_is_answered_once_by_its_worker_with_its_kind() -> None:
+    """A reply from another worker, of another kind, or a second one to the same question is unsolicited
+    (a replayed answer must not reach the asker twice nor raise in the I/O thread)."""
+    questions = Questions()
+    token, future = questions.ask(DECODE, StatsReply.KIND)
+    hello = HelloReply(token, "decode", 64, 64, 16, True, {})
+    stats = StatsReply(token, {})
+    assert questions.take(PREFILL, token, stats) is Answered.UNSOLICITED
+    assert questions.take(DECODE, token, hello) is Answered.UNSOLICITED and not future.done()
+    assert questions.take(DECODE, token, stats) is Answered.AWAITED and future.result() is stats
+    assert questions.take(DECODE, token, StatsReply(token, {"x": 1})) is Answered.UNSOLICITED
+    assert future.result() is stats
+    again = questions.ask_unawaited(DECODE, HelloReply.KIND)
+    hello = HelloReply(again, "decode", 64, 64, 16, True, {})
+    assert questions.take(DECODE, again, hello) is Answered.UNAWAITED
+    assert questions.take(DECODE, again, hello) is Answered.UNSOLICITED  # closed by the first
+    questions.close(token)
+    assert questions.take(DECODE, token, stats) is Answered.UNSOLICITED
 
 
 # ---- start-up ---------------------------------------------------------------------------------------------
