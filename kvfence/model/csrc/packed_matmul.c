@@ -258,6 +258,99 @@ static tile_fn tile_for(int rows, int format) {
     return TILE_FNS[format][rows == 8 ? 0 : rows == 4 ? 1 : rows == 2 ? 2 : 3];
 }
 
+/* Many rows (prefill, wide decode batches): each group of a panel's weights is dequantized once, into `w`
+ * (in L1), and every tile of STRIP_ROWS rows by 16 columns multiplies it, its sums held in registers on
+ * every path; tile() dequantizes per tile, and its 8 x 32 sums and totals (64 of AVX2's 16 ymm registers)
+ * spill. Each row's operations are tile()'s in the same order (a group's products from zero by fused
+ * multiply-adds over k in order, then added to the row's total, kept in y), so the bits are the same and
+ * a row still computes alike in any tile: either kernel may take any call. */
+#if defined(__AVX512F__) && !defined(KVF_PORTABLE)
+#define STRIP_ROWS 8 /* 8 sums of one zmm, the weights and a broadcast: 10 of 32 registers */
+#else
+#define STRIP_ROWS 6 /* AVX2: 6 sums of two ymm, the weights (2) and a broadcast: 15 of 16 */
+#endif
+/* From here the strip is faster (AVX2, one thread, G multiply-adds/s: 3 rows 12 -> 13, 8 rows 14-16 -> 22-23,
+ * 256 rows 17 -> 34); one or two rows read each weight once either way, and tile() keeps its totals. */
+#define STRIP_MIN_ROWS 3
+#define MAX_GROUP 32
+
+/* Group b of the panel's 32 columns, as tile() computes its weights: w[k][j], [group][PANEL]. */
+static void dequantize_group(const int format, const void *codes, const void *scales, const void *offsets,
+                             int64_t b, int64_t group, float *w) {
+    const int nibbles = format & KVF_NIBBLES, half = format & KVF_HALF;
+    vec s0, s1, o0, o1;
+    load_pair(scales, b * PANEL, half, &s0, &s1);
+    load_offsets(offsets, b * PANEL, half, s0, s1, &o0, &o1);
+    for (int64_t i = 0; i < group; i++) {
+        const int64_t k = b * group + i;
+        vec c0, c1;
+        if (nibbles) {
+            vec_nibbles((const uint8_t *)codes + k * (PANEL / 2), &c0, &c1);
+        } else {
+            c0 = vec_codes((const int8_t *)codes + k * PANEL);
+            c1 = vec_codes((const int8_t *)codes + k * PANEL + 16);
+        }
+        vec_store(w + i * PANEL, vec_fma(c0, s0, o0));
+        vec_store(w + i * PANEL + 16, vec_fma(c1, s1, o1));
+    }
+}
+
+/* `rows` rows of x (this group's k, x_stride apart) times 16 columns of w: each row's sum over the group,
+ * added to its total in y. */
+static inline __attribute__((always_inline)) void strip_tile(const int rows, const float *x, int64_t x_stride,
+                                                             const float *w, int64_t group, float *y,
+                                                             int64_t y_stride) {
+    vec acc[STRIP_ROWS];
+    for (int m = 0; m < rows; m++) acc[m] = vec_zero();
+#pragma GCC unroll 1
+    for (int64_t i = 0; i < group; i++) {
+        const vec wk = vec_load(w + i * PANEL);
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) acc[m] = vec_fma(vec_broadcast(x[m * x_stride + i]), wk, acc[m]);
+    }
+    for (int m = 0; m < rows; m++) vec_store(y + m * y_stride, vec_add(vec_load(y + m * y_stride), acc[m]));
+}
+
+typedef void (*strip_tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t);
+#define STRIP_TILE(ROWS)                                                                                  \
+    static void strip_tile_##ROWS(const float *x, int64_t x_stride, const float *w, int64_t group, float *y, \
+                                  int64_t y_stride) {                                                      \
+        strip_tile(ROWS, x, x_stride, w, group, y, y_stride);                                                \
+    }
+STRIP_TILE(STRIP_ROWS)
+STRIP_TILE(4)
+STRIP_TILE(2)
+STRIP_TILE(1)
+
+/* Rows are cut into tiles of STRIP_ROWS, then one each of 4, 2 and 1 as needed. */
+static int strip_rows(int64_t remaining) {
+    return remaining >= STRIP_ROWS ? STRIP_ROWS : remaining >= 4 ? 4 : remaining >= 2 ? 2 : 1;
+}
+
+static strip_tile_fn strip_tile_for(int rows) {
+    return rows == STRIP_ROWS ? strip_tile_STRIP_ROWS
+           : rows == 4        ? strip_tile_4
+           : rows == 2        ? strip_tile_2
+                              : strip_tile_1;
+}
+
+/* One panel for every row: y[m][0..PANEL) of each row m, its totals from zero (as tile()'s). */
+static void strip(const int format, const float *x, int64_t x_stride, int64_t rows, const void *codes,
+                  const void *scales, const void *offsets, int64_t in_features, int64_t group, float *y,
+                  int64_t y_stride) {
+    float w[MAX_GROUP * PANEL];
+    for (int64_t m = 0; m < rows; m++) memset(y + m * y_stride, 0, sizeof(float) * PANEL);
+    for (int64_t b = 0; b < in_features / group; b++) {
+        dequantize_group(format, codes, scales, offsets, b, group, w);
+        for (int64_t first = 0; first < rows; first += strip_rows(rows - first)) {
+            const strip_tile_fn fn = strip_tile_for(strip_rows(rows - first));
+            const float *xs = x + first * x_stride + b * group;
+            for (int h = 0; h < 2; h++)
+                fn(xs, x_stride, w + 16 * h, group, y + first * y_stride + 16 * h, y_stride);
+        }
+    }
+}
+
 /* One row of x as int8 per block of 32: codes q, scale d, and the sum of q (the offsets' term). */
 static void quantize_row(const float *x, int64_t n, int8_t *q, float *d, int32_t *sum) {
     for (int64_t b = 0; b < n / DOT_BLOCK; b++) {
@@ -459,9 +552,11 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *co
     if (format & KVF_DOT)
         return dot_matmul(x, x_stride, rows, codes, scales, offsets, in_features, panels, format, y, num_threads);
     const int64_t out_features = panels * PANEL, blocks = in_features / group;
-    float *xt = malloc(sizeof(float) * rows * in_features);
-    if (xt == NULL) return KVF_NO_MEMORY;
-    for (int64_t first = 0; first < rows; first += tile_rows(rows - first)) {
+    /* the strip's weights buffer holds a group of at most MAX_GROUP (the packer makes 16 or 32) */
+    const int strips = rows >= STRIP_MIN_ROWS && group <= MAX_GROUP;
+    float *xt = strips ? NULL : malloc(sizeof(float) * rows * in_features);
+    if (!strips && xt == NULL) return KVF_NO_MEMORY;
+    for (int64_t first = 0; !strips && first < rows; first += tile_rows(rows - first)) {
         const int n = tile_rows(rows - first);
         for (int i = 0; i < n; i++)
             for (int64_t k = 0; k < in_features; k++)
@@ -476,6 +571,10 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *co
         const char *c = (const char *)codes + p * in_features * code_bytes;
         const char *s = (const char *)scales + p * blocks * PANEL * scale_bytes;
         const char *o = offsets ? (const char *)offsets + p * blocks * PANEL * scale_bytes : NULL;
+        if (strips) {
+            strip((int)format, x, x_stride, rows, c, s, o, in_features, group, y + p * PANEL, out_features);
+            continue;
+        }
         for (int64_t first = 0; first < rows; first += tile_rows(rows - first))
             tile_for(tile_rows(rows - first), (int)format)(xt + first * in_features, c, s, o, in_features, group,
                                                           y + first * out_features + p * PANEL, out_features);
