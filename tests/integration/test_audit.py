@@ -32,7 +32,7 @@ from kvfence.pins import file_sha256
 ADMIN = "audit-admin"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 MODEL = "smollm2-audit"
-SMALL = {"num_pages": 64, "max_model_len": 512}  # 1024-token pool, 512-token window: a fast boundary
+SMALL = {"num_pages": 64, "max_model_len": 256}  # 1024-token pool, 256-token window: a fast boundary
 PROBES = ["boundary", "cancel_storm", "canary_scan", "replay", "recovery", "status_consistency"]
 ACCEPTANCE = [
     "pinned_versions",
@@ -75,7 +75,7 @@ def test_audit_passes_against_a_healthy_kvfence(smollm2: GGUFModel, tmp_path: Pa
         )
     assert status == 0, {c["name"]: c["details"] for c in report["checks"] if c["status"] != "PASS"}
     assert statuses(report) == dict.fromkeys(PROBES + ACCEPTANCE, "PASS")
-    assert report["boundary"]["accepted_total"] == 512 and report["boundary"]["exact"]
+    assert report["boundary"]["accepted_total"] == SMALL["max_model_len"] and report["boundary"]["exact"]
     assert report["target"]["batch_invariant_declared"] is True
     replay = check(report, "replay")["evidence"][0]
     assert replay["compared"] >= 12 and replay["changed"] == 0, replay
