@@ -500,18 +500,24 @@ typedef void (*dot_tile_fn)(const int8_t *, const float *, const int32_t *, cons
                                            int64_t in_features, float *y, int64_t y_stride) {              \
         dot_tile(ROWS, FORMAT, q, d, qsum, codes, scales, offsets, in_features, y, y_stride);            \
     }
-#define DOT_TILES(FORMAT) DOT_TILE(8, FORMAT) DOT_TILE(4, FORMAT) DOT_TILE(2, FORMAT) DOT_TILE(1, FORMAT)
-DOT_TILES(0)
-DOT_TILES(2)
-static const dot_tile_fn DOT_TILE_FNS[2][4] = {
-    {dot_tile_8_0, dot_tile_4_0, dot_tile_2_0, dot_tile_1_0},
-    {dot_tile_8_2, dot_tile_4_2, dot_tile_2_2, dot_tile_1_2},
-};
-
 #ifndef DOT_TILE_MAX
 #define DOT_TILE_MAX MAX_TILE
 #endif
-/* As tile_rows, never more than this path's block_sums holds (AVX2: 4, so its tiles of 8 are never used). */
+#if DOT_TILE_MAX >= 8
+#define DOT_TILES(FORMAT) DOT_TILE(8, FORMAT) DOT_TILE(4, FORMAT) DOT_TILE(2, FORMAT) DOT_TILE(1, FORMAT)
+#define DOT_TILE_8(FORMAT) dot_tile_8_##FORMAT
+#else /* AVX2: block_sums holds 4 rows, and dot_tile_rows asks for no more */
+#define DOT_TILES(FORMAT) DOT_TILE(4, FORMAT) DOT_TILE(2, FORMAT) DOT_TILE(1, FORMAT)
+#define DOT_TILE_8(FORMAT) NULL
+#endif
+DOT_TILES(0)
+DOT_TILES(2)
+static const dot_tile_fn DOT_TILE_FNS[2][4] = {
+    {DOT_TILE_8(0), dot_tile_4_0, dot_tile_2_0, dot_tile_1_0},
+    {DOT_TILE_8(2), dot_tile_4_2, dot_tile_2_2, dot_tile_1_2},
+};
+
+/* As tile_rows, never more than this path's block_sums holds. */
 static int dot_tile_rows(int64_t remaining) {
     return remaining >= DOT_TILE_MAX ? DOT_TILE_MAX : tile_rows(remaining);
 }
