@@ -183,6 +183,17 @@ static inline __attribute__((always_inline)) void load_offsets(const void *base,
     }
 }
 
+/* Row k's codes for the panel's 32 columns, as floats: nibbles (column j low, j + 16 high) or bytes. */
+static inline __attribute__((always_inline)) void load_codes(const void *codes, int64_t k, int nibbles, vec *c0,
+                                                             vec *c1) {
+    if (nibbles) {
+        vec_nibbles((const uint8_t *)codes + k * (PANEL / 2), c0, c1);
+    } else {
+        *c0 = vec_codes((const int8_t *)codes + k * PANEL);
+        *c1 = vec_codes((const int8_t *)codes + k * PANEL + 16);
+    }
+}
+
 /* `rows` (<= MAX_TILE) rows times one panel. xt holds the tile's rows transposed, [in_features][rows], so
  * that one pointer serves every broadcast. Two weight vectors per broadcast: with one, the broadcasts
  * (one load each) and not the multiply-adds limit the loop (measured: 1.9 vs 3.7 G multiply-adds/s).
@@ -202,12 +213,7 @@ static inline __attribute__((always_inline)) void tile(const int rows, const int
         for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = vec_zero();
         for (int64_t k = b * group; k < (b + 1) * group; k++) {
             vec c0, c1;
-            if (nibbles) {
-                vec_nibbles((const uint8_t *)codes + k * (PANEL / 2), &c0, &c1);
-            } else {
-                c0 = vec_codes((const int8_t *)codes + k * PANEL);
-                c1 = vec_codes((const int8_t *)codes + k * PANEL + 16);
-            }
+            load_codes(codes, k, nibbles, &c0, &c1);
             const vec w0 = vec_fma(c0, s0, o0), w1 = vec_fma(c1, s1, o1);
 #pragma GCC unroll 8
             for (int m = 0; m < rows; m++) {
@@ -284,12 +290,7 @@ static void dequantize_group(const int format, const void *codes, const void *sc
     for (int64_t i = 0; i < group; i++) {
         const int64_t k = b * group + i;
         vec c0, c1;
-        if (nibbles) {
-            vec_nibbles((const uint8_t *)codes + k * (PANEL / 2), &c0, &c1);
-        } else {
-            c0 = vec_codes((const int8_t *)codes + k * PANEL);
-            c1 = vec_codes((const int8_t *)codes + k * PANEL + 16);
-        }
+        load_codes(codes, k, nibbles, &c0, &c1);
         vec_store(w + i * PANEL, vec_fma(c0, s0, o0));
         vec_store(w + i * PANEL + 16, vec_fma(c1, s1, o1));
     }
