@@ -553,6 +553,20 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
     return KVF_OK;
 }
 
+/* x's rows as tile() reads them: each tile's rows transposed, [in_features][tile rows], tile after tile
+ * (NULL when out of memory; the caller frees it). */
+static float *tiles_transposed(const float *x, int64_t x_stride, int64_t rows, int64_t in_features) {
+    float *xt = malloc(sizeof(float) * rows * in_features);
+    if (xt == NULL) return NULL;
+    for (int64_t first = 0; first < rows; first += tile_rows(rows - first)) {
+        const int n = tile_rows(rows - first);
+        for (int i = 0; i < n; i++)
+            for (int64_t k = 0; k < in_features; k++)
+                xt[first * in_features + k * n + i] = x[(first + i) * x_stride + k];
+    }
+    return xt;
+}
+
 int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *codes, const void *scales,
                   const void *offsets, int64_t in_features, int64_t group, int64_t panels, int64_t format,
                   float *y, int num_threads) {
@@ -561,14 +575,8 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *co
     const int64_t out_features = panels * PANEL, blocks = in_features / group;
     /* the strip's weights buffer holds a group of at most MAX_GROUP (the packer makes 16 or 32) */
     const int strips = rows >= STRIP_MIN_ROWS && group <= MAX_GROUP;
-    float *xt = strips ? NULL : malloc(sizeof(float) * rows * in_features);
-    if (!strips && xt == NULL) return KVF_NO_MEMORY;
-    for (int64_t first = 0; !strips && first < rows; first += tile_rows(rows - first)) {
-        const int n = tile_rows(rows - first);
-        for (int i = 0; i < n; i++)
-            for (int64_t k = 0; k < in_features; k++)
-                xt[first * in_features + k * n + i] = x[(first + i) * x_stride + k];
-    }
+    float *xt = NULL;
+    if (!strips && (xt = tiles_transposed(x, x_stride, rows, in_features)) == NULL) return KVF_NO_MEMORY;
     /* Threads only where each gets enough to do: a small product (one decode row of a small model's
      * projection) finishes in the time a second thread takes to join, and on a machine with as many
      * threads as cores a thread the kernel preempts stalls the others at the join. */
