@@ -375,7 +375,7 @@ def load_engine(
     )
     tokenizer = Tokenizer.from_gguf(gguf, chat_template)
     model_file = gguf.path
-    del gguf  # the loader's codes, scales and offsets: the model holds its packed copy
+    del gguf  # the file's map and the loader's tensors: the model holds its packed copy
     _return_freed_heap()
     return engine_cls(config, model, tokenizer, events, log, model_file=model_file)
 

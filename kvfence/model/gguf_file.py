@@ -2,8 +2,9 @@
 
 Contract: `GGUFFile(path)` parses the header: `metadata` (every key; arrays as python lists, or skipped
 with `arrays=False`), `tensors` (name, ggml type, shape in numpy order [out_features, in_features], and
-where the data starts), and `data(tensor)` returns a read-only view of a tensor's bytes. A file that is
-not GGUF (v2 or later), or whose header or data run past its end, is refused (ValueError).
+where the data starts), `data(tensor)` returns a read-only view of a tensor's bytes and `release(tensor)`
+lets its pages leave the resident set. A file that is not GGUF (v2 or later), or whose header or data run
+past its end, is refused (ValueError).
 
 Why not gguf-py's `GGUFReader`: it builds a numpy view per string of the tokenizer's arrays, 25 s for
 Gemma 3's 262,144-entry vocabulary (here: under a second). This module imports neither torch nor gguf-py,
@@ -84,6 +85,14 @@ class GGUFFile:
         if tensor.offset + nbytes > len(self._map):
             raise ValueError(f"tensor {tensor.name} runs past the end of the file")
         return np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=tensor.offset)
+
+    def release(self, tensor: TensorInfo, nbytes: int) -> None:
+        """Let the map's pages holding the tensor's `nbytes` bytes go from this process's resident set
+        (the page cache keeps them: a later read faults them back in). For a reader done with a tensor."""
+        if not hasattr(mmap, "MADV_DONTNEED"):  # a platform without madvise keeps them
+            return
+        start = tensor.offset - tensor.offset % mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, start, tensor.offset + nbytes - start)
 
     def _need(self, size: int) -> None:
         if self._at + size > len(self._map):

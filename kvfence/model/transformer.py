@@ -16,7 +16,7 @@ transformers' modelling code (float32 RMSNorm, rotate-half RoPE) so that greedy 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -88,7 +88,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _storage_counts(
-    tensors: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight]
+    tensors: dict[str, torch.Tensor], quantized: Mapping[str, QuantizedWeight]
 ) -> dict[str, int]:
     """Tensors per storage type of weights given in memory: their dtype, or "block" for codes."""
     kinds = [str(t.dtype).removeprefix("torch.").upper() for t in tensors.values()]
@@ -108,7 +108,7 @@ class Transformer:
         config: ModelConfig,
         tensors: dict[str, torch.Tensor],
         decode_attention: str = "auto",
-        quantized: dict[str, QuantizedWeight] | None = None,
+        quantized: Mapping[str, QuantizedWeight] | None = None,
         decode_matmul: str = "auto",
         activation_dtype: str = "float32",
     ) -> None:

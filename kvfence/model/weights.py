@@ -11,7 +11,7 @@ dense [in_features, out_features] tensor (quantized ones dequantized, on the mod
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +58,7 @@ class Binder:
     def __init__(
         self,
         tensors: dict[str, torch.Tensor],
-        quantized: dict[str, QuantizedWeight],
+        quantized: Mapping[str, QuantizedWeight],
         kernel: PackedMatmulKernel | None,
         dot: bool = False,
     ) -> None:

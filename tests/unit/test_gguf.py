@@ -109,6 +109,20 @@ def test_block_quantized_weights_are_kept_only_as_their_codes(tmp_path: Path) ->
     assert loaded.quantization == {"F32": 10, "Q8_0": 1}
 
 
+def test_a_weight_cut_short_fails_the_load_not_the_model(tmp_path: Path) -> None:
+    """Block weights are read only when the model asks for one, but a file that ends inside one (here the
+    last tensor, 8 rows of one 34-byte Q8_0 block, padded to 288 bytes) is refused by load_gguf itself."""
+    tensors = _tiny_llama_tensors()
+    tensors["blk.0.ffn_down.weight"] = np.random.default_rng(1).standard_normal((8, 32)).astype(np.float32)
+    path = tmp_path / "cut.gguf"
+    _write_tiny_gguf(path, "llama", tensors, q8_0=frozenset({"blk.0.ffn_down.weight"}))
+    load_gguf(path)
+    with path.open("r+b") as file:
+        file.truncate(path.stat().st_size - 40)
+    with pytest.raises(ValueError, match=r"ffn_down\.weight runs past the end"):
+        load_gguf(path)
+
+
 def test_non_llama_architecture_is_rejected(tmp_path: Path) -> None:
     _write_tiny_gguf(tmp_path / "other.gguf", "gpt2", _tiny_llama_tensors())
     with pytest.raises(ValueError, match="architecture 'gpt2'"):
