@@ -148,13 +148,13 @@ def _as_nibbles(
     """(codes, offsets) as 4-bit codes where every code fits 16 values from the least, `low`: code - low,
     with offset + low * scale, used only where that offset is exact in float32 (Q4_0's -8 * d is; a
     K-quant's low is 0), so that every weight stays the same float32 value. Else unchanged, int8."""
-    low, high = int(codes.min()), int(codes.max())
+    low, high = (int(bound) for bound in torch.aminmax(codes))
     if high - low > 15:
         return codes, offsets
     shifted = offsets.double() + low * scales.double()
     if not torch.equal(shifted.float().double(), shifted):
         return codes, offsets
-    return (codes.to(torch.int16) - low).to(torch.uint8), shifted.float()
+    return (codes - low).view(torch.uint8), shifted.float()  # int8 cannot overflow: each is 0 to 15
 
 
 def _as_half(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

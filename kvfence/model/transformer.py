@@ -17,6 +17,7 @@ transformers' modelling code (float32 RMSNorm, rotate-half RoPE) so that greedy 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -96,6 +97,13 @@ def _storage_counts(
     return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
 
+def _bind(binder: Binder, num_layers: int) -> tuple[Projection, list[Layer]]:
+    """The LM head and every layer, the layers read and packed on as many threads as torch runs: numpy and
+    torch let the GIL go in the work that takes the time (decoding blocks, laying out panels)."""
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        return binder.lm_head(), list(pool.map(binder.layer, range(num_layers)))
+
+
 class Transformer:
     """The model of one GGUF. `tensors` are the dense tensors under their GGUF names; `quantized` the codes
     of the weights stored in a block format (`GGUFModel.quantized`). Without codes, or with
@@ -134,16 +142,14 @@ class Transformer:
             else lambda: (None, "the weights are not stored quantized"),
         )
         binder = Binder(tensors, quantized, self._packed_kernel, dot=activation_dtype == "int8")
-        self.lm_head = binder.lm_head()
-        self.layers = [binder.layer(i) for i in range(config.num_layers)]
+        self.lm_head, self.layers = _bind(binder, config.num_layers)
         packed = [self.lm_head.packed] + [p.packed for layer in self.layers for p in layer.projections()]
         if self._packed_kernel is not None and not any(packed):
             if decode_matmul == "kernel":
                 raise ValueError("decode matmul 'kernel' is unavailable: no weight fits its panels")
             self._packed_kernel, self.decode_matmul_note = None, "no weight fits the kernel's panels"
             binder = Binder(tensors, quantized, None)
-            self.lm_head = binder.lm_head()
-            self.layers = [binder.layer(i) for i in range(config.num_layers)]
+            self.lm_head, self.layers = _bind(binder, config.num_layers)
         self.decode_matmul = "kernel" if self._packed_kernel else "dense"
         self.embed = Embedding(binder, self.lm_head, config.tie_word_embeddings)
         self.norm = tensors["output_norm.weight"]
