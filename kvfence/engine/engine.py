@@ -371,7 +371,7 @@ def load_engine(
     device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=device, progress=log)
     model = Transformer.from_gguf(
-        gguf, config.decode_attention, config.decode_matmul, config.activation_dtype
+        gguf, config.decode_attention, config.decode_matmul, config.activation_dtype, progress=log
     )
     tokenizer = Tokenizer.from_gguf(gguf, chat_template)
     model_file = gguf.path

@@ -16,8 +16,8 @@ transformers' modelling code (float32 RMSNorm, rotate-half RoPE) so that greedy 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -97,11 +97,21 @@ def _storage_counts(
     return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
 
-def _bind(binder: Binder, num_layers: int) -> tuple[Projection, list[Layer]]:
-    """The LM head and every layer, the layers read and packed on as many threads as torch runs: numpy and
-    torch let the GIL go in the work that takes the time (decoding blocks, laying out panels)."""
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        return binder.lm_head(), list(pool.map(binder.layer, range(num_layers)))
+_PROGRESS_REPORTS = 4  # lines while the layers are read and packed: the longest part of a load
+
+
+def _bind(
+    binder: Binder, num_layers: int, progress: Callable[[str], None] | None
+) -> tuple[Projection, list[Layer]]:
+    """The LM head and every layer, one after another (a layer's codes are freed before the next is read);
+    `progress` hears how far it is a few times on the way."""
+    start, every = time.perf_counter(), max(1, num_layers // _PROGRESS_REPORTS)
+    layers: list[Layer] = []
+    for i in range(num_layers):
+        layers.append(binder.layer(i))
+        if progress is not None and ((i + 1) % every == 0 or i + 1 == num_layers):
+            progress(f"{i + 1}/{num_layers} layers read and packed ({time.perf_counter() - start:.1f}s)")
+    return binder.lm_head(), layers
 
 
 class Transformer:
@@ -119,6 +129,7 @@ class Transformer:
         quantized: Mapping[str, QuantizedWeight] | None = None,
         decode_matmul: str = "auto",
         activation_dtype: str = "float32",
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         if activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation dtype must be one of {ACTIVATION_DTYPES}, not {activation_dtype!r}")
@@ -142,14 +153,14 @@ class Transformer:
             else lambda: (None, "the weights are not stored quantized"),
         )
         binder = Binder(tensors, quantized, self._packed_kernel, dot=activation_dtype == "int8")
-        self.lm_head, self.layers = _bind(binder, config.num_layers)
+        self.lm_head, self.layers = _bind(binder, config.num_layers, progress)
         packed = [self.lm_head.packed] + [p.packed for layer in self.layers for p in layer.projections()]
         if self._packed_kernel is not None and not any(packed):
             if decode_matmul == "kernel":
                 raise ValueError("decode matmul 'kernel' is unavailable: no weight fits its panels")
             self._packed_kernel, self.decode_matmul_note = None, "no weight fits the kernel's panels"
             binder = Binder(tensors, quantized, None)
-            self.lm_head, self.layers = _bind(binder, config.num_layers)
+            self.lm_head, self.layers = _bind(binder, config.num_layers, progress)
         self.decode_matmul = "kernel" if self._packed_kernel else "dense"
         self.embed = Embedding(binder, self.lm_head, config.tie_word_embeddings)
         self.norm = tensors["output_norm.weight"]
@@ -184,9 +195,16 @@ class Transformer:
         decode_attention: str = "auto",
         decode_matmul: str = "auto",
         activation_dtype: str = "float32",
+        progress: Callable[[str], None] | None = None,
     ) -> Transformer:
         model = cls(
-            gguf.config, gguf.tensors, decode_attention, gguf.quantized, decode_matmul, activation_dtype
+            gguf.config,
+            gguf.tensors,
+            decode_attention,
+            gguf.quantized,
+            decode_matmul,
+            activation_dtype,
+            progress,
         )
         model.quantization = dict(gguf.quantization)
         return model

@@ -135,8 +135,11 @@ def test_greedy_tokens_and_logits_match_transformers(
     assert loaded.config.architecture == ARCH[variant]
     blocks = quant not in ("F32", "F16")
     assert bool(loaded.quantized) == blocks and (quant in loaded.quantization or quant == "Q4_K_M")
-    model = Transformer.from_gguf(loaded)
+    heard: list[str] = []
+    model = Transformer.from_gguf(loaded, progress=heard.append)
     assert model.decode_matmul == ("kernel" if blocks else "dense") and model.decode_attention == "kernel"
+    layers = loaded.config.num_layers
+    assert heard[-1].startswith(f"{layers}/{layers} layers read and packed")
     engine = make_engine(model, num_pages=64, page_size=4, max_num_batched_tokens=8, max_model_len=64)
     recorder = LogitsRecorder(engine)
     steps = 8
