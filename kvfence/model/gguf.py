@@ -29,7 +29,10 @@ from kvfence.model.gguf_file import GGUFFile, TensorInfo
 
 _Q = gguf.GGMLQuantizationType
 _QK_ROWS = re.compile(r"blk\.\d+\.attn_[qk]\.(weight|bias)")
-_CHUNK_BLOCKS = 1 << 14  # blocks gguf-py dequantizes at once: a few MB of float32 at a time
+# Weights gguf-py dequantizes at once: 0.5 MiB of float32, under the 1 MiB from which the server maps each
+# buffer on its own (engine._map_large_buffers), so that a chunk's temporaries reuse freed heap instead of
+# faulting in fresh pages (chunks of 2 MiB: the 1.07B file's layers took 13.9 s to pack, now ~7).
+_CHUNK_WEIGHTS = 1 << 17
 _PROGRESS_REPORTS = 6  # progress lines per load: a few layers apart, not one per tensor
 _F16_ONE, _F16_ZERO = np.float16(1).tobytes(), np.float16(0).tobytes()
 # K-quant 6-bit scale bytes that unpack (gguf.quants.Q4_K.get_scale_min) to scale 1 and min 0 everywhere.
@@ -179,10 +182,11 @@ def _dequantize(file: GGUFFile, info: TensorInfo) -> np.ndarray:
 
 def _dequantize_blocks(blocks: np.ndarray, kind: _Q, dtype: type = np.float32) -> np.ndarray:
     """gguf-py's reference dequantizer over [blocks, bytes] -> [blocks * block_size] of `dtype`, in chunks
-    of `_CHUNK_BLOCKS` passed as one row each: given the blocks as rows, gguf-py works through them 16 at a
-    time (22 s for Gemma 3 270M's weights; in chunks, under 2), and a chunk at a time no whole tensor is
+    of `_CHUNK_WEIGHTS` passed as one row each: given the blocks as rows, gguf-py works through them 16 at
+    a time (22 s for Gemma 3 270M's weights; in chunks, under 2), and a chunk at a time no whole tensor is
     ever float32 on its way to int8 codes."""
-    chunks = (blocks[i : i + _CHUNK_BLOCKS].reshape(1, -1) for i in range(0, len(blocks), _CHUNK_BLOCKS))
+    step = max(1, _CHUNK_WEIGHTS // gguf.GGML_QUANT_SIZES[kind][0])
+    chunks = (blocks[i : i + step].reshape(1, -1) for i in range(0, len(blocks), step))
     out = [gguf.quants.dequantize(chunk, kind).reshape(-1).astype(dtype) for chunk in chunks]
     return np.concatenate(out) if len(out) != 1 else out[0]
 

@@ -139,7 +139,11 @@ def _dot_layout(codes: torch.Tensor) -> torch.Tensor:
     out_features, in_features = codes.shape
     split = codes.view(out_features // PANEL, 2, 16, in_features // 8, 2, 4)  # [P, half, j, t, high, i]
     lines = split.permute(0, 3, 1, 2, 5, 4)  # [P, t, half, j, i, high]
-    return (lines[..., 0] | (lines[..., 1] << 4)).reshape(out_features // PANEL, in_features // 8, 2, 64)
+    # Written in place, in the layout's own order: no temporary, no copy to make the result contiguous.
+    out = torch.empty(lines.shape[:-1], dtype=torch.uint8)
+    torch.bitwise_left_shift(lines[..., 1], 4, out=out)
+    out |= lines[..., 0]
+    return out.view(out_features // PANEL, in_features // 8, 2, 64)
 
 
 def _as_nibbles(
