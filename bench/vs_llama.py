@@ -15,17 +15,18 @@ greedy, or temperature 0.8 with top_p 0.95 (what OpenAI clients send). Models: t
 (kvfence.harness.synthetic, written once into ~/.cache/kvfence-bench), where memory bandwidth rather than
 per-step overhead decides. `--activation-dtype int8` serves kvfence with 4-bit weights multiplied by
 int8-quantized rows, as llama.cpp computes them (default float32: exact products). Prints a table of output
-tok/s with the ratio, TTFT and TPOT p50, and each server's resident memory after the rows (and its peak,
-loading included); writes bench/results/vs_llama.json. Exit status 1 when a verdict fails: kvfence >=
-llama-server at every row, sampled >= 0.9 x greedy at 16 streams, resident memory serving the 1B file <= 1.5 x
-the file plus the KV pool (SmolLM2's is in the table: its bound, 653 MiB, is less than torch's runtime plus
-the pool).
+tok/s with the ratio, TTFT and TPOT p50, each server's resident memory after the rows (and its peak,
+loading included) and the seconds from its start until it answered /health; writes
+bench/results/vs_llama.json. Exit status 1 when a verdict fails: kvfence >= llama-server at every row,
+sampled >= 0.9 x greedy at 16 streams, resident memory serving the 1B file <= 1.5 x the file plus the KV
+pool (SmolLM2's is in the table: its bound, 653 MiB, is less than torch's runtime plus the pool).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -71,15 +72,23 @@ def model_file(name: str) -> Path:
 @contextmanager
 def servers(
     binary: Path, model: Path, threads: int, activation_dtype: str
-) -> Iterator[dict[str, tuple[str, int]]]:
-    """Both servers on `model`: name -> (base URL, process id)."""
+) -> Iterator[dict[str, tuple[str, int, float]]]:
+    """Both servers on `model`, started one after the other (each on an idle machine): name -> (base URL,
+    process id, seconds from its start until /health answered)."""
     with ExitStack() as stack:
+        start = time.perf_counter()
         peer = stack.enter_context(llama_server(binary, model, threads, 16, 16 * WINDOW // 4))
+        peer_ready = time.perf_counter() - start
         args = ["--model", str(model), "--num-threads", str(threads), "--max-num-seqs", "16"]
         args += ["--max-model-len", str(WINDOW), "--kv-cache-memory", KV_POOL]
         args += ["--activation-dtype", activation_dtype]
+        start = time.perf_counter()
         running = stack.enter_context(cluster(serve_args=args))
-        yield {"llama-server": (peer.url, peer.pid), "kvfence": (running.url, running.processes[0].pid)}
+        ready = time.perf_counter() - start
+        yield {
+            "llama-server": (peer.url, peer.pid, peer_ready),
+            "kvfence": (running.url, running.processes[0].pid, ready),
+        }
 
 
 def row(
@@ -94,22 +103,24 @@ def bench_model(binary: Path, name: str, args: argparse.Namespace) -> list[dict[
     tokenizer = Tokenizer(read_header(path)[1])
     rows: list[dict[str, Any]] = []
     with servers(binary, path, args.threads, args.activation_dtype) as urls:
-        for url, _ in urls.values():  # a warm-up each: one-off allocations are not measured
+        for url, *_ in urls.values():  # a warm-up each: one-off allocations are not measured
             row(url, path.stem, make_prompts(tokenizer, 4, args.prompt_len, salt=-1), args, 4, "greedy")
         salt = 0
         for streams in args.streams:  # greedy and sampled side by side: their ratio sees one machine state
             for sampling in SAMPLINGS:
                 found: dict[str, Any] = {"model": name, "sampling": sampling, "streams": streams}
-                for system, (url, _) in urls.items():
+                for system, (url, *_) in urls.items():
                     salt += 1
                     prompts = make_prompts(tokenizer, args.requests * streams, args.prompt_len, salt=salt)
                     found[system] = row(url, path.stem, prompts, args, streams, sampling).summary()
                 print(line(found), flush=True)
                 rows.append(found)
-        memory = {system: memory_mb(pid) for system, (_, pid) in urls.items()}
+        memory = {system: memory_mb(pid) for system, (_, pid, _) in urls.items()}
+        ready = {system: seconds for system, (*_, seconds) in urls.items()}
     for found in rows:
         found["rss_mb"] = {system: now for system, (now, _) in memory.items()}
         found["peak_rss_mb"] = {system: peak for system, (_, peak) in memory.items()}
+        found["ready_s"] = ready
         found["file_mb"] = path.stat().st_size / 2**20
     return rows
 
@@ -127,7 +138,7 @@ def line(found: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]) -> None:
     print_table(
         ["model", "sampling", "streams", "kvfence tok/s", "llama tok/s", "ratio", "TPOT p50 k / l ms",
-         "TTFT p50 k / l ms", "RSS k / l MiB", "peak RSS k / l MiB"],
+         "TTFT p50 k / l ms", "RSS k / l MiB", "peak RSS k / l MiB", "ready k / l s"],
         [
             [
                 r["model"], r["sampling"], r["streams"],
@@ -137,6 +148,7 @@ def table(rows: list[dict[str, Any]]) -> None:
                 f"{r['kvfence']['ttft_p50_ms']:.0f} / {r['llama-server']['ttft_p50_ms']:.0f}",
                 f"{r['rss_mb']['kvfence']:.0f} / {r['rss_mb']['llama-server']:.0f}",
                 f"{r['peak_rss_mb']['kvfence']:.0f} / {r['peak_rss_mb']['llama-server']:.0f}",
+                f"{r['ready_s']['kvfence']:.1f} / {r['ready_s']['llama-server']:.1f}",
             ]
             for r in rows
         ],
