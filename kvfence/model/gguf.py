@@ -33,7 +33,7 @@ _QK_ROWS = re.compile(r"blk\.\d+\.attn_[qk]\.(weight|bias)")
 # buffer on its own (engine._map_large_buffers), so that a chunk's temporaries reuse freed heap instead of
 # faulting in fresh pages (chunks of 2 MiB: the 1.07B file's layers took 13.9 s to pack, now ~7).
 _CHUNK_WEIGHTS = 1 << 17
-_PROGRESS_REPORTS = 6  # progress lines per load: a few layers apart, not one per tensor
+_PROGRESS_REPORTS = 6  # lines while the dense tensors are read (an F16 file's every weight)
 _F16_ONE, _F16_ZERO = np.float16(1).tobytes(), np.float16(0).tobytes()
 # K-quant 6-bit scale bytes that unpack (gguf.quants.Q4_K.get_scale_min) to scale 1 and min 0 everywhere.
 _UNIT_K_SCALES = bytes([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1])
