@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +70,16 @@ def model_file(name: str) -> Path:
     return Path(name)
 
 
+@dataclass(frozen=True)
+class Served:
+    url: str
+    pid: int
+    ready_s: float  # from its start until /health answered
+
+
 @contextmanager
-def servers(
-    binary: Path, model: Path, threads: int, activation_dtype: str
-) -> Iterator[dict[str, tuple[str, int, float]]]:
-    """Both servers on `model`, started one after the other (each on an idle machine): name -> (base URL,
-    process id, seconds from its start until /health answered)."""
+def servers(binary: Path, model: Path, threads: int, activation_dtype: str) -> Iterator[dict[str, Served]]:
+    """Both servers on `model` by name, started one after the other (each on an idle machine)."""
     with ExitStack() as stack:
         start = time.perf_counter()
         peer = stack.enter_context(llama_server(binary, model, threads, 16, 16 * WINDOW // 4))
@@ -86,8 +91,8 @@ def servers(
         running = stack.enter_context(cluster(serve_args=args))
         ready = time.perf_counter() - start
         yield {
-            "llama-server": (peer.url, peer.pid, peer_ready),
-            "kvfence": (running.url, running.processes[0].pid, ready),
+            "llama-server": Served(peer.url, peer.pid, peer_ready),
+            "kvfence": Served(running.url, running.processes[0].pid, ready),
         }
 
 
@@ -102,21 +107,22 @@ def bench_model(binary: Path, name: str, args: argparse.Namespace) -> list[dict[
     path = model_file(name)
     tokenizer = Tokenizer(read_header(path)[1])
     rows: list[dict[str, Any]] = []
-    with servers(binary, path, args.threads, args.activation_dtype) as urls:
-        for url, *_ in urls.values():  # a warm-up each: one-off allocations are not measured
-            row(url, path.stem, make_prompts(tokenizer, 4, args.prompt_len, salt=-1), args, 4, "greedy")
+    with servers(binary, path, args.threads, args.activation_dtype) as running:
+        for served in running.values():  # a warm-up each: one-off allocations are not measured
+            warm_up = make_prompts(tokenizer, 4, args.prompt_len, salt=-1)
+            row(served.url, path.stem, warm_up, args, 4, "greedy")
         salt = 0
         for streams in args.streams:  # greedy and sampled side by side: their ratio sees one machine state
             for sampling in SAMPLINGS:
                 found: dict[str, Any] = {"model": name, "sampling": sampling, "streams": streams}
-                for system, (url, *_) in urls.items():
+                for system, served in running.items():
                     salt += 1
                     prompts = make_prompts(tokenizer, args.requests * streams, args.prompt_len, salt=salt)
-                    found[system] = row(url, path.stem, prompts, args, streams, sampling).summary()
+                    found[system] = row(served.url, path.stem, prompts, args, streams, sampling).summary()
                 print(line(found), flush=True)
                 rows.append(found)
-        memory = {system: memory_mb(pid) for system, (_, pid, _) in urls.items()}
-        ready = {system: seconds for system, (*_, seconds) in urls.items()}
+        memory = {system: memory_mb(served.pid) for system, served in running.items()}
+        ready = {system: served.ready_s for system, served in running.items()}
     for found in rows:
         found["rss_mb"] = {system: now for system, (now, _) in memory.items()}
         found["peak_rss_mb"] = {system: peak for system, (_, peak) in memory.items()}
