@@ -120,12 +120,16 @@ class Binder:
 
 class Embedding:
     """Token embeddings from whichever copy the model already holds: the LM head's when the file ties the
-    two (its packed rows, or its dense table), else the file's codes or its dense table."""
+    two (its packed rows, or its dense table). Untied, the file's table packed as the kernel's panels are
+    (0.56-0.75 bytes a weight for 4-bit formats, where its int8 codes and float32 scales took 1.25), else
+    its codes, else its dense table. Packed rows are, bit for bit, the dequantized ones (`PackedWeight`)."""
 
     def __init__(self, binder: Binder, lm_head: Projection, tied: bool) -> None:
         self.dtype, self.device = binder.dtype, binder.device
-        self._packed = lm_head.packed if tied else None
-        self._quantized = None if tied else binder.quantized.get("token_embd.weight")
+        self._packed, self._quantized = lm_head.packed if tied else None, None
+        if not tied and (codes := binder.quantized.get("token_embd.weight")) is not None:
+            self._packed = PackedWeight.pack([codes])
+            self._quantized = codes if self._packed is None else None
         self._dense = None
         if self._packed is None and self._quantized is None:
             self._dense = (

@@ -140,6 +140,9 @@ def test_greedy_tokens_and_logits_match_transformers(
     assert model.decode_matmul == ("kernel" if blocks else "dense") and model.decode_attention == "kernel"
     layers = loaded.config.num_layers
     assert heard[-1].startswith(f"{layers}/{layers} layers read and packed")
+    if blocks and not loaded.config.tie_word_embeddings:  # the table packed apart from the head: every row
+        table = loaded.quantized["token_embd.weight"].dequantize()
+        assert torch.equal(model.embed(torch.arange(len(table))), table)
     engine = make_engine(model, num_pages=64, page_size=4, max_num_batched_tokens=8, max_model_len=64)
     recorder = LogitsRecorder(engine)
     steps = 8
