@@ -127,10 +127,12 @@ def load_gguf(
     report(f"{path.name}: header read, {len(file.tensors)} tensors, {config.num_layers} layers")
     permute = architecture(config.architecture).permute_qk
     tensors: dict[str, torch.Tensor] = {}
-    blocks = [info for info in file.tensors if _is_blocks(_kind(info), info.shape)]
+    blocks: list[TensorInfo] = []
+    dense: list[TensorInfo] = []
+    for info in file.tensors:
+        (blocks if _is_blocks(_kind(info), info.shape) else dense).append(info)
     for info in blocks:
         _raw(file, info)  # bytes that do not fit the type or the file fail the load, not the model's ask
-    dense = [info for info in file.tensors if not _is_blocks(_kind(info), info.shape)]
     report_every = max(1, len(dense) // _PROGRESS_REPORTS)
     for done, info in enumerate(dense, start=1):
         weights = _dequantize(file, info)
