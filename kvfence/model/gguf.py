@@ -4,8 +4,9 @@ Contract: `load_gguf` returns each tensor under its GGUF name ("blk.3.attn_q.wei
 layout ([out_features, in_features]), llama's Q/K rows restored to HF's rotate-half RoPE order. A weight
 stored in a block format of the form code * scale + offset per group (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K) is kept only as its codes (`GGUFModel.quantized`, int8, about 1.3 bytes a weight), never as a
-float32 copy, and read from the file only when asked for (`QuantizedWeights`): `QuantizedWeight.dequantize()`
-gives, bit for bit, the float32 tensor transformers and gguf-py's reference dequantizer produce. Every other
+float32 copy, and read from the file only when asked for (`QuantizedWeights`; `stored()` gives the file's own
+blocks to a packer that decodes them itself): `QuantizedWeight.dequantize()` gives, bit for bit, the float32
+tensor transformers and gguf-py's reference dequantizer produce. Every other
 tensor (norms, F16/BF16/F32 weights, formats without that form) is dequantized into `GGUFModel.tensors`.
 """
 
@@ -15,7 +16,8 @@ import functools
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +68,19 @@ class QuantizedWeight:
         return (blocks * scales[..., None] + offsets[..., None]).view(n, k)
 
 
+@dataclass(frozen=True)
+class StoredWeight:
+    """A block-format weight as the file stores it, for a packer that reads the blocks itself
+    (block_packer.py): `blocks` [out_features * in_features / block size, bytes per block], a view of
+    the file's map, row after row; output feature n is stored row `rows[n]` (llama's Q/K rows are
+    reordered, as `QuantizedWeight`'s codes are)."""
+
+    kind: gguf.GGMLQuantizationType
+    shape: tuple[int, int]  # [out_features, in_features]
+    blocks: np.ndarray
+    rows: np.ndarray
+
+
 class QuantizedWeights(Mapping[str, QuantizedWeight]):
     """A file's block-format weights by GGUF name, each read from the memory map when asked for and kept
     by no one here. A model that packs one projection at a time so holds one projection's codes at once:
@@ -86,8 +101,29 @@ class QuantizedWeights(Mapping[str, QuantizedWeight]):
         fix = functools.partial(_unpermute_rope_rows, name, self._config) if self._permute else None
         return QuantizedWeight(*(torch.from_numpy(fix(part) if fix else part) for part in blocks))
 
+    @contextmanager
+    def stored(self, names: Sequence[str]) -> Iterator[list[StoredWeight]]:
+        """The weights `names` as the file stores them; their pages of the map are let go on exit."""
+        infos = [self._infos[name] for name in names]
+        raws = [_raw(self._file, info) for info in infos]
+        try:
+            yield [self._stored(info, raw) for info, raw in zip(infos, raws, strict=True)]
+        finally:
+            for info, raw in zip(infos, raws, strict=True):
+                self._file.release(info, raw.nbytes)
+
+    def _stored(self, info: TensorInfo, raw: np.ndarray) -> StoredWeight:
+        out_features, in_features = info.shape
+        rows = np.arange(out_features)[:, None]
+        if self._permute:
+            rows = _unpermute_rope_rows(info.name, self._config, rows)
+        return StoredWeight(_kind(info), (out_features, in_features), raw, rows[:, 0])
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._infos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos  # Mapping's own would read and decode the weight to answer
 
     def __len__(self) -> int:
         return len(self._infos)

@@ -1,10 +1,11 @@
 """The decode-row matmul over the GGUF's own quantized weights (csrc/packed_matmul.c), built by `native`.
 
-`PackedWeight.pack` lays a weight's codes out in panels of output columns once, at load, in the
-narrowest storage that still gives the same float32 weights (see `QuantizedWeight` and the kernel's
-contract): codes spanning at most 16 values as nibbles, scales and offsets float16 holds exactly as
-float16. The kernel then computes `x @ W.T` for any number of rows reading 0.625 bytes a weight for
-Q4_0/Q4_1 (as in the file), 0.75 for Q4_K, 1.125 for Q8_0, 1.25 to 1.5 otherwise, instead of BLAS's 4.
+`PackedWeight.pack` lays a weight's codes out in panels of output columns once, at load (block_packer.py
+lays Q4_0 and Q4_1 out the same way straight from the file's blocks), in the narrowest storage that still
+gives the same float32 weights (see `QuantizedWeight` and the kernel's contract): codes spanning at most
+16 values as nibbles, scales and offsets float16 holds exactly as float16. The kernel then computes
+`x @ W.T` for any number of rows reading 0.625 bytes a weight for Q4_0/Q4_1 (as in the file), 0.75 for
+Q4_K, 1.125 for Q8_0, 1.25 to 1.5 otherwise, instead of BLAS's 4.
 The packed codes are the only copy of a quantized weight (`PackedWeight.rows` reads embedding rows from
 them). `load()` returns None with the reason when the kernel cannot be used.
 """

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfence.model.gguf import QuantizedWeight
+from kvfence.model import block_packer
+from kvfence.model.gguf import QuantizedWeight, QuantizedWeights
 from kvfence.model.packed_matmul import PackedMatmulKernel, PackedWeight
 
 
@@ -53,7 +54,7 @@ class Layer:
 
 class Binder:
     """Reads the named weights out of the loader's two dicts, packed where `kernel` runs (laid out for its
-    int8 dot products where `dot` and the codes allow: PackedWeight.pack)."""
+    int8 dot products where `dot` and the codes allow: `pack`)."""
 
     def __init__(
         self,
@@ -75,6 +76,18 @@ class Binder:
             return self.tensors[name]
         return self.quantized[name].dequantize().to(self.dtype).to(self.device)
 
+    def pack(self, names: Sequence[str], dot: bool) -> PackedWeight | None:
+        """The quantized weights `names` as one PackedWeight (None where PackedWeight.pack gives none):
+        straight from the file's blocks where block_packer takes them (Q4_0, Q4_1 read from a file), else
+        from their codes."""
+        packer, stored = block_packer.load(), self.quantized
+        if packer is not None and isinstance(stored, QuantizedWeights) and all(n in stored for n in names):
+            with stored.stored(names) as parts:
+                packed = packer.pack(parts, dot)
+            if packed is not None:
+                return packed
+        return PackedWeight.pack([self.quantized.get(name) for name in names], dot)
+
     def optional(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
 
@@ -83,7 +96,7 @@ class Binder:
         kernel runs, else dense. Biases ("<name>.bias" beside "<name>.weight") stacked likewise."""
         packed = None
         if self.kernel is not None:
-            packed = PackedWeight.pack([self.quantized.get(name) for name in names], self.dot)
+            packed = self.pack(names, self.dot)
         dense = None if packed is not None else torch.cat([self.dense(n) for n in names]).T.contiguous()
         biases = [self.tensors.get(name.removesuffix(".weight") + ".bias") for name in names]
         bias = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
@@ -114,7 +127,7 @@ class Binder:
             if "output.weight" in self.tensors.keys() | self.quantized.keys()
             else "token_embd.weight"
         )
-        packed = PackedWeight.pack([self.quantized.get(name)], self.dot) if self.kernel is not None else None
+        packed = self.pack([name], self.dot) if self.kernel is not None else None
         return Projection(None if packed is not None else self.dense(name).T, packed)
 
 
@@ -127,9 +140,10 @@ class Embedding:
     def __init__(self, binder: Binder, lm_head: Projection, tied: bool) -> None:
         self.dtype, self.device = binder.dtype, binder.device
         self._packed, self._quantized = lm_head.packed if tied else None, None
-        if not tied and (codes := binder.quantized.get("token_embd.weight")) is not None:
-            self._packed = PackedWeight.pack([codes])
-            self._quantized = codes if self._packed is None else None
+        if not tied and "token_embd.weight" in binder.quantized:
+            self._packed = binder.pack(["token_embd.weight"], dot=False)
+            if self._packed is None:
+                self._quantized = binder.quantized["token_embd.weight"]
         self._dense = None
         if self._packed is None and self._quantized is None:
             self._dense = (
