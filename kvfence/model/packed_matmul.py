@@ -1,7 +1,7 @@
 """The decode-row matmul over the GGUF's own quantized weights (csrc/packed_matmul.c), built by `native`.
 
 `PackedWeight.pack` lays a weight's codes out in panels of output columns once, at load (block_packer.py
-lays Q4_0 and Q4_1 out the same way straight from the file's blocks), in the narrowest storage that still
+lays them out the same way straight from the file's blocks), in the narrowest storage that still
 gives the same float32 weights (see `QuantizedWeight` and the kernel's contract): codes spanning at most
 16 values as nibbles, scales and offsets float16 holds exactly as float16. The kernel then computes
 `x @ W.T` for any number of rows reading 0.625 bytes a weight for Q4_0/Q4_1 (as in the file), 0.75 for
@@ -117,9 +117,7 @@ class PackedWeight:
         if out_features % PANEL or in_features % group:
             return None
         codes, offsets = _as_nibbles(codes, scales, offsets)
-        scales, offsets = _as_half(scales, offsets)
-        if torch.equal(offsets.float(), -8 * scales.float()):  # Q4_0: the kernel computes them, exactly
-            offsets = offsets.new_empty((offsets.shape[0], 0))  # no view: the storage goes
+        scales, offsets = narrow_scales(scales, offsets)
 
         def panels(t: torch.Tensor) -> torch.Tensor:
             return t.view(out_features // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
@@ -162,13 +160,18 @@ def _as_nibbles(
     return (codes - low).view(torch.uint8), shifted.float()  # int8 cannot overflow: each is 0 to 15
 
 
-def _as_half(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both as float16 where it holds every value of both exactly (a non-K format's scales and offsets),
-    else both float32."""
+def narrow_scales(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and offsets (groups along dim 1) in the narrowest storage the kernel reads them from: both
+    float16 where it holds every value of both exactly (a non-K format's), else both float32; offsets
+    not stored (size 0 along groups) where each is -8 x its scale (Q4_0): the kernel computes them."""
     half = scales.half(), offsets.half()
     if all(torch.equal(h.float(), f.float()) for h, f in zip(half, (scales, offsets), strict=True)):
-        return half
-    return scales.float(), offsets.float()
+        scales, offsets = half
+    else:
+        scales, offsets = scales.float(), offsets.float()
+    if torch.equal(offsets.float(), -8 * scales.float()):  # exactly: -8 x a float is exact
+        offsets = offsets.new_empty(offsets[:, :0].shape)  # no view: the storage goes
+    return scales, offsets
 
 
 class PackedMatmulKernel:
