@@ -37,6 +37,7 @@ _SCALARS = {
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8"}
 _NUMPY[12] = "<f8"
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count, before its bytes
 _DEFAULT_ALIGNMENT = 32
 
 
@@ -109,11 +110,20 @@ class GGUFFile:
         return int(self._unpack("<I"))
 
     def _string(self) -> str:
-        length = int(self._unpack("<Q"))
-        self._need(length)
-        text = self._map[self._at : self._at + length].decode("utf-8", "replace")
-        self._at += length
+        (text,) = self._strings(1)
         return text
+
+    def _strings(self, count: int) -> list[str]:
+        """`count` strings one after another, in one loop over locals: a vocabulary's (Gemma 3's 262,144)
+        took 1.1 s through a call per string."""
+        data, at, size, texts = self._map, self._at, len(self._map), []
+        for _ in range(count):
+            if at + 8 > size or at + 8 + (length := _LENGTH.unpack_from(data, at)[0]) > size:
+                raise ValueError("the header is cut short")
+            texts.append(data[at + 8 : at + 8 + length].decode("utf-8", "replace"))
+            at += 8 + length
+        self._at = at
+        return texts
 
     def _value(self, kind: int) -> Any:
         """The value of GGUF type `kind` here (None for a skipped array)."""
@@ -130,7 +140,10 @@ class GGUFFile:
             values = np.frombuffer(self._map, _NUMPY[item], count, self._at) if self._arrays else None
             self._at += size
             return None if values is None else values.tolist()
-        items = [self._value(item) for _ in range(count)]  # strings (or arrays): each has its own length
+        if item == _STRING:
+            strings = self._strings(count)
+            return strings if self._arrays else None
+        items = [self._value(item) for _ in range(count)]  # arrays of arrays: each has its own length
         return items if self._arrays else None
 
     def _tensor_info(self) -> tuple[str, int, tuple[int, ...], int]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvfence.model.gguf import load_gguf
+from kvfence.model.gguf_file import GGUFFile
 from kvfence.model.tokenizer import pre_tokenizer_for
 
 
@@ -121,6 +122,28 @@ def test_a_weight_cut_short_fails_the_load_not_the_model(tmp_path: Path) -> None
         file.truncate(path.stat().st_size - 40)
     with pytest.raises(ValueError, match=r"ffn_down\.weight runs past the end"):
         load_gguf(path)
+
+
+def test_a_string_array_reads_back_whole_and_a_cut_one_is_refused(tmp_path: Path) -> None:
+    """A vocabulary's strings (empty, non-ASCII, a byte token) come back as written; a file that ends
+    inside the array is refused, whichever string it ends in, never read past its end."""
+    tokens = ["", "hello", "▁naïve", "<0x0A>", "你好"] * 3
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_token_list(tokens)
+    writer.add_string("general.name", "after the array")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    read = GGUFFile(path)
+    assert read.metadata["tokenizer.ggml.tokens"] == tokens
+    assert read.metadata["general.name"] == "after the array"
+    whole = path.read_bytes()
+    array_end = whole.index(b"general.name") - 8  # the next key's length comes right after the array
+    for cut in (array_end - 1, array_end - 3 - 8, array_end - 40):
+        path.write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match="the header is cut short"):
+            GGUFFile(path)
 
 
 def test_non_llama_architecture_is_rejected(tmp_path: Path) -> None:
