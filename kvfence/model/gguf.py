@@ -6,8 +6,8 @@ stored in a block format of the form code * scale + offset per group (Q4_0, Q4_1
 Q5_K, Q6_K) is kept only as its codes (`GGUFModel.quantized`, int8, about 1.3 bytes a weight), never as a
 float32 copy, and read from the file only when asked for (`QuantizedWeights`; `stored()` gives the file's own
 blocks to a packer that decodes them itself): `QuantizedWeight.dequantize()` gives, bit for bit, the float32
-tensor transformers and gguf-py's reference dequantizer produce. Every other
-tensor (norms, F16/BF16/F32 weights, formats without that form) is dequantized into `GGUFModel.tensors`.
+tensor transformers and gguf-py's reference dequantizer produce. Every other tensor (norms, F16/BF16/F32
+weights, formats without that form) is dequantized into `GGUFModel.tensors`.
 """
 
 from __future__ import annotations

@@ -78,8 +78,8 @@ class Binder:
 
     def pack(self, names: Sequence[str], dot: bool) -> PackedWeight | None:
         """The quantized weights `names` as one PackedWeight (None where PackedWeight.pack gives none):
-        straight from the file's blocks where block_packer takes them (Q4_0, Q4_1 read from a file), else
-        from their codes."""
+        straight from the file's blocks where block_packer takes them (weights read from a file, all of one
+        format), else from their codes."""
         packer, stored = block_packer.load(), self.quantized
         if packer is not None and isinstance(stored, QuantizedWeights) and all(n in stored for n in names):
             with stored.stored(names) as parts:

@@ -4,8 +4,9 @@
  * every weight about ten times in numpy and torch: 7 of the ~10 s the 1.07B Q4_0 file took to be served.
  * Here each block is read once and its codes written where the kernel reads them.
  *
- * Contract: `blocks` holds a weight's rows, each in_features / WEIGHTS blocks of the format `kind` (ggml's
- * type ids: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; any other returns -1 and writes nothing).
+ * Contract: `blocks` holds a weight's rows, each of in_features / 32 blocks (/ 256 for K-quants) of the
+ * format `kind` (ggml's type ids: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; any other returns -1 and
+ * writes nothing).
  * Output feature n reads stored row rows[n] (llama's Q/K rows are reordered). Each block decodes to codes
  * and, per group of `group` weights (16 for Q6_K, else 32), a float32 scale and offset with
  * w = code * scale + offset, computed as gguf-py computes them (a K-quant's scale is d x its 6-bit scale
@@ -19,7 +20,7 @@
  *            high; BYTES (any): [panels, in, PANEL] int8
  *   scales, offsets  [panels, in / group, PANEL] float32
  * Which storage the scales take (float16 where it holds them exactly) and whether offsets are stored at
- * all is packed_matmul.py's call (`_narrowed`), as on the general path. Every code byte is written whole,
+ * all is packed_matmul.py's call (`narrow_scales`), as on the general path. Every code byte is written whole,
  * so the output need not be cleared first.
  */
 #include <stdint.h>
