@@ -104,8 +104,8 @@ def draw(
         _place(tokens, whole, _pick(probs, None, [generators[r] for r in whole], noise))
     unseeded = [r for r in cut if generators[r] is None]
     if unseeded and _nucleus_kernel() is not None:
-        rows = scaled if len(unseeded) == len(params) else scaled[unseeded]
-        _place(tokens, unseeded, native_draw(rows, [params[r] for r in unseeded], noise)[0])
+        rows = scaled if len(unseeded) == len(params) else scaled[unseeded]  # read by no one after the draw
+        _place(tokens, unseeded, native_draw(rows, [params[r] for r in unseeded], noise, consume=True)[0])
         cut = [r for r in cut if generators[r] is not None]
     for limit in CANDIDATE_STAGES:
         if not cut:
@@ -125,17 +125,23 @@ def draw(
 
 
 def native_draw(
-    scaled: torch.Tensor, params: Sequence[SamplingParams], noise: torch.Generator | None
+    scaled: torch.Tensor,
+    params: Sequence[SamplingParams],
+    noise: torch.Generator | None,
+    consume: bool = False,
 ) -> tuple[list[int | None], torch.Tensor]:
     """csrc/nucleus.c's draw for `scaled` [rows, vocab] (temperature and min_p applied) under each row's
     top_k and top_p, one uniform a row from `noise`: (tokens, None where no logit is finite or one is NaN
-    or +inf; each row's least kept probability relative to its largest, the kept set's edge)."""
+    or +inf; each row's least kept probability relative to its largest, the kept set's edge). `consume`:
+    the caller reads `scaled` no more, and a float32 one is overwritten instead of copied (at 16 rows of
+    Gemma's 262,144, each fresh 16 MiB buffer is pages faulted in: 3-5 ms)."""
     kernel = _nucleus_kernel()
     assert kernel is not None
     rows = scaled.float()
-    # The exps here, vectorised (a scalar expf a token was most of the C draw's time); a NaN or +inf logit
-    # leaves its row a NaN, which the kernel refuses.
-    rows = torch.exp(rows - rows.amax(dim=-1, keepdim=True)).contiguous()
+    # The exps here, vectorised (a scalar expf a token was most of the C draw's time), in place over one
+    # buffer; a NaN or +inf logit leaves its row a NaN, which the kernel refuses.
+    peak = rows.amax(dim=-1, keepdim=True)
+    rows = (rows.sub_(peak) if consume and rows.is_contiguous() else rows - peak).exp_().contiguous()
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
     uniform = torch.rand(len(params), dtype=torch.float64, generator=noise)

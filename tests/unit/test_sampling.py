@@ -405,6 +405,18 @@ def test_the_c_draw_takes_the_same_tokens_on_two_threads() -> None:
     assert drawn[0][0] == drawn[1][0] and torch.equal(drawn[0][1], drawn[1][1])
 
 
+def test_the_batch_draw_consuming_its_rows_takes_the_c_draws_tokens() -> None:
+    """`sample` hands the C draw its scaled rows to overwrite (no second buffer of exps): the tokens are
+    those the draw takes from an untouched copy with the same noise, and the caller's logits are unchanged."""
+    rows = torch.randn(16, 3000, generator=torch.Generator().manual_seed(10)) * 3
+    params = [SamplingParams(temperature=0.7, top_k=40 * (i % 2), top_p=0.9) for i in range(16)]
+    before = rows.clone()
+    sampled = sample(rows, params, [None] * 16, noise=torch.Generator().manual_seed(4))
+    assert torch.equal(rows, before)
+    drawn, _ = native_draw(scaled_as_drawn(rows, params), params, torch.Generator().manual_seed(4))
+    assert sampled == drawn
+
+
 def test_the_c_draw_follows_the_probabilities() -> None:
     """20,000 draws of one row (top_k 6, top_p 0.9) with fixed noise: each kept token comes out at its
     probability (within four standard deviations) and a dropped one never; a row with no finite logit,
