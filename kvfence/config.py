@@ -14,8 +14,8 @@ from typing import Protocol
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can run (C on CPU, Triton on CUDA)
 DECODE_MATMUL = ("auto", "kernel", "dense")  # auto: the kernel where it can run (float32 on CPU, quantized)
-# What the packed kernel multiplies 4-bit codes by: the float32 rows (exact weights and products), or the
-# rows quantized to int8 per 32 values, as llama.cpp does (integer dot products, ~4x less work a weight).
+# What the packed kernel multiplies codes in groups of 32 by: the float32 rows (exact weights and products),
+# or the rows quantized to int8 per 32 values, as llama.cpp does (integer dot products, ~4x less work).
 ACTIVATION_DTYPES = ("float32", "int8")
 
 

@@ -25,7 +25,7 @@ from kvfence.model.packed_matmul import DOT_BLOCK, PANEL, PackedWeight, narrow_s
 _Q = gguf.GGMLQuantizationType
 _NIBBLES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K})  # codes 0-15, held two a byte
 _GROUPS = {_Q.Q6_K: 16}  # weights a scale covers, where not 32
-_BYTES, _NIBBLE_ROWS, _DOT_LINES = 0, 1, 2  # csrc/pack_blocks.c's layouts
+_BYTES, _NIBBLE_ROWS, _DOT_LINES, _BYTE_DOT_LINES = 0, 1, 2, 3  # csrc/pack_blocks.c's layouts
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _ARGTYPES = [_int, _ptr, _ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _int]
 
@@ -47,11 +47,13 @@ class BlockPacker:
         if in_features % weights or any(p.shape[1] != in_features or p.shape[0] % PANEL for p in parts):
             return None
         nibbles, groups = kind in _NIBBLES, in_features // _GROUPS.get(kind, DOT_BLOCK)
-        layout = (_DOT_LINES if dot else _NIBBLE_ROWS) if nibbles else _BYTES
+        dot = dot and in_features // groups == DOT_BLOCK  # Q6_K's groups of 16 keep the float layout
+        layout = (_DOT_LINES if dot else _NIBBLE_ROWS) if nibbles else (_BYTE_DOT_LINES if dot else _BYTES)
         panels = sum(part.shape[0] for part in parts) // PANEL
         shape = {
             _DOT_LINES: (panels, in_features // 8, 2, 64),
             _NIBBLE_ROWS: (panels, in_features, PANEL // 2),
+            _BYTE_DOT_LINES: (panels, in_features // 4, 2, 64),
             _BYTES: (panels, in_features, PANEL),
         }[layout]
         codes = torch.empty(shape, dtype=torch.uint8 if nibbles else torch.int8)

@@ -33,7 +33,8 @@ DOT_BLOCK = 32  # as csrc/packed_matmul.c: the int8 activations' block (and the 
 @dataclass(frozen=True)
 class PackedWeight:
     """codes [panels, in_features, PANEL] int8 (or uint8 nibbles, [panels, in_features, PANEL // 2], or
-    nibbles laid out for integer dot products, [panels, in_features // 8, 2, 64]) and scales / offsets
+    laid out for integer dot products: nibbles [panels, in_features // 8, 2, 64], int8 [panels,
+    in_features // 4, 2, 64]) and scales / offsets
     [panels, in_features // group, PANEL] float32 (or float16): panel p holds output features
     [p * PANEL, (p + 1) * PANEL), k-major, as the kernel reads them. `offsets` empty ([panels, 0, PANEL])
     where every offset is -8 x its scale (Q4_0): the kernel computes them (`centered`)."""
@@ -66,7 +67,9 @@ class PackedWeight:
 
     @property
     def in_features(self) -> int:
-        return self.codes.shape[1] * 8 if self.format & DOT else self.codes.shape[1]
+        if self.format & DOT:  # a line holds 8 k of nibbles, 4 of bytes
+            return self.codes.shape[1] * (8 if self.format & NIBBLES else 4)
+        return self.codes.shape[1]
 
     @property
     def out_features(self) -> int:
@@ -80,10 +83,13 @@ class PackedWeight:
         """The float32 weight rows (output features) `ids`, [len(ids), in_features]: embedding rows of a
         tied LM head, read from the panels so that the embedding is not held twice."""
         panel, column = ids // PANEL, ids % PANEL
-        if self.format & DOT:  # byte 4j + i of line (t, half): k = 8t + i low, k = 8t + 4 + i high
-            lines = self.codes.view(-1, self.in_features // 8, 2, 16, 4)
+        if self.format & DOT and self.format & NIBBLES:  # byte 4j + i of line (t, half): k = 8t + i low,
+            lines = self.codes.view(-1, self.in_features // 8, 2, 16, 4)  # k = 8t + 4 + i high
             raw = lines[panel, :, column // 16 % 2, column % 16]
             codes = torch.stack([raw & 15, raw >> 4], dim=2).reshape(len(ids), self.in_features).float()
+        elif self.format & DOT:  # byte 4j + i of line (t, half): k = 4t + i
+            lines = self.codes.view(-1, self.in_features // 4, 2, 16, 4)
+            codes = lines[panel, :, column // 16 % 2, column % 16].reshape(len(ids), self.in_features).float()
         elif self.format & NIBBLES:  # column j < 16 in byte j's low nibble, column j + 16 in its high one
             raw = self.codes[panel, :, column % (PANEL // 2)]
             codes = torch.where((column < PANEL // 2)[:, None], raw & 15, raw >> 4).float()
@@ -100,8 +106,8 @@ class PackedWeight:
         """The weights of `parts` stacked along output features (a fused projection), or None when one is
         not quantized or the shape does not fit the panels. Parts with different groups (Q4_K's 32 beside
         Q6_K's 16, as Q4_K_M files mix them) share the smallest: a scale repeated is the same weight.
-        `dot`: laid out for the kernel's integer dot products over int8 activations where the codes are
-        nibbles in groups of 32 (Q4_0, Q4_1, Q4_K); other weights keep the float layout."""
+        `dot`: laid out for the kernel's integer dot products over int8 activations where the codes come
+        in groups of 32 (every format but Q6_K's groups of 16, which keep the float layout)."""
         present = [part for part in parts if part is not None]
         if len(present) < len(parts):
             return None
@@ -122,8 +128,9 @@ class PackedWeight:
         def panels(t: torch.Tensor) -> torch.Tensor:
             return t.view(out_features // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
 
-        if dot and codes.dtype == torch.uint8 and group == DOT_BLOCK:
-            return cls(_dot_layout(codes), panels(scales), panels(offsets))
+        if dot and group == DOT_BLOCK:
+            lines = _dot_layout(codes) if codes.dtype == torch.uint8 else _byte_dot_layout(codes)
+            return cls(lines, panels(scales), panels(offsets))
         if codes.dtype == torch.uint8:  # bytes of (column j, column j + 16) nibble pairs, per panel
             by_panel = panels(codes).view(out_features // PANEL, in_features, 2, PANEL // 2)
             codes_panels = (by_panel[:, :, 0] | (by_panel[:, :, 1] << 4)).contiguous()
@@ -143,6 +150,15 @@ def _dot_layout(codes: torch.Tensor) -> torch.Tensor:
     torch.bitwise_left_shift(lines[..., 1], 4, out=out)
     out |= lines[..., 0]
     return out.view(out_features // PANEL, in_features // 8, 2, 64)
+
+
+def _byte_dot_layout(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] int8 codes as the kernel's dot products read them, [panels, in // 4, 2, 64]: per 4 of k (t)
+    and half panel of 16 columns j, byte 4j + i holds k = 4t + i."""
+    out_features, in_features = codes.shape
+    split = codes.view(out_features // PANEL, 2, 16, in_features // 4, 4)  # [P, half, j, t, i]
+    lines = split.permute(0, 3, 1, 2, 4).contiguous()  # [P, t, half, j, i]
+    return lines.view(out_features // PANEL, in_features // 4, 2, 64)
 
 
 def _as_nibbles(

@@ -15,6 +15,8 @@ from kvfence.model.packed_matmul import DOT, DOT_BLOCK, PackedWeight
 from kvfence.sampling import SamplingParams
 
 Q4_0, Q4_1, Q4_K = (gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q4_K"))
+Q8_0, Q5_0, Q5_1, Q5_K = (gguf.GGMLQuantizationType[name] for name in ("Q8_0", "Q5_0", "Q5_1", "Q5_K"))
+DOT_KINDS = (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K)  # every format with groups of 32: nibbles or bytes
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +27,8 @@ def kernel() -> packed_matmul.PackedMatmulKernel:
 
 
 def weight(kind: gguf.GGMLQuantizationType, out_features: int = 96) -> QuantizedWeight:
-    if kind == Q4_K:
-        return k_quant_weight(Q4_K, out_features, seed=11)
+    if kind in (Q4_K, Q5_K):
+        return k_quant_weight(kind, out_features, seed=11)
     return quantized_weight(out_features, 256, kind, seed=12)[1]
 
 
@@ -39,7 +41,7 @@ def rounded_rows(x: torch.Tensor) -> torch.Tensor:
     return ((blocks * inverse).round() * (amax / 127)).view_as(x)
 
 
-@pytest.mark.parametrize("kind", [Q4_0, Q4_1, Q4_K], ids=lambda kind: kind.name)
+@pytest.mark.parametrize("kind", DOT_KINDS, ids=lambda kind: kind.name)
 def test_int8_rows_times_the_exact_weights(kernel: packed_matmul.PackedMatmulKernel, kind) -> None:
     """The result is the float64 product of the rounded rows and the exact weights (to float32's own
     rounding of the epilogue), and so differs from the float path by the rows' rounding."""
@@ -56,18 +58,20 @@ def test_int8_rows_times_the_exact_weights(kernel: packed_matmul.PackedMatmulKer
 
 def test_every_build_and_batch_shape_gives_the_same_bits(kernel: packed_matmul.PackedMatmulKernel) -> None:
     """Integer sums are exact on every path (VNNI, AVX-512BW without it, plain C) and the float epilogue is
-    the same operations: the bits agree; a row's result does not depend on the rows beside it."""
-    packed = PackedWeight.pack([weight(Q4_1, 64)], dot=True)
-    assert packed is not None
+    the same operations: the bits agree; a row's result does not depend on the rows beside it. Nibble
+    codes (Q4_1) and byte codes (Q8_0, Q5_K's float32 scales) alike."""
     x = torch.randn(19, 256, generator=torch.Generator().manual_seed(14))
-    batched = kernel(x, packed)
-    for build in ({"portable": True}, {"vnni": False}):
-        other, why = packed_matmul.load(**build)
-        assert other is not None, why
-        assert torch.equal(other(x, packed), batched), build
-    for rows in (1, 2, 3, 5, 8, 11, 16):
-        for first in (0, 19 - rows):
-            assert torch.equal(kernel(x[first : first + rows], packed), batched[first : first + rows])
+    for kind in (Q4_1, Q8_0, Q5_K):
+        packed = PackedWeight.pack([weight(kind, 64)], dot=True)
+        assert packed is not None and packed.format & DOT
+        batched = kernel(x, packed)
+        for build in ({"portable": True}, {"vnni": False}, {"avx512": False}):
+            other, why = packed_matmul.load(**build)
+            assert other is not None, why
+            assert torch.equal(other(x, packed), batched), (kind.name, build)
+        for rows in (1, 2, 3, 5, 8, 11, 16):
+            for first in (0, 19 - rows):
+                assert torch.equal(kernel(x[first : first + rows], packed), batched[first : first + rows])
 
 
 @pytest.mark.parametrize("build", [{}, {"avx512": False}], ids=["this CPU", "avx2"])
@@ -95,18 +99,43 @@ def test_the_largest_block_sums_are_exact(build: dict[str, bool]) -> None:
     assert got[0, 0] == 15 * 256 and got[1, 0] == -15 * 256 and got[0, 7] == 0
 
 
+@pytest.mark.parametrize("build", [{}, {"avx512": False}], ids=["this CPU", "avx2"])
+def test_the_largest_byte_code_sums_are_exact(build: dict[str, bool]) -> None:
+    """Byte codes of -128 and 127 against activations of +-127 all through a block: each unsigned x signed
+    pair (|c| x q with c's sign) reaches 2 x 128 x 127 = 32512 of 32767; each path computes what plain C
+    does and what float64 does."""
+    if build and not {"avx2", "fma", "f16c"} <= native.cpu_flags():
+        pytest.skip("this CPU runs no AVX2")
+    kernel, why = packed_matmul.load(**build)
+    portable, why_not = packed_matmul.load(portable=True)
+    assert kernel is not None and portable is not None, why or why_not
+    codes = torch.full((64, 256), -128, dtype=torch.int8)
+    codes[1::2] = 127
+    quantized = QuantizedWeight(codes, torch.ones(64, 8), torch.zeros(64, 8))
+    packed = PackedWeight.pack([quantized], dot=True)
+    assert packed is not None and packed.format & DOT and not packed.format & packed_matmul.NIBBLES
+    x = torch.stack(
+        [torch.ones(256), -torch.ones(256), torch.ones(256).index_fill(0, torch.arange(0, 256, 2), -1)]
+    )
+    got = kernel(x, packed)
+    assert torch.equal(got, portable(x, packed))
+    assert torch.equal(got.double(), x.double() @ quantized.dequantize().double().T)
+    assert got[0, 0] == -128 * 256 and got[1, 0] == 128 * 256 and got[0, 1] == 127 * 256 and got[2, 0] == 0
+
+
 def test_the_dot_layout_keeps_the_weights() -> None:
-    """Embedding rows read from the dot layout (a tied LM head) are the float layout's; weights the dot
-    products cannot take (8-bit codes, groups of 16) keep the float layout."""
-    quantized = weight(Q4_0)
+    """Embedding rows read from the dot layout (a tied LM head), nibbles or bytes, are the float layout's;
+    weights the dot products cannot take (groups of 16: Q6_K, and a Q4_K_M projection fused with it) keep
+    the float layout."""
     ids = torch.tensor([0, 5, 15, 16, 31, 32, 63, 95])
-    dot, exact = PackedWeight.pack([quantized], dot=True), PackedWeight.pack([quantized])
-    assert dot is not None and exact is not None
-    assert torch.equal(dot.rows(ids), exact.rows(ids))
-    assert torch.equal(dot.rows(ids), quantized.dequantize()[ids])
-    q8 = quantized_weight(32, 64, gguf.GGMLQuantizationType.Q8_0)[1]
-    mixed = [k_quant_weight(Q4_K, 32, 8), k_quant_weight(gguf.GGMLQuantizationType.Q6_K, 32, 9)]
-    for parts in ([q8], mixed):
+    for kind in (Q4_0, Q8_0, Q5_1):
+        quantized = weight(kind)
+        dot, exact = PackedWeight.pack([quantized], dot=True), PackedWeight.pack([quantized])
+        assert dot is not None and exact is not None and dot.format & DOT
+        assert torch.equal(dot.rows(ids), exact.rows(ids))
+        assert torch.equal(dot.rows(ids), quantized.dequantize()[ids])
+    q6 = k_quant_weight(gguf.GGMLQuantizationType.Q6_K, 32, 9)
+    for parts in ([q6], [k_quant_weight(Q4_K, 32, 8), q6]):
         packed = PackedWeight.pack(parts, dot=True)
         assert packed is not None and not packed.format & DOT
 

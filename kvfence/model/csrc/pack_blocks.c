@@ -17,7 +17,8 @@
  *   codes    `layout` NIBBLES (4-bit formats): [panels, in, PANEL / 2], byte j of row k holding column
  *            j's code low and column j + 16's high; DOT (4-bit, group 32): [panels, in / 8, 2, 64], byte
  *            4j + i of line (t, h) holding column 16h + j's code for k = 8t + i low and k = 8t + 4 + i
- *            high; BYTES (any): [panels, in, PANEL] int8
+ *            high; BYTES (any): [panels, in, PANEL] int8; BYTE_DOT (byte codes, group 32): [panels, in / 4,
+ *            2, 64] int8, byte 4j + i of line (t, h) holding column 16h + j's code for k = 4t + i
  *   scales, offsets  [panels, in / group, PANEL] float32
  * Which storage the scales take (float16 where it holds them exactly) and whether offsets are stored at
  * all is packed_matmul.py's call (`narrow_scales`), as on the general path. Every code byte is written whole,
@@ -32,6 +33,7 @@
 #define BYTES 0
 #define NIBBLES 1
 #define DOT 2
+#define BYTE_DOT 3
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -151,6 +153,12 @@ static void write_codes(int8_t q[PANEL][MAX_WEIGHTS], int weights, int layout, i
                 for (int i = 0; i < 4; i++)
                     lines[(t * 2 + c / 16) * 64 + 4 * (c % 16) + i] =
                         (uint8_t)(q[c][8 * t + i] | q[c][8 * t + 4 + i] << 4);
+    } else if (layout == BYTE_DOT) {
+        uint8_t *lines = codes + (p * (in_features / 4) + k0 / 4) * 2 * 64;
+        for (int t = 0; t < weights / 4; t++)
+            for (int c = 0; c < PANEL; c++)
+                for (int i = 0; i < 4; i++)
+                    lines[(t * 2 + c / 16) * 64 + 4 * (c % 16) + i] = (uint8_t)q[c][4 * t + i];
     } else if (layout == NIBBLES) {
         uint8_t *row = codes + (p * in_features + k0) * (PANEL / 2);
         for (int k = 0; k < weights; k++)

@@ -31,6 +31,10 @@
  * Four times fewer instructions a weight: decode reads the codes at memory speed. Codes then lie
  * [panels, in_features / 8, 2 halves of 16 columns, 64 bytes]: byte 4j + i of line (t, h) holds column
  * 16h + j's code for k = 8t + i in its low nibble and for k = 8t + 4 + i in its high one.
+ * KVF_DOT without KVF_NIBBLES (byte codes, group 32: Q8_0, Q5_0, Q5_1, Q5_K): [panels, in_features / 4, 2,
+ * 64] int8, byte 4j + i of line (t, h) holding column 16h + j's code for k = 4t + i. Signed codes times
+ * signed activations go through the unsigned x signed products as |c| x (q with c's sign) (llama.cpp's
+ * trick): a pair of them is at most 2 x 128 x 127 < 2^15, widened to 32 bits at once.
  */
 #include <math.h>
 #include <stdint.h>
@@ -70,6 +74,10 @@ static inline void vec_nibbles(const uint8_t *c, vec *low, vec *high) {
     *low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
     *high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
 }
+/* 16 int32 sums, columns 0-7 then 8-15, as floats. */
+static inline vec vec_of_sums(__m256i lo, __m256i hi) {
+    return _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVF_PORTABLE)
 /* AVX2 machines (no AVX-512): a vector of 16 is two of 8, each lane the same operation as above. */
 #include <immintrin.h>
@@ -101,6 +109,7 @@ static inline void vec_nibbles(const uint8_t *c, vec *low, vec *high) {
     *low = vec_of_bytes(_mm_and_si128(bytes, mask), 0);
     *high = vec_of_bytes(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), 0);
 }
+static inline vec vec_of_sums(__m256i lo, __m256i hi) { return (vec){_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)}; }
 #else
 typedef struct {
     float lane[16];
@@ -466,6 +475,54 @@ static inline __attribute__((always_inline)) void block_sums(const int rows, con
 }
 #endif
 
+#if defined(__AVX2__) && !defined(KVF_PORTABLE)
+/* Byte codes: one block's sums over 8 steps of 4 k, each two 64-byte lines (columns 0-15, 16-31) of 16
+ * columns x 4 codes, 32 bytes (8 columns) at a time. AVX-512 machines run this too (256-bit, the same
+ * integers): their byte-code weights are a model's minority, its 4-bit ones take block_sums above. */
+static inline __attribute__((always_inline)) void byte_block_sums(const int rows, const int8_t *codes,
+                                                                  const int8_t *q, int64_t q_stride,
+                                                                  vec sums[MAX_TILE][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256i acc[MAX_TILE][2]; /* [row][which 8 columns of half h], int32 */
+        for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int t = 0; t < DOT_BLOCK / 4; t++) {
+            __m256i sign[2], magnitude[2];
+            for (int e = 0; e < 2; e++) {
+                sign[e] = _mm256_loadu_si256((const __m256i *)(codes + (2 * t + h) * 64 + 32 * e));
+                magnitude[e] = _mm256_abs_epi8(sign[e]);
+            }
+            for (int m = 0; m < rows; m++) {
+                int32_t k;
+                memcpy(&k, q + m * q_stride + t * 4, sizeof k);
+                const __m256i four = _mm256_set1_epi32(k);
+                for (int e = 0; e < 2; e++) {
+                    const __m256i pairs = _mm256_maddubs_epi16(magnitude[e], _mm256_sign_epi8(four, sign[e]));
+                    acc[m][e] = _mm256_add_epi32(acc[m][e], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        for (int m = 0; m < rows; m++) sums[m][h] = vec_of_sums(acc[m][0], acc[m][1]);
+    }
+}
+#else
+static inline __attribute__((always_inline)) void byte_block_sums(const int rows, const int8_t *codes,
+                                                                  const int8_t *q, int64_t q_stride,
+                                                                  vec sums[MAX_TILE][2]) {
+    for (int m = 0; m < rows; m++) {
+        const int8_t *qm = q + m * q_stride;
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 16; j++) {
+                int32_t acc = 0;
+                for (int t = 0; t < DOT_BLOCK / 4; t++)
+                    for (int i = 0; i < 4; i++) acc += codes[(2 * t + h) * 64 + 4 * j + i] * qm[t * 4 + i];
+                sums[m][h].lane[j] = (float)acc;
+            }
+    }
+}
+#endif
+
 /* `rows` (<= MAX_TILE) rows times one panel; rows of q are in_features apart.
  * Per block: total += d * (s * sum(c * q) + o * sum(q)). */
 static inline __attribute__((always_inline)) void dot_tile(const int rows, const int format, const int8_t *q,
@@ -477,7 +534,11 @@ static inline __attribute__((always_inline)) void dot_tile(const int rows, const
     vec total[MAX_TILE][2], sums[MAX_TILE][2];
     for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = vec_zero();
     for (int64_t b = 0; b < blocks; b++) {
-        block_sums(rows, codes + b * DOT_BLOCK * PANEL / 2, q + b * DOT_BLOCK, in_features, sums);
+        if (format & KVF_NIBBLES)
+            block_sums(rows, codes + b * DOT_BLOCK * PANEL / 2, q + b * DOT_BLOCK, in_features, sums);
+        else
+            byte_block_sums(rows, (const int8_t *)codes + b * DOT_BLOCK * PANEL, q + b * DOT_BLOCK, in_features,
+                            sums);
         vec s[2], o[2];
         load_pair(scales, b * PANEL, format & KVF_HALF, &s[0], &s[1]);
         load_offsets(offsets, b * PANEL, format & KVF_HALF, s[0], s[1], &o[0], &o[1]);
@@ -512,10 +573,14 @@ typedef void (*dot_tile_fn)(const int8_t *, const float *, const int32_t *, cons
 #define DOT_TILE_8(FORMAT) NULL
 #endif
 DOT_TILES(0)
+DOT_TILES(1)
 DOT_TILES(2)
-static const dot_tile_fn DOT_TILE_FNS[2][4] = {
+DOT_TILES(3)
+static const dot_tile_fn DOT_TILE_FNS[4][4] = { /* [format & (KVF_NIBBLES | KVF_HALF)][tile] */
     {DOT_TILE_8(0), dot_tile_4_0, dot_tile_2_0, dot_tile_1_0},
+    {DOT_TILE_8(1), dot_tile_4_1, dot_tile_2_1, dot_tile_1_1},
     {DOT_TILE_8(2), dot_tile_4_2, dot_tile_2_2, dot_tile_1_2},
+    {DOT_TILE_8(3), dot_tile_4_3, dot_tile_2_3, dot_tile_1_3},
 };
 
 /* As tile_rows, never more than this path's block_sums holds. */
@@ -539,12 +604,12 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
     const int64_t scale_bytes = format & KVF_HALF ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features * out_features >= KVF_PARALLEL_WORK)
     for (int64_t p = 0; p < panels; p++) {
-        const uint8_t *c = (const uint8_t *)codes + p * in_features * (PANEL / 2);
+        const uint8_t *c = (const uint8_t *)codes + p * in_features * (format & KVF_NIBBLES ? PANEL / 2 : PANEL);
         const char *s = (const char *)scales + p * blocks * PANEL * scale_bytes;
         const char *o = offsets ? (const char *)offsets + p * blocks * PANEL * scale_bytes : NULL;
         for (int64_t first = 0; first < rows; first += dot_tile_rows(rows - first)) {
             const int n = dot_tile_rows(rows - first);
-            DOT_TILE_FNS[format & KVF_HALF ? 1 : 0][n == 8 ? 0 : n == 4 ? 1 : n == 2 ? 2 : 3](
+            DOT_TILE_FNS[format & (KVF_NIBBLES | KVF_HALF)][n == 8 ? 0 : n == 4 ? 1 : n == 2 ? 2 : 3](
                 q + first * in_features, d + first * blocks, qsum + first * blocks, c, s, o, in_features,
                 y + first * out_features + p * PANEL, out_features);
         }
