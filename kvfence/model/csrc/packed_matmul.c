@@ -456,22 +456,26 @@ static inline __attribute__((always_inline)) void block_sums(const int rows, con
     }
 }
 #else
-static inline __attribute__((always_inline)) void block_sums(const int rows, const uint8_t *codes,
-                                                             const int8_t *q, int64_t q_stride,
-                                                             vec sums[MAX_TILE][2]) {
-    for (int m = 0; m < rows; m++) {
-        const int8_t *qm = q + m * q_stride;
+/* Plain C, either dot layout (nibbles: 8 k a line, bytes: 4): column 16h + j's code for k of the block. */
+static inline int32_t dot_code(const uint8_t *codes, int nibbles, int h, int j, int k) {
+    if (!nibbles) return (int8_t)codes[(2 * (k / 4) + h) * 64 + 4 * j + k % 4];
+    const uint8_t byte = codes[(2 * (k / 8) + h) * 64 + 4 * j + k % 4];
+    return k % 8 < 4 ? byte & 15 : byte >> 4;
+}
+static inline void scalar_block_sums(const int rows, const uint8_t *codes, int nibbles, const int8_t *q,
+                                     int64_t q_stride, vec sums[MAX_TILE][2]) {
+    for (int m = 0; m < rows; m++)
         for (int h = 0; h < 2; h++)
             for (int j = 0; j < 16; j++) {
                 int32_t acc = 0;
-                for (int t = 0; t < DOT_BLOCK / 8; t++)
-                    for (int i = 0; i < 4; i++) {
-                        const uint8_t byte = codes[(2 * t + h) * 64 + 4 * j + i];
-                        acc += (byte & 15) * qm[t * 8 + i] + (byte >> 4) * qm[t * 8 + 4 + i];
-                    }
+                for (int k = 0; k < DOT_BLOCK; k++) acc += dot_code(codes, nibbles, h, j, k) * q[m * q_stride + k];
                 sums[m][h].lane[j] = (float)acc;
             }
-    }
+}
+static inline __attribute__((always_inline)) void block_sums(const int rows, const uint8_t *codes,
+                                                             const int8_t *q, int64_t q_stride,
+                                                             vec sums[MAX_TILE][2]) {
+    scalar_block_sums(rows, codes, 1, q, q_stride, sums);
 }
 #endif
 
@@ -506,20 +510,11 @@ static inline __attribute__((always_inline)) void byte_block_sums(const int rows
         for (int m = 0; m < rows; m++) sums[m][h] = vec_of_sums(acc[m][0], acc[m][1]);
     }
 }
-#else
+#else /* plain C: wherever this runs, so does block_sums' plain C above */
 static inline __attribute__((always_inline)) void byte_block_sums(const int rows, const int8_t *codes,
                                                                   const int8_t *q, int64_t q_stride,
                                                                   vec sums[MAX_TILE][2]) {
-    for (int m = 0; m < rows; m++) {
-        const int8_t *qm = q + m * q_stride;
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < 16; j++) {
-                int32_t acc = 0;
-                for (int t = 0; t < DOT_BLOCK / 4; t++)
-                    for (int i = 0; i < 4; i++) acc += codes[(2 * t + h) * 64 + 4 * j + i] * qm[t * 4 + i];
-                sums[m][h].lane[j] = (float)acc;
-            }
-    }
+    scalar_block_sums(rows, (const uint8_t *)codes, 0, q, q_stride, sums);
 }
 #endif
 
