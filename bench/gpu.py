@@ -228,6 +228,7 @@ def graph_rows(gguf: GGUFModel, model: Transformer, device: str, rows: int) -> l
     eager = model.forward(inputs, engine.pool.kv).clone()
     replayed = graphs.run(decode)
     assert replayed is not None
+    replayed = replayed.clone()  # a view of the graph's output buffer, which the next replay overwrites
     bucket = bucket_for(decode.rows, graphs.buckets)
     assert bucket is not None
     violations = fence_on_replay(engine.fence, graphs, layout)
@@ -236,14 +237,17 @@ def graph_rows(gguf: GGUFModel, model: Transformer, device: str, rows: int) -> l
     same = bool(torch.equal(replayed.argmax(-1), eager.argmax(-1)))
     eager_s = timed(lambda: model.forward(inputs, engine.pool.kv), device, 10)
     graph_s = timed(lambda: graphs.run(decode), device, 10)
+    # After other allocations: a replay reading a buffer freed since the capture differs (or asserts) here.
+    again = bool(torch.equal(graphs.run(decode), replayed))
     kind = "CUDA graph" if device == "cuda" else "eager stand-in: padding and fence only, no capture"
     note = f"({model.decode_attention_note})" if model.decode_attention_note else ""
     return [
         checked(
             f"graph replay ({kind}), {decode.rows} rows in bucket {bucket}",
-            not violations and padding and same,
+            not violations and padding and same and again,
             f"fence on the replayed layout: {violations or 'clean'}; {bucket - decode.rows} padding row(s) "
-            f"in the scratch page only {padding}; argmax equal {same}, max |logit diff| {diff:.1e}",
+            f"in the scratch page only {padding}; argmax equal {same}, max |logit diff| {diff:.1e}; "
+            f"the 12th replay == the first {again}",
         ),
         (
             f"decode forward {decode.rows} rows",

@@ -9,7 +9,8 @@ model's own forward, so the numbers are the eager path's for the same padded bat
 - Static buffers, allocated once at the largest bucket and viewed per bucket, are the only inputs a
   captured forward reads: token ids, positions, slot mapping and context lengths travel in one packed
   host->device copy per step; a block table row is copied only when it changed (a page was added, or
-  another request took the row), against a host mirror, so a steady decode step copies no table at all.
+  another request took the row), against a host mirror, so a steady decode step copies no table at all;
+  the row indices are a static range. A capture records addresses, so nothing it reads may be freed.
 - Padding rows (bucket minus batch) read and write only the scratch page: a page of the KV tensor beyond
   the pool's `num_pages`, which no allocator hands out (`KVPool(scratch_page=True)`). So a padding row touches
   nothing any request owns, and the fence's guarantee is untouched: the real rows read exactly the pages
@@ -99,12 +100,23 @@ class CudaGraphBackend:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = fn()
+        return CapturedGraph(graph, out, fn)
 
-        def replay() -> torch.Tensor:
-            graph.replay()
-            return out
 
-        return replay
+@dataclass(frozen=True)
+class CapturedGraph:
+    """A captured graph, its output buffer, and the function it was captured from. `fn` is held for the
+    graph's life: a replay reads the addresses of whatever `fn` closed over, and a tensor freed after the
+    capture goes to the next allocation, whose bytes every later replay would read (found on an H200: the
+    first replay right, the next ones gathering out of bounds)."""
+
+    graph: torch.cuda.CUDAGraph
+    out: torch.Tensor
+    fn: Replay
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
 
 
 class DecodeGraphRunner:
@@ -128,6 +140,7 @@ class DecodeGraphRunner:
         size, device = self.buckets[-1], model.device
         self.width = max_pages_per_seq
         # ids, positions, slots, lens: one packed buffer, so a step's small inputs are one copy.
+        self.rows = torch.arange(size, device=device)  # decode rows and logits rows: static like the rest
         self.packed_host = torch.zeros(4, size, dtype=torch.long)
         self.packed = torch.zeros(4, size, dtype=torch.long, device=device)
         self.tables_host = np.full((size, self.width), self.scratch_page, dtype=np.int64)
@@ -150,9 +163,15 @@ class DecodeGraphRunner:
 
     def _forward(self, bucket: int) -> Replay:
         """The eager forward over the first `bucket` rows of the static buffers (what gets captured)."""
+        inputs = self.static_inputs(bucket)
+        return lambda: self.model.forward(inputs, self.pool.kv)
+
+    def static_inputs(self, bucket: int) -> StepInputs:
+        """The forward's inputs for `bucket` rows: views of the static buffers alone, so a replay reads
+        this step's values at the addresses the capture recorded."""
         ids, positions, slots, lens = self.packed[:, :bucket]
-        rows = torch.arange(bucket, device=self.packed.device)
-        inputs = StepInputs(
+        rows = self.rows[:bucket]
+        return StepInputs(
             input_ids=ids,
             positions=positions,
             slot_mapping=slots,
@@ -162,7 +181,6 @@ class DecodeGraphRunner:
             prefills=[],
             logits_rows=rows,
         )
-        return lambda: self.model.forward(inputs, self.pool.kv)
 
     def _load(self, batch: DecodeBatch, bucket: int) -> None:
         """Copy the step's inputs into the static buffers; rows from `batch.rows` to `bucket` are padding."""

@@ -3,6 +3,8 @@ the eager forward. The real capture (torch.cuda.CUDAGraph) runs in bench/gpu.py 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -141,9 +143,24 @@ def test_buffers_are_reused_and_only_changed_table_rows_copied(tiny: Transformer
     assert graphs.packed.data_ptr() == packed.data_ptr() and graphs.tables.data_ptr() == tables.data_ptr()
 
 
+def test_a_captured_forward_reads_only_the_static_buffers(tiny: Transformer) -> None:
+    """A graph replays the addresses it captured: an input tensor made for one capture and then freed would
+    be read, at every later replay, in whatever the allocator put there next."""
+    graphs = runner(tiny, new_pool(), FakeGraphs())
+    static = {t.untyped_storage().data_ptr() for t in (graphs.packed, graphs.tables, graphs.rows)}
+    for bucket in graphs.buckets:
+        inputs = graphs.static_inputs(bucket)
+        tensors = [getattr(inputs, f.name) for f in dataclasses.fields(inputs)]
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        assert len(tensors) == 7 and not inputs.prefills
+        assert {t.untyped_storage().data_ptr() for t in tensors} <= static
+        assert inputs.logits_rows.tolist() == list(range(bucket))
+
+
 def test_a_batch_no_bucket_holds_runs_eagerly(tiny: Transformer) -> None:
     fake = FakeGraphs()
     graphs = runner(tiny, new_pool(), fake)
     assert graphs.run(decode_batch([1] * 13, [[p] for p in range(13)])) is None  # beyond max_num_seqs
     assert graphs.run(decode_batch([27], [list(range(WIDTH + 1))])) is None  # beyond the table width
     assert not fake.captured
+
