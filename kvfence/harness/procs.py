@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvfence.harness.server import healthy
 
-KVFENCE = str(Path(sys.executable).parent / "kvfence")
+KVFENCE = [sys.executable, "-m", "kvfence"]  # the command for this interpreter, installed or on PYTHONPATH
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 20.0
 
@@ -84,7 +84,7 @@ def launch(
     if echo:
         print(f"  $ {command}", flush=True)
     popen = subprocess.Popen(
-        [*prefix, KVFENCE, *args],
+        [*prefix, *KVFENCE, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -344,7 +344,7 @@ def no_torch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def kvfence(args: list[str], env: dict[str, str] | None = None) -> tuple[int, list[str]]:
     """`kvfence ARGS`: the exit code and the non-empty lines on stderr."""
-    done = subprocess.run([KVFENCE, *args], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run([*KVFENCE, *args], capture_output=True, text=True, timeout=120, env=env)
     return done.returncode, [line for line in done.stderr.splitlines() if line.strip()]
 
 

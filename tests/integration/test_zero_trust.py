@@ -93,7 +93,7 @@ def _kvfence(*commands: list[str]) -> list[tuple[int, str]]:
     """Run `kvfence ARGS` for each of `commands` at once (each killed after CLI_TIMEOUT_S); the exit code
     and the output (stdout and stderr) of each."""
     procs = [
-        subprocess.Popen([KVFENCE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen([*KVFENCE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for args in commands
     ]
     results = []

@@ -28,6 +28,7 @@ FLOORS: list[set[str]] = [
     {"cli_checks"},
     {"cli_options"},
     {"cli"},
+    {"__main__"},  # `python -m kvfence`
 ]
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}
 
