@@ -85,7 +85,9 @@ def sync(device: str) -> None:
 
 
 def engine_on(gguf: GGUFModel, model: Transformer, **overrides: Any) -> LLMEngine:
-    return build_engine(gguf, model=model, device=str(model.device), **overrides)
+    """An engine as `kvfence serve` builds one: on CUDA, decode steps replayed from captured graphs."""
+    settings = {"decode_graphs": True} | overrides
+    return build_engine(gguf, model=model, device=str(model.device), **settings)
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -201,9 +203,7 @@ def timed(fn: Callable[[], object], device: str, repeat: int) -> float:
 def mid_decode(gguf: GGUFModel, model: Transformer, rows: int) -> tuple[LLMEngine, Batch, StepLayout]:
     """An engine (its pool with the scratch page) decoding `rows - 1` requests, its next step's batch and
     that step's layout."""
-    engine = engine_on(
-        gguf, model, max_num_seqs=rows, num_pages=rows * 6 + 8, max_model_len=80, decode_graphs=True
-    )
+    engine = engine_on(gguf, model, max_num_seqs=rows, num_pages=rows * 6 + 8, max_model_len=80)
     assert engine.tokenizer is not None
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     # A tenant per row: a buffer naming another row's page is then a foreign read, which the fence names.

@@ -115,6 +115,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="audit which pages each request reads and whose data they hold (lab, audits)",
     )
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly; by default a CUDA model replays pure decode steps from CUDA graphs "
+        "captured per batch-size bucket (no graphs on CPU)",
+    )
+    g.add_argument(
         "--hide-batch-invariance",
         action="store_true",
         help="leave the batch_invariant pin out of /v1/models and /v1/audit/info, as an engine that does not "
@@ -177,6 +183,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         decode_attention=args.decode_attention,
         decode_matmul=args.decode_matmul,
         activation_dtype=args.activation_dtype,
+        decode_graphs=not args.enforce_eager,
         trace_pages=args.trace_pages,
         declare_batch_invariance=not args.hide_batch_invariance,
         max_waiting_per_tenant=args.max_waiting_per_tenant,

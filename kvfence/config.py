@@ -39,7 +39,9 @@ class EngineConfig:
     decode_attention: str = "auto"  # auto | kernel | sdpa (see DECODE_ATTENTION)
     decode_matmul: str = "auto"  # auto | kernel | dense (see DECODE_MATMUL)
     activation_dtype: str = "float32"  # float32 | int8 (see ACTIVATION_DTYPES)
-    decode_graphs: bool = False  # a scratch page in the pool for captured decode graphs' padding rows
+    # Decode steps replayed from captured CUDA graphs where the model runs on CUDA (engine/graphs.py); the
+    # pool gets a scratch page for their padding rows (on CPU that page alone: the graph tests' stand-in).
+    decode_graphs: bool = False
     trace_pages: bool = False  # audit `pages_read` events: which pages each request reads, whose data
     declare_batch_invariance: bool = True  # False: the `batch_invariant` pin is left out (audit tests)
     # Per-tenant limits (None: only the engine's own). Waiting requests beyond the queue limit are refused

@@ -16,12 +16,14 @@ from kvfence.cache.manager import KVCacheManager
 from kvfence.cache.pool import KVPool
 from kvfence.cache.prefix import PrefixCache
 from kvfence.config import CapacityReport, EngineConfig, capacity_report, check_window
+from kvfence.engine.graphs import CudaGraphBackend, DecodeGraphRunner
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.scheduler import Scheduler, TenantLimits
 from kvfence.engine.trace import PageTrace
 from kvfence.model.transformer import Transformer
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
+from kvfence.units import cdiv
 
 
 @dataclass
@@ -88,9 +90,21 @@ def build_parts(
     scheduler = Scheduler(
         kv_cache, events, faults, config.max_num_seqs, config.max_num_batched_tokens, limits
     )
-    runner = ModelRunner(model, pool, fence, faults)
+    graphs = decode_graphs(config, model, pool, capacity.context_window)
+    runner = ModelRunner(model, pool, fence, faults, graphs)
     if config.trace_pages:
         runner.observer = PageTrace(pool, events, allocator.tenant_name)
     return EngineParts(
         capacity, capacity.context_window, faults, pool, prefix, allocator, fence, kv_cache, scheduler, runner
     )
+
+
+def decode_graphs(
+    config: EngineConfig, model: Transformer, pool: KVPool, window: int
+) -> DecodeGraphRunner | None:
+    """Captured CUDA graphs for pure decode steps, where the config asks for them and the model runs on CUDA
+    (a capture needs the device; elsewhere every step runs eagerly)."""
+    if not config.decode_graphs or model.device.type != "cuda":
+        return None
+    width = cdiv(window, config.page_size)
+    return DecodeGraphRunner(model, pool, config.max_num_seqs, width, CudaGraphBackend())

@@ -369,6 +369,8 @@ def load_engine(
     _map_large_buffers()
     path = config.model or default_model_path()
     device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    # Graphs are captured on CUDA alone: elsewhere the flag would only add an unused scratch page.
+    config = dataclasses.replace(config, decode_graphs=config.decode_graphs and device.startswith("cuda"))
     gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=device, progress=log)
     model = Transformer.from_gguf(
         gguf, config.decode_attention, config.decode_matmul, config.activation_dtype, progress=log

@@ -17,6 +17,7 @@ import torch
 from kvfence.cache.block_table import BlockTable
 from kvfence.cache.fence import Fence, StepLayout
 from kvfence.cache.pool import KVPool
+from kvfence.engine.graphs import DecodeBatch, DecodeGraphRunner
 from kvfence.engine.sampler import hold_ends, raw_logprobs, sample, token_logprobs
 from kvfence.grammar import mask as grammar_mask
 from kvfence.model.transformer import PrefillSeq, StepInputs, Transformer
@@ -45,11 +46,19 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, pool: KVPool, fence: Fence, faults: FaultInjector) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        pool: KVPool,
+        fence: Fence,
+        faults: FaultInjector,
+        graphs: DecodeGraphRunner | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.fence = fence
         self.faults = faults
+        self.graphs = graphs  # pure decode steps replayed from captured graphs (CUDA); None: all eager
         self.observer: StepObserver | None = None
         self.logits_observer: LogitsObserver | None = None
         self.eos_ids: frozenset[int] = (
@@ -74,8 +83,7 @@ class ModelRunner:
             return StepResult({}, aborted)
         if self.observer is not None:
             self.observer(requests, layout)
-        inputs, sample_rows, prompt_rows = self._model_inputs(requests, num_new, layout)
-        logits = self.model.forward(inputs, self.pool.kv)
+        logits, sample_rows, prompt_rows = self._forward(requests, num_new, layout)
         self.pool.commit_writes(layout.write_pages, layout.write_offsets)
         prompt = _prompt_logprobs(logits[: len(prompt_rows)], prompt_rows)
         logits = logits[len(prompt_rows) :]
@@ -110,6 +118,20 @@ class ModelRunner:
             sampled_requests[row].request_id: lp for row, lp in token_logprobs(raw, tokens, params).items()
         }
         return StepResult(sampled, aborted, logprobs, prompt)
+
+    def _forward(
+        self, requests: list[Request], num_new: list[int], layout: StepLayout
+    ) -> tuple[torch.Tensor, list[int], list[tuple[Request, int]]]:
+        """The step's logits over the validated `layout`, the batch rows sampled and the prompt-logprob rows
+        (`_model_inputs`'): a pure decode step replayed from its captured graph where one fits (the graph
+        reads the same layout: its pages, slots and positions), else the eager forward."""
+        if self.graphs is not None and (decode := _pure_decode(requests, num_new, layout)) is not None:
+            page_size = self.pool.page_size
+            logits = self.graphs.run(DecodeBatch.from_layout(layout, decode, page_size))
+            if logits is not None:
+                return logits, list(range(len(requests))), []
+        inputs, sample_rows, prompt_rows = self._model_inputs(requests, num_new, layout)
+        return self.model.forward(inputs, self.pool.kv), sample_rows, prompt_rows
 
     def _model_inputs(
         self, requests: list[Request], num_new: list[int], layout: StepLayout
@@ -160,6 +182,16 @@ class ModelRunner:
             ).to(device),
         )
         return inputs, np.flatnonzero(sampled).tolist(), [(r, position) for _, r, position in prompt_rows]
+
+
+def _pure_decode(requests: list[Request], num_new: list[int], layout: StepLayout) -> np.ndarray | None:
+    """The token each row feeds when the step is pure decode as a graph replays it, else None: every row one
+    token after a cached context, its last, sampled (so no prompt token's logprobs are computed)."""
+    cached = layout.num_cached.tolist()
+    for request, n, c in zip(requests, num_new, cached, strict=True):
+        if n != 1 or c == 0 or c + 1 != request.num_tokens or request.prefill_only:
+            return None
+    return np.array([_token_slice(r, c, c + 1)[0] for r, c in zip(requests, cached, strict=True)])
 
 
 def _prompt_positions(

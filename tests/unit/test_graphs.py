@@ -8,11 +8,14 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, tiny_model
+from conftest import TINY, make_engine, tiny_model
 
 from kvfence.cache.pool import KVPool
+from kvfence.cli import build_parser
+from kvfence.cli_options import engine_config
 from kvfence.engine.graphs import DecodeBatch, DecodeGraphRunner, Replay, batch_buckets, bucket_for
 from kvfence.model.transformer import StepInputs, Transformer
+from kvfence.sampling import SamplingParams
 
 PAGE_SIZE, NUM_PAGES, WIDTH = 4, 24, 6
 
@@ -164,3 +167,31 @@ def test_a_batch_no_bucket_holds_runs_eagerly(tiny: Transformer) -> None:
     assert graphs.run(decode_batch([27], [list(range(WIDTH + 1))])) is None  # beyond the table width
     assert not fake.captured
 
+
+def test_an_engine_replays_its_decode_steps_and_runs_the_rest_eagerly(tiny: Transformer) -> None:
+    """The runner wired to graphs: each pure decode step is one replay over the layout the fence validated
+    (an aborted row is not in it), a step with a prompt in it runs eagerly, and the tokens are the eager
+    engine's."""
+    prompts = [[5, 9, 2, 7, 1], [3] * 11, [8, 4]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = [r.output_token_ids for r in make_engine(tiny, decode_graphs=True).generate(prompts, params)]
+    engine = make_engine(tiny, decode_graphs=True, max_num_seqs=4)
+    fake = FakeGraphs()
+    engine.runner.graphs = DecodeGraphRunner(tiny, engine.pool, 4, max_pages_per_seq=12, backend=fake)
+    steps: list[tuple[int, list[int]]] = []  # (replays so far, each row's new tokens) per step
+    engine.runner.observer = lambda requests, layout: steps.append(
+        (fake.replays, np.diff(layout.write_rows.searchsorted(np.arange(len(requests) + 1))).tolist())
+    )
+    finished = engine.generate(prompts, params)
+    assert [r.output_token_ids for r in finished] == expected
+    assert steps[0] == (0, [5, 11, 2])  # the prompts: eager
+    assert [rows for _, rows in steps[1:]] == [[1, 1, 1]] * 5  # then five decode steps of three rows
+    assert [replays for replays, _ in steps[1:]] == [0, 1, 2, 3, 4] and fake.replays == 5
+    assert len(fake.captured) == 1 and engine.runner.graphs.packed[1, 3] == 0  # bucket 4: a padding row
+
+
+def test_serve_asks_for_graphs_unless_eager_and_only_cuda_builds_them(tiny: Transformer) -> None:
+    assert engine_config(build_parser().parse_args(["serve"])).decode_graphs
+    assert not engine_config(build_parser().parse_args(["serve", "--enforce-eager"])).decode_graphs
+    engine = make_engine(tiny, decode_graphs=True)  # on CPU: the scratch page, no capture
+    assert engine.runner.graphs is None and engine.pool.scratch_page == engine.pool.num_pages
