@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvfence.harness.server import healthy
 
-KVFENCE = [sys.executable, "-m", "kvfence"]  # the command for this interpreter, installed or on PYTHONPATH
+KVFENCE = (sys.executable, "-m", "kvfence")  # the command for this interpreter, installed or on PYTHONPATH
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 20.0
 
