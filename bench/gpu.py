@@ -18,7 +18,8 @@ One table, and bench/results/gpu.json:
   W1          256 requests, 64 prompt / 128 output tokens, greedy, ignore_eos, at concurrency 64 and 256,
               and HF generate() at the same batch sizes in the same run; fence share of step time
   server      TPOT p50/p95 through a `kvfence serve` process on the device, W1 prompts streamed by 16 and
-              64 clients; skipped, with the reason, when the server cannot start
+              64 clients; on CUDA again through one with --enforce-eager (no graphs); skipped, with the
+              reason, when the server cannot start
 Every PASS/FAIL row is a verdict, and a section that raised is one that failed: the script exits 1 when
 any failed.
 """
@@ -340,10 +341,19 @@ def w1_rows(gguf: GGUFModel, model: Transformer, hf: torch.nn.Module, device: st
 
 
 def server_rows(device: str, tokenizer: Tokenizer, quick: bool) -> list[Row]:
-    """TPOT through a `kvfence serve` process on `device`: W1 prompts streamed at each of SERVER_CLIENTS
-    concurrent clients (bench/disagg.py's client: TPOT = (last chunk - first text chunk) / (tokens - 1))."""
+    """TPOT through a `kvfence serve` process on `device`, and on CUDA through one with `--enforce-eager`
+    after it (the graphs' gain, in the same run)."""
+    modes = [("", [])] + ([(" eager", ["--enforce-eager"])] if device.startswith("cuda") else [])
+    return [row for label, flags in modes for row in server_mode_rows(device, tokenizer, quick, label, flags)]
+
+
+def server_mode_rows(
+    device: str, tokenizer: Tokenizer, quick: bool, label: str, flags: list[str]
+) -> list[Row]:
+    """W1 prompts streamed at each of SERVER_CLIENTS concurrent clients to a server started with `flags`
+    (bench/disagg.py's client: TPOT = (last chunk - first text chunk) / (tokens - 1))."""
     if importlib.util.find_spec("fastapi") is None:
-        return [("server TPOT", "skipped", "fastapi missing: `kvfence serve` cannot start")]
+        return [(f"server{label} TPOT", "skipped", "fastapi missing: `kvfence serve` cannot start")]
     from kvfence.harness.cluster import cluster  # needs fastapi
 
     waves, max_tokens = (1, 16) if quick else (4, W1.max_tokens)
@@ -351,23 +361,30 @@ def server_rows(device: str, tokenizer: Tokenizer, quick: bool) -> list[Row]:
     args = ["--device", device, "--max-num-seqs", str(max(SERVER_CLIENTS)), "--max-model-len", str(window)]
     stack = contextlib.ExitStack()
     try:
-        url = stack.enter_context(cluster(serve_args=args)).url
+        url = stack.enter_context(cluster(serve_args=[*args, *flags])).url
     except RuntimeError as error:  # it exited or never answered /health: what happened, its last line why
         lines = str(error).strip().splitlines()
         why = " ".join(dict.fromkeys((lines[0], lines[-1].strip())))
-        return [("server TPOT", "skipped", f"`kvfence serve` did not start: {why}")]
+        return [(f"server{label} TPOT", "skipped", f"`kvfence serve` did not start: {why}")]
     with stack:
-        tpot_row(url, tokenizer, 4, 4, 4)  # a warm-up: the server's one-off allocations are not measured
-        return [tpot_row(url, tokenizer, clients, clients * waves, max_tokens) for clients in SERVER_CLIENTS]
+        tpot_row(
+            url, tokenizer, 4, 4, 4, label
+        )  # a warm-up: the server's one-off allocations are not measured
+        return [
+            tpot_row(url, tokenizer, clients, clients * waves, max_tokens, label)
+            for clients in SERVER_CLIENTS
+        ]
 
 
-def tpot_row(url: str, tokenizer: Tokenizer, clients: int, requests: int, max_tokens: int) -> Row:
+def tpot_row(
+    url: str, tokenizer: Tokenizer, clients: int, requests: int, max_tokens: int, label: str = ""
+) -> Row:
     """`requests` fresh W1 prompts streamed by `clients` concurrent clients: TPOT p50 and p95."""
     prompts = make_prompts(tokenizer, requests, W1.prompt_len, salt=100 + clients)
     _, timings, wall = run_streams(url, prompts, max_tokens, clients)
     result = RunResult("server", clients, len(timings), wall, len(timings) * max_tokens, timings)
     return (
-        f"server TPOT c{clients} ({requests} req, {max_tokens} out)",
+        f"server{label} TPOT c{clients} ({requests} req, {max_tokens} out)",
         f"p50 {result.pct('tpot', 50) * 1e3:.2f} ms",
         f"p95 {result.pct('tpot', 95) * 1e3:.2f} ms; {result.tok_per_s:,.0f} out tok/s",
     )
