@@ -147,7 +147,11 @@ def fault_cases(model: Transformer) -> types.ModuleType:
 
         return LLMEngine(EngineConfig(**settings), model, log=lambda _: None)  # type: ignore[arg-type]
 
-    sys.modules["conftest"] = types.SimpleNamespace(make_engine=make_engine)  # type: ignore[assignment]
+    def with_fake_graphs(_engine: LLMEngine) -> None:
+        raise AssertionError("the cases run here with graphs=False: no fake capture on a device")
+
+    stub = types.SimpleNamespace(make_engine=make_engine, with_fake_graphs=with_fake_graphs)
+    sys.modules["conftest"] = stub  # type: ignore[assignment]
     if importlib.util.find_spec("pytest") is None:
         identity = types.SimpleNamespace(parametrize=lambda *a, **k: lambda f: f)
         sys.modules["pytest"] = types.SimpleNamespace(mark=identity)  # type: ignore[assignment]

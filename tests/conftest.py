@@ -14,12 +14,14 @@ from fastapi import FastAPI
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
+from kvfence.engine.graphs import DecodeGraphRunner, Replay
 from kvfence.harness.server import serving as serve_app
 from kvfence.model.gguf import GGUFModel, ModelConfig, QuantizedWeight, load_gguf, read_blocks
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.model.transformer import Transformer
 from kvfence.pins import default_model_path
 from kvfence.request import Request
+from kvfence.units import cdiv
 
 TINY = ModelConfig(
     vocab_size=256,
@@ -163,6 +165,36 @@ def make_engine(
     }
     settings.update(overrides)
     return engine_cls(EngineConfig(**settings), model, log=lambda _: None)  # type: ignore[arg-type]
+
+
+class FakeGraphs:
+    """A capture that records what it is given and replays by calling it again: what a CUDA graph does
+    when the function reads only the static buffers."""
+
+    def __init__(self) -> None:
+        self.captured: list[Replay] = []
+        self.replays = 0
+
+    def capture(self, fn: Replay) -> Replay:
+        self.captured.append(fn)
+        fn()  # a capture runs the function once, as the CUDA backend's warm-up does
+
+        def replay() -> torch.Tensor:
+            self.replays += 1
+            return fn()
+
+        return replay
+
+
+def with_fake_graphs(engine: LLMEngine) -> FakeGraphs:
+    """Decode steps of `engine` (built with decode_graphs=True: its pool has the scratch page) through a
+    DecodeGraphRunner over a fake capture, as a CUDA engine's run through captured graphs."""
+    fake = FakeGraphs()
+    width = cdiv(engine.max_model_len, engine.pool.page_size)
+    engine.runner.graphs = DecodeGraphRunner(
+        engine.runner.model, engine.pool, engine.config.max_num_seqs, width, fake
+    )
+    return fake
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from conftest import make_engine
+from conftest import make_engine, with_fake_graphs
 
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.trace import PageTrace
@@ -123,18 +123,24 @@ def solo(model: Transformer, request: Request, settings: dict[str, object]) -> l
 
 
 def run_case(
-    model: Transformer, case: Case, isolation: bool
+    model: Transformer, case: Case, isolation: bool, graphs: bool = False
 ) -> tuple[LLMEngine, dict[str, Request], PageTrace]:
-    engine = make_engine(model, isolation=isolation, **case.engine_settings)
+    """The case's scenario on a fresh engine; `graphs`: its decode steps through the graph runner (a fake
+    capture), as on CUDA, where the fence must stand before a replay as before an eager forward."""
+    engine = make_engine(model, isolation=isolation, decode_graphs=graphs, **case.engine_settings)
+    fake = with_fake_graphs(engine) if graphs else None
     trace = PageTrace(engine.pool)
     engine.runner.observer = trace
-    return engine, case.scenario(engine), trace
+    requests = case.scenario(engine)
+    assert fake is None or fake.replays, "no decode step went through the graph runner"
+    return engine, requests, trace
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("fault", sorted(CASES))
-def test_fault_leaks_with_isolation_off(arch_tiny: Transformer, fault: str) -> None:
+def test_fault_leaks_with_isolation_off(arch_tiny: Transformer, fault: str, graphs: bool) -> None:
     case = CASES[fault]
-    engine, reqs, trace = run_case(arch_tiny, case, isolation=False)
+    engine, reqs, trace = run_case(arch_tiny, case, isolation=False, graphs=graphs)
     assert engine.faults.fired == {fault: 1}
     assert all(r.status is Status.FINISHED for r in reqs.values()), "nothing is aborted without the fence"
     victim = reqs[case.leaked_into]
@@ -150,10 +156,11 @@ def test_fault_leaks_with_isolation_off(arch_tiny: Transformer, fault: str) -> N
     assert foreign, "the page trace shows no foreign page"
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("fault", sorted(CASES))
-def test_fault_is_caught_with_isolation_on(arch_tiny: Transformer, fault: str) -> None:
+def test_fault_is_caught_with_isolation_on(arch_tiny: Transformer, fault: str, graphs: bool) -> None:
     case = CASES[fault]
-    engine, reqs, trace = run_case(arch_tiny, case, isolation=True)
+    engine, reqs, trace = run_case(arch_tiny, case, isolation=True, graphs=graphs)
     assert engine.faults.fired == {fault: 1}
     aborted = reqs[case.aborted]
     assert aborted.status is Status.ABORTED and aborted.finish_reason == case.reason

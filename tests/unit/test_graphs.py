@@ -8,35 +8,16 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, make_engine, tiny_model
+from conftest import TINY, FakeGraphs, make_engine, tiny_model
 
 from kvfence.cache.pool import KVPool
 from kvfence.cli import build_parser
 from kvfence.cli_options import engine_config
-from kvfence.engine.graphs import DecodeBatch, DecodeGraphRunner, Replay, batch_buckets, bucket_for
+from kvfence.engine.graphs import DecodeBatch, DecodeGraphRunner, batch_buckets, bucket_for
 from kvfence.model.transformer import StepInputs, Transformer
 from kvfence.sampling import SamplingParams
 
 PAGE_SIZE, NUM_PAGES, WIDTH = 4, 24, 6
-
-
-class FakeGraphs:
-    """A capture that records what it is given and replays by calling it again: what a CUDA graph does
-    when the function reads only the static buffers."""
-
-    def __init__(self) -> None:
-        self.captured: list[Replay] = []
-        self.replays = 0
-
-    def capture(self, fn: Replay) -> Replay:
-        self.captured.append(fn)
-        fn()  # a capture runs the function once, as the CUDA backend's warm-up does
-
-        def replay() -> torch.Tensor:
-            self.replays += 1
-            return fn()
-
-        return replay
 
 
 def new_pool(seed: int = 0) -> KVPool:
