@@ -104,7 +104,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--activation-dtype",
         choices=ACTIVATION_DTYPES,
         default=defaults.activation_dtype,
-        help="int8: the kernel multiplies weights in groups of 32 (every block format but Q6_K) by rows "
+        help="int8: the kernel multiplies the weights of every block format by rows "
         "quantized to int8 per 32 values with integer dot products, as llama.cpp does (faster; logits move "
         "by the rounding); "
         "float32: exact float products (default: %(default)s)",

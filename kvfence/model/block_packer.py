@@ -47,7 +47,7 @@ class BlockPacker:
         if in_features % weights or any(p.shape[1] != in_features or p.shape[0] % PANEL for p in parts):
             return None
         nibbles, groups = kind in _NIBBLES, in_features // _GROUPS.get(kind, DOT_BLOCK)
-        dot = dot and in_features // groups == DOT_BLOCK  # Q6_K's groups of 16 keep the float layout
+        dot = dot and (in_features // groups == DOT_BLOCK or not nibbles)  # byte codes in 16s too (Q6_K)
         layout = (_DOT_LINES if dot else _NIBBLE_ROWS) if nibbles else (_BYTE_DOT_LINES if dot else _BYTES)
         panels = sum(part.shape[0] for part in parts) // PANEL
         shape = {

@@ -28,6 +28,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_int]
 NIBBLES, HALF, DOT = 1, 2, 4  # csrc/packed_matmul.c's format bits
 DOT_BLOCK = 32  # as csrc/packed_matmul.c: the int8 activations' block (and the dot layout's group)
+_BAD_GROUP = 3  # csrc/packed_matmul.c's KVF_BAD_GROUP
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,8 @@ class PackedWeight:
         """The weights of `parts` stacked along output features (a fused projection), or None when one is
         not quantized or the shape does not fit the panels. Parts with different groups (Q4_K's 32 beside
         Q6_K's 16, as Q4_K_M files mix them) share the smallest: a scale repeated is the same weight.
-        `dot`: laid out for the kernel's integer dot products over int8 activations where the codes come
-        in groups of 32 (every format but Q6_K's groups of 16, which keep the float layout)."""
+        `dot`: laid out for the kernel's integer dot products over int8 activations: nibbles in groups of
+        32, byte codes in groups of 32 or 16 (Q6_K's: two groups to each block of 32 activations)."""
         present = [part for part in parts if part is not None]
         if len(present) < len(parts):
             return None
@@ -128,7 +129,8 @@ class PackedWeight:
         def panels(t: torch.Tensor) -> torch.Tensor:
             return t.view(out_features // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
 
-        if dot and group == DOT_BLOCK:
+        bytes_in_16s = group == DOT_BLOCK // 2 and codes.dtype == torch.int8 and in_features % DOT_BLOCK == 0
+        if dot and (group == DOT_BLOCK or bytes_in_16s):
             lines = _dot_layout(codes) if codes.dtype == torch.uint8 else _byte_dot_layout(codes)
             return cls(lines, panels(scales), panels(offsets))
         if codes.dtype == torch.uint8:  # bytes of (column j, column j + 16) nibble pairs, per panel
@@ -221,6 +223,8 @@ class PackedMatmulKernel:
             out.data_ptr(),
             torch.get_num_threads(),
         )
+        if status == _BAD_GROUP:
+            raise ValueError(f"packed matmul: no dot products over {weight.group}-weight groups of these")
         if status:
             raise MemoryError("packed matmul: out of memory")
         return out

@@ -118,7 +118,7 @@ class Transformer:
     """The model of one GGUF. `tensors` are the dense tensors under their GGUF names; `quantized` the codes
     of the weights stored in a block format (`GGUFModel.quantized`). Without codes, or with
     `decode_matmul="dense"`, every matmul runs on BLAS over dense weights. `activation_dtype="int8"`: the
-    kernel multiplies codes in groups of 32 (every block format but Q6_K) by int8-quantized rows
+    kernel multiplies the codes of every block format by int8-quantized rows
     (csrc/packed_matmul.c's KVF_DOT); other weights, and every weight on the dense path, take float32 rows
     whatever it says."""
 

@@ -16,7 +16,8 @@ from kvfence.sampling import SamplingParams
 
 Q4_0, Q4_1, Q4_K = (gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q4_K"))
 Q8_0, Q5_0, Q5_1, Q5_K = (gguf.GGMLQuantizationType[name] for name in ("Q8_0", "Q5_0", "Q5_1", "Q5_K"))
-DOT_KINDS = (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K)  # every format with groups of 32: nibbles or bytes
+Q6_K = gguf.GGMLQuantizationType.Q6_K
+DOT_KINDS = (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K)  # every format: nibbles or bytes, 32s or 16s
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def kernel() -> packed_matmul.PackedMatmulKernel:
 
 
 def weight(kind: gguf.GGMLQuantizationType, out_features: int = 96) -> QuantizedWeight:
-    if kind in (Q4_K, Q5_K):
+    if kind in (Q4_K, Q5_K, Q6_K):
         return k_quant_weight(kind, out_features, seed=11)
     return quantized_weight(out_features, 256, kind, seed=12)[1]
 
@@ -41,15 +42,26 @@ def rounded_rows(x: torch.Tensor) -> torch.Tensor:
     return ((blocks * inverse).round() * (amax / 127)).view_as(x)
 
 
-@pytest.mark.parametrize("kind", DOT_KINDS, ids=lambda kind: kind.name)
+FUSED_K_M = "Q4_K+Q6_K"  # a Q4_K_M file's projection: Q4_K's groups of 32 (with offsets) as 16s beside Q6_K's
+
+
+def parts_of(kind: gguf.GGMLQuantizationType | str, out_features: int = 96) -> list[QuantizedWeight]:
+    if kind == FUSED_K_M:
+        return [weight(Q4_K, out_features // 2), k_quant_weight(Q6_K, out_features // 2, seed=5)]
+    return [weight(kind, out_features)]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", [*DOT_KINDS, FUSED_K_M], ids=lambda kind: getattr(kind, "name", kind))
 def test_int8_rows_times_the_exact_weights(kernel: packed_matmul.PackedMatmulKernel, kind) -> None:
     """The result is the float64 product of the rounded rows and the exact weights (to float32's own
-    rounding of the epilogue), and so differs from the float path by the rows' rounding."""
-    quantized = weight(kind)
-    packed, exact = PackedWeight.pack([quantized], dot=True), PackedWeight.pack([quantized])
+    rounding of the epilogue), and so differs from the float path by the rows' rounding. Groups of 16 take
+    two sums per block of 32 activations, each with its own scale and offset."""
+    parts = parts_of(kind)
+    packed, exact = PackedWeight.pack(parts, dot=True), PackedWeight.pack(parts)
     assert packed is not None and exact is not None and packed.format & DOT and not exact.format & DOT
+    assert packed.group == (16 if kind in (Q6_K, FUSED_K_M) else 32)
     x = torch.randn(19, 256, generator=torch.Generator().manual_seed(13))  # tiles of 8, 8, 2 and 1 rows
-    dense = quantized.dequantize().double()
+    dense = torch.cat([part.dequantize() for part in parts]).double()
     reference = rounded_rows(x).double() @ dense.T
     got = kernel(x, packed)
     assert (got - reference).abs().max() < 1e-4 * reference.abs().max()
@@ -59,16 +71,16 @@ def test_int8_rows_times_the_exact_weights(kernel: packed_matmul.PackedMatmulKer
 def test_every_build_and_batch_shape_gives_the_same_bits(kernel: packed_matmul.PackedMatmulKernel) -> None:
     """Integer sums are exact on every path (VNNI, AVX-512BW without it, plain C) and the float epilogue is
     the same operations: the bits agree; a row's result does not depend on the rows beside it. Nibble
-    codes (Q4_1) and byte codes (Q8_0, Q5_K's float32 scales) alike."""
+    codes (Q4_1) and byte codes (Q8_0, Q5_K's float32 scales, Q6_K's groups of 16, fused) alike."""
     x = torch.randn(19, 256, generator=torch.Generator().manual_seed(14))
-    for kind in (Q4_1, Q8_0, Q5_K):
-        packed = PackedWeight.pack([weight(kind, 64)], dot=True)
+    for kind in (Q4_1, Q8_0, Q5_K, Q6_K, FUSED_K_M):
+        packed = PackedWeight.pack(parts_of(kind, 64), dot=True)
         assert packed is not None and packed.format & DOT
         batched = kernel(x, packed)
         for build in ({"portable": True}, {"vnni": False}, {"avx512": False}):
             other, why = packed_matmul.load(**build)
             assert other is not None, why
-            assert torch.equal(other(x, packed), batched), (kind.name, build)
+            assert torch.equal(other(x, packed), batched), (kind, build)
         for rows in (1, 2, 3, 5, 8, 11, 16):
             for first in (0, 19 - rows):
                 assert torch.equal(kernel(x[first : first + rows], packed), batched[first : first + rows])
@@ -124,20 +136,26 @@ def test_the_largest_byte_code_sums_are_exact(build: dict[str, bool]) -> None:
 
 
 def test_the_dot_layout_keeps_the_weights() -> None:
-    """Embedding rows read from the dot layout (a tied LM head), nibbles or bytes, are the float layout's;
-    weights the dot products cannot take (groups of 16: Q6_K, and a Q4_K_M projection fused with it) keep
-    the float layout."""
+    """Embedding rows read from the dot layout (a tied LM head), nibbles or bytes, groups of 32 or 16, are
+    the float layout's and the file's."""
     ids = torch.tensor([0, 5, 15, 16, 31, 32, 63, 95])
-    for kind in (Q4_0, Q8_0, Q5_1):
-        quantized = weight(kind)
-        dot, exact = PackedWeight.pack([quantized], dot=True), PackedWeight.pack([quantized])
+    for kind in (Q4_0, Q8_0, Q5_1, Q6_K, FUSED_K_M):
+        parts = parts_of(kind)
+        dot, exact = PackedWeight.pack(parts, dot=True), PackedWeight.pack(parts)
         assert dot is not None and exact is not None and dot.format & DOT
         assert torch.equal(dot.rows(ids), exact.rows(ids))
-        assert torch.equal(dot.rows(ids), quantized.dequantize()[ids])
-    q6 = k_quant_weight(gguf.GGMLQuantizationType.Q6_K, 32, 9)
-    for parts in ([q6], [k_quant_weight(Q4_K, 32, 8), q6]):
-        packed = PackedWeight.pack(parts, dot=True)
-        assert packed is not None and not packed.format & DOT
+        assert torch.equal(dot.rows(ids), torch.cat([part.dequantize() for part in parts])[ids])
+
+
+def test_dot_products_refuse_groups_they_do_not_sum(kernel: packed_matmul.PackedMatmulKernel) -> None:
+    """Nibbles in groups of 16 (no format has them) would be summed over 32: refused, not miscomputed."""
+    packed = PackedWeight.pack([weight(Q4_1, 32)], dot=True)
+    assert packed is not None and packed.format & packed_matmul.NIBBLES
+    scales, offsets = (t.repeat_interleave(2, dim=1) for t in (packed.scales, packed.offsets))
+    halved = PackedWeight(packed.codes, scales, offsets)
+    assert halved.group == 16
+    with pytest.raises(ValueError, match="over 16-weight groups"):
+        kernel(torch.randn(1, 256), halved)
 
 
 def test_the_engine_on_int8_activations_keeps_decode_rows_alone() -> None:

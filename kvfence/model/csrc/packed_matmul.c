@@ -35,6 +35,9 @@
  * 64] int8, byte 4j + i of line (t, h) holding column 16h + j's code for k = 4t + i. Signed codes times
  * signed activations go through the unsigned x signed products as |c| x (q with c's sign) (llama.cpp's
  * trick): a pair of them is at most 2 x 128 x 127 < 2^15, widened to 32 bits at once.
+ * KVF_DOT with group 16 (byte codes: Q6_K, or a projection fusing it with other formats): the same layout;
+ * each block of 32 activations is two groups of weights, each with its own sums, scale and offset:
+ * total += d * (s * sum(c * q) + o * sum(q)) for the first 16 k, then for the second.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,12 +46,15 @@
 
 #define KVF_OK 0
 #define KVF_NO_MEMORY 2
+#define KVF_BAD_GROUP 3 /* dot products over groups of other than 32, or 16 byte codes */
 
 #define PANEL 32 /* output columns per panel: two 16-float vectors */
 #define KVF_NIBBLES 1 /* format bits */
 #define KVF_HALF 2
 #define KVF_DOT 4
+#define KVF_GROUP16 8 /* not a storage bit: dot_matmul's choice of tiles for byte codes in groups of 16 */
 #define DOT_BLOCK 32 /* activations quantized per 32 of k */
+#define HALF_BLOCK 16
 #define MAX_TILE 8
 #ifndef KVF_PARALLEL_WORK
 #define KVF_PARALLEL_WORK (4L << 20) /* multiply-adds below which one thread does a product alone */
@@ -361,21 +367,22 @@ static void strip(const int format, const float *x, int64_t x_stride, int64_t ro
     }
 }
 
-/* One row of x as int8 per block of 32: codes q, scale d, and the sum of q (the offsets' term). */
+/* One row of x as int8 per block of 32: codes q, scale d, and the sums of q (the offsets' term) per half
+ * block of 16 (a weight group of 16 takes one, of 32 both). */
 static void quantize_row(const float *x, int64_t n, int8_t *q, float *d, int32_t *sum) {
     for (int64_t b = 0; b < n / DOT_BLOCK; b++) {
         const float *xb = x + b * DOT_BLOCK;
         float amax = 0.f;
         for (int i = 0; i < DOT_BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
         const float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t total = 0;
+        int32_t total[2] = {0, 0};
         for (int i = 0; i < DOT_BLOCK; i++) {
             const int32_t v = (int32_t)nearbyintf(xb[i] * inverse);
             q[b * DOT_BLOCK + i] = (int8_t)v;
-            total += v;
+            total[i / HALF_BLOCK] += v;
         }
         d[b] = scale;
-        sum[b] = total;
+        sum[2 * b] = total[0], sum[2 * b + 1] = total[1];
     }
 }
 
@@ -463,19 +470,19 @@ static inline int32_t dot_code(const uint8_t *codes, int nibbles, int h, int j, 
     return k % 8 < 4 ? byte & 15 : byte >> 4;
 }
 static inline void scalar_block_sums(const int rows, const uint8_t *codes, int nibbles, const int8_t *q,
-                                     int64_t q_stride, vec sums[MAX_TILE][2]) {
+                                     int64_t q_stride, int first, int last, vec sums[MAX_TILE][2]) {
     for (int m = 0; m < rows; m++)
         for (int h = 0; h < 2; h++)
             for (int j = 0; j < 16; j++) {
                 int32_t acc = 0;
-                for (int k = 0; k < DOT_BLOCK; k++) acc += dot_code(codes, nibbles, h, j, k) * q[m * q_stride + k];
+                for (int k = first; k < last; k++) acc += dot_code(codes, nibbles, h, j, k) * q[m * q_stride + k];
                 sums[m][h].lane[j] = (float)acc;
             }
 }
 static inline __attribute__((always_inline)) void block_sums(const int rows, const uint8_t *codes,
                                                              const int8_t *q, int64_t q_stride,
                                                              vec sums[MAX_TILE][2]) {
-    scalar_block_sums(rows, codes, 1, q, q_stride, sums);
+    scalar_block_sums(rows, codes, 1, q, q_stride, 0, DOT_BLOCK, sums);
 }
 #endif
 
@@ -485,13 +492,14 @@ static inline __attribute__((always_inline)) void block_sums(const int rows, con
  * integers): their byte-code weights are a model's minority, its 4-bit ones take block_sums above. */
 static inline __attribute__((always_inline)) void byte_block_sums(const int rows, const int8_t *codes,
                                                                   const int8_t *q, int64_t q_stride,
+                                                                  int first, int last,
                                                                   vec sums[MAX_TILE][2]) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
         __m256i acc[MAX_TILE][2]; /* [row][which 8 columns of half h], int32 */
         for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1
-        for (int t = 0; t < DOT_BLOCK / 4; t++) {
+        for (int t = first / 4; t < last / 4; t++) {
             __m256i sign[2], magnitude[2];
             for (int e = 0; e < 2; e++) {
                 sign[e] = _mm256_loadu_si256((const __m256i *)(codes + (2 * t + h) * 64 + 32 * e));
@@ -513,34 +521,42 @@ static inline __attribute__((always_inline)) void byte_block_sums(const int rows
 #else /* plain C: wherever this runs, so does block_sums' plain C above */
 static inline __attribute__((always_inline)) void byte_block_sums(const int rows, const int8_t *codes,
                                                                   const int8_t *q, int64_t q_stride,
+                                                                  int first, int last,
                                                                   vec sums[MAX_TILE][2]) {
-    scalar_block_sums(rows, (const uint8_t *)codes, 0, q, q_stride, sums);
+    scalar_block_sums(rows, (const uint8_t *)codes, 0, q, q_stride, first, last, sums);
 }
 #endif
 
-/* `rows` (<= MAX_TILE) rows times one panel; rows of q are in_features apart.
- * Per block: total += d * (s * sum(c * q) + o * sum(q)). */
+/* `rows` (<= MAX_TILE) rows times one panel; rows of q are in_features apart, of qsum 2 x blocks.
+ * Per group of weights (a block of 32 activations, or each half of it with KVF_GROUP16):
+ * total += d * (s * sum(c * q) + o * sum(q)). */
 static inline __attribute__((always_inline)) void dot_tile(const int rows, const int format, const int8_t *q,
                                                            const float *d, const int32_t *qsum,
                                                            const uint8_t *codes, const void *scales,
                                                            const void *offsets, int64_t in_features, float *y,
                                                            int64_t y_stride) {
     const int64_t blocks = in_features / DOT_BLOCK;
+    const int per_block = format & KVF_GROUP16 ? 2 : 1, span = DOT_BLOCK / per_block;
     vec total[MAX_TILE][2], sums[MAX_TILE][2];
     for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = vec_zero();
     for (int64_t b = 0; b < blocks; b++) {
-        if (format & KVF_NIBBLES)
-            block_sums(rows, codes + b * DOT_BLOCK * PANEL / 2, q + b * DOT_BLOCK, in_features, sums);
-        else
-            byte_block_sums(rows, (const int8_t *)codes + b * DOT_BLOCK * PANEL, q + b * DOT_BLOCK, in_features,
-                            sums);
-        vec s[2], o[2];
-        load_pair(scales, b * PANEL, format & KVF_HALF, &s[0], &s[1]);
-        load_offsets(offsets, b * PANEL, format & KVF_HALF, s[0], s[1], &o[0], &o[1]);
-        for (int m = 0; m < rows; m++) {
-            const vec qs = vec_broadcast((float)qsum[m * blocks + b]), dm = vec_broadcast(d[m * blocks + b]);
-            for (int h = 0; h < 2; h++)
-                total[m][h] = vec_fma(dm, vec_fma(o[h], qs, vec_mul(s[h], sums[m][h])), total[m][h]);
+        for (int g = 0; g < per_block; g++) {
+            if (format & KVF_NIBBLES)
+                block_sums(rows, codes + b * DOT_BLOCK * PANEL / 2, q + b * DOT_BLOCK, in_features, sums);
+            else
+                byte_block_sums(rows, (const int8_t *)codes + b * DOT_BLOCK * PANEL, q + b * DOT_BLOCK,
+                                in_features, g * span, (g + 1) * span, sums);
+            vec s[2], o[2];
+            const int64_t at = (b * per_block + g) * PANEL;
+            load_pair(scales, at, format & KVF_HALF, &s[0], &s[1]);
+            load_offsets(offsets, at, format & KVF_HALF, s[0], s[1], &o[0], &o[1]);
+            for (int m = 0; m < rows; m++) {
+                const int32_t *halves = qsum + m * 2 * blocks + 2 * b; /* integers: the same sum either way */
+                const int32_t sum_q = per_block == 2 ? halves[g] : halves[0] + halves[1];
+                const vec qs = vec_broadcast((float)sum_q), dm = vec_broadcast(d[m * blocks + b]);
+                for (int h = 0; h < 2; h++)
+                    total[m][h] = vec_fma(dm, vec_fma(o[h], qs, vec_mul(s[h], sums[m][h])), total[m][h]);
+            }
         }
     }
     for (int m = 0; m < rows; m++) {
@@ -571,12 +587,21 @@ DOT_TILES(0)
 DOT_TILES(1)
 DOT_TILES(2)
 DOT_TILES(3)
-static const dot_tile_fn DOT_TILE_FNS[4][4] = { /* [format & (KVF_NIBBLES | KVF_HALF)][tile] */
+DOT_TILES(8)
+DOT_TILES(10)
+static const dot_tile_fn DOT_TILE_FNS[6][4] = { /* [dot_variant(format)][tile] */
     {DOT_TILE_8(0), dot_tile_4_0, dot_tile_2_0, dot_tile_1_0},
     {DOT_TILE_8(1), dot_tile_4_1, dot_tile_2_1, dot_tile_1_1},
     {DOT_TILE_8(2), dot_tile_4_2, dot_tile_2_2, dot_tile_1_2},
     {DOT_TILE_8(3), dot_tile_4_3, dot_tile_2_3, dot_tile_1_3},
+    {DOT_TILE_8(8), dot_tile_4_8, dot_tile_2_8, dot_tile_1_8},
+    {DOT_TILE_8(10), dot_tile_4_10, dot_tile_2_10, dot_tile_1_10},
 };
+
+/* DOT_TILE_FNS' row: the storage bits (nibbles, half scales), then byte codes in groups of 16. */
+static int dot_variant(int64_t format) {
+    return format & KVF_GROUP16 ? 4 + !!(format & KVF_HALF) : (int)(format & (KVF_NIBBLES | KVF_HALF));
+}
 
 /* As tile_rows, never more than this path's block_sums holds. */
 static int dot_tile_rows(int64_t remaining) {
@@ -587,25 +612,26 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
                       const void *offsets, int64_t in_features, int64_t panels, int64_t format, float *y,
                       int num_threads) {
     const int64_t out_features = panels * PANEL, blocks = in_features / DOT_BLOCK;
+    const int64_t groups = format & KVF_GROUP16 ? 2 * blocks : blocks; /* of scales, per panel column */
     int8_t *q = malloc((size_t)(rows * in_features));
     float *d = malloc(sizeof(float) * rows * blocks);
-    int32_t *qsum = malloc(sizeof(int32_t) * rows * blocks);
+    int32_t *qsum = malloc(sizeof(int32_t) * rows * 2 * blocks);
     if (q == NULL || d == NULL || qsum == NULL) {
         free(q), free(d), free(qsum);
         return KVF_NO_MEMORY;
     }
     for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * x_stride, in_features, q + r * in_features, d + r * blocks, qsum + r * blocks);
+        quantize_row(x + r * x_stride, in_features, q + r * in_features, d + r * blocks, qsum + r * 2 * blocks);
     const int64_t scale_bytes = format & KVF_HALF ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features * out_features >= KVF_PARALLEL_WORK)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *c = (const uint8_t *)codes + p * in_features * (format & KVF_NIBBLES ? PANEL / 2 : PANEL);
-        const char *s = (const char *)scales + p * blocks * PANEL * scale_bytes;
-        const char *o = offsets ? (const char *)offsets + p * blocks * PANEL * scale_bytes : NULL;
+        const char *s = (const char *)scales + p * groups * PANEL * scale_bytes;
+        const char *o = offsets ? (const char *)offsets + p * groups * PANEL * scale_bytes : NULL;
         for (int64_t first = 0; first < rows; first += dot_tile_rows(rows - first)) {
             const int n = dot_tile_rows(rows - first);
-            DOT_TILE_FNS[format & (KVF_NIBBLES | KVF_HALF)][n == 8 ? 0 : n == 4 ? 1 : n == 2 ? 2 : 3](
-                q + first * in_features, d + first * blocks, qsum + first * blocks, c, s, o, in_features,
+            DOT_TILE_FNS[dot_variant(format)][n == 8 ? 0 : n == 4 ? 1 : n == 2 ? 2 : 3](
+                q + first * in_features, d + first * blocks, qsum + first * 2 * blocks, c, s, o, in_features,
                 y + first * out_features + p * PANEL, out_features);
         }
     }
@@ -630,8 +656,12 @@ static float *tiles_transposed(const float *x, int64_t x_stride, int64_t rows, i
 int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *codes, const void *scales,
                   const void *offsets, int64_t in_features, int64_t group, int64_t panels, int64_t format,
                   float *y, int num_threads) {
-    if (format & KVF_DOT)
-        return dot_matmul(x, x_stride, rows, codes, scales, offsets, in_features, panels, format, y, num_threads);
+    if (format & KVF_DOT) {
+        if (in_features % DOT_BLOCK || (group != DOT_BLOCK && (group != HALF_BLOCK || format & KVF_NIBBLES)))
+            return KVF_BAD_GROUP;
+        const int64_t variant = format | (group == HALF_BLOCK ? KVF_GROUP16 : 0);
+        return dot_matmul(x, x_stride, rows, codes, scales, offsets, in_features, panels, variant, y, num_threads);
+    }
     const int64_t out_features = panels * PANEL, blocks = in_features / group;
     /* the strip's weights buffer holds a group of at most MAX_GROUP (the packer makes 16 or 32) */
     const int strips = rows >= STRIP_MIN_ROWS && group <= MAX_GROUP;
