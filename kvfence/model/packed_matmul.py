@@ -26,7 +26,7 @@ PANEL = 32  # as csrc/packed_matmul.c: output columns per panel
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_int]
-NIBBLES, HALF, DOT = 1, 2, 4  # csrc/packed_matmul.c's format bits
+NIBBLES, HALF, DOT, ZERO_OFFSETS = 1, 2, 4, 16  # csrc/packed_matmul.c's format bits
 DOT_BLOCK = 32  # as csrc/packed_matmul.c: the int8 activations' block (and the dot layout's group)
 _BAD_GROUP = 3  # csrc/packed_matmul.c's KVF_BAD_GROUP
 
@@ -38,29 +38,32 @@ class PackedWeight:
     in_features // 4, 2, 64]) and scales / offsets
     [panels, in_features // group, PANEL] float32 (or float16): panel p holds output features
     [p * PANEL, (p + 1) * PANEL), k-major, as the kernel reads them. `offsets` empty ([panels, 0, PANEL])
-    where every offset is -8 x its scale (Q4_0): the kernel computes them (`centered`)."""
+    where the kernel knows them: every one 0 where `symmetric` (signed codes: Q8_0, Q5_0, Q6_K), else -8 x
+    its scale (Q4_0: `centered`)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
+    symmetric: bool = False
 
     @property
     def format(self) -> int:
-        """The kernel's storage bits: NIBBLES, HALF."""
+        """The kernel's storage bits: NIBBLES, HALF, DOT, ZERO_OFFSETS."""
         return (
             (NIBBLES if self.codes.dtype == torch.uint8 else 0)
             | (HALF if self.scales.dtype == torch.float16 else 0)
             | (DOT if self.codes.dim() == 4 else 0)
+            | (ZERO_OFFSETS if self.symmetric else 0)
         )
 
     @property
     def centered(self) -> bool:
         """The offsets are not stored: each is -8 x its scale."""
-        return self.offsets.shape[1] == 0
+        return self.offsets.shape[1] == 0 and not self.symmetric
 
     def offsets_address(self) -> int | None:
-        """The offsets as the kernel takes them: None (a NULL pointer) where it computes them."""
-        return None if self.centered else self.offsets.data_ptr()
+        """The offsets as the kernel takes them: None (a NULL pointer) where it knows them."""
+        return None if self.offsets.shape[1] == 0 else self.offsets.data_ptr()
 
     @property
     def bytes(self) -> int:
@@ -98,7 +101,10 @@ class PackedWeight:
             codes = self.codes[panel, :, column].float()  # [n, in_features]
         n = len(ids)
         scales = self.scales[panel, :, column].float()
-        offsets = -8 * scales if self.centered else self.offsets[panel, :, column].float()
+        if self.offsets.shape[1]:
+            offsets = self.offsets[panel, :, column].float()
+        else:
+            offsets = -8 * scales if self.centered else torch.zeros_like(scales)
         blocks = codes.view(n, -1, self.group) * scales[..., None] + offsets[..., None]
         return blocks.view(n, self.in_features)
 
@@ -124,7 +130,7 @@ class PackedWeight:
         if out_features % PANEL or in_features % group:
             return None
         codes, offsets = _as_nibbles(codes, scales, offsets)
-        scales, offsets = narrow_scales(scales, offsets)
+        scales, offsets, symmetric = narrow_scales(scales, offsets)
 
         def panels(t: torch.Tensor) -> torch.Tensor:
             return t.view(out_features // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
@@ -132,13 +138,13 @@ class PackedWeight:
         bytes_in_16s = group == DOT_BLOCK // 2 and codes.dtype == torch.int8 and in_features % DOT_BLOCK == 0
         if dot and (group == DOT_BLOCK or bytes_in_16s):
             lines = _dot_layout(codes) if codes.dtype == torch.uint8 else _byte_dot_layout(codes)
-            return cls(lines, panels(scales), panels(offsets))
+            return cls(lines, panels(scales), panels(offsets), symmetric)
         if codes.dtype == torch.uint8:  # bytes of (column j, column j + 16) nibble pairs, per panel
             by_panel = panels(codes).view(out_features // PANEL, in_features, 2, PANEL // 2)
             codes_panels = (by_panel[:, :, 0] | (by_panel[:, :, 1] << 4)).contiguous()
         else:
             codes_panels = panels(codes)
-        return cls(codes_panels, panels(scales), panels(offsets))
+        return cls(codes_panels, panels(scales), panels(offsets), symmetric)
 
 
 def _dot_layout(codes: torch.Tensor) -> torch.Tensor:
@@ -178,18 +184,22 @@ def _as_nibbles(
     return (codes - low).view(torch.uint8), shifted.float()  # int8 cannot overflow: each is 0 to 15
 
 
-def narrow_scales(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def narrow_scales(
+    scales: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Scales and offsets (groups along dim 1) in the narrowest storage the kernel reads them from: both
     float16 where it holds every value of both exactly (a non-K format's), else both float32; offsets
-    not stored (size 0 along groups) where each is -8 x its scale (Q4_0): the kernel computes them."""
+    not stored (size 0 along groups) where each is -8 x its scale (Q4_0) or each is 0 (signed codes,
+    then `symmetric`, the third value): the kernel knows them."""
     half = scales.half(), offsets.half()
     if all(torch.equal(h.float(), f.float()) for h, f in zip(half, (scales, offsets), strict=True)):
         scales, offsets = half
     else:
         scales, offsets = scales.float(), offsets.float()
-    if torch.equal(offsets.float(), -8 * scales.float()):  # exactly: -8 x a float is exact
+    symmetric = not offsets.any()
+    if symmetric or torch.equal(offsets.float(), -8 * scales.float()):  # exactly: -8 x a float is exact
         offsets = offsets.new_empty(offsets[:, :0].shape)  # no view: the storage goes
-    return scales, offsets
+    return scales, offsets, bool(symmetric)
 
 
 class PackedMatmulKernel:

@@ -244,16 +244,17 @@ def test_the_engine_names_its_decode_paths_at_start() -> None:
     assert "decode matmul: dense (the weights are not stored quantized)" in lines
 
 
+ZERO = packed_matmul.ZERO_OFFSETS
 STORAGE = {  # the narrowest storage that keeps every weight: nibbles where codes span 16 values, float16
-    # where it holds every scale and offset (Q4_0's -8 x d among them)
+    # where it holds every scale and offset (Q4_0's -8 x d among them), no offsets where all are 0
     gguf.GGMLQuantizationType.Q4_0: packed_matmul.NIBBLES | packed_matmul.HALF,
     gguf.GGMLQuantizationType.Q4_1: packed_matmul.NIBBLES | packed_matmul.HALF,
-    gguf.GGMLQuantizationType.Q5_0: packed_matmul.HALF,
+    gguf.GGMLQuantizationType.Q5_0: packed_matmul.HALF | ZERO,
     gguf.GGMLQuantizationType.Q5_1: packed_matmul.HALF,
-    gguf.GGMLQuantizationType.Q8_0: packed_matmul.HALF,
+    gguf.GGMLQuantizationType.Q8_0: packed_matmul.HALF | ZERO,
     gguf.GGMLQuantizationType.Q4_K: packed_matmul.NIBBLES,
     gguf.GGMLQuantizationType.Q5_K: 0,
-    gguf.GGMLQuantizationType.Q6_K: 0,
+    gguf.GGMLQuantizationType.Q6_K: ZERO,
 }
 
 
@@ -283,8 +284,25 @@ def test_every_format_packs_to_its_narrowest_storage_and_multiplies_the_same_wei
     ids = torch.tensor([0, 5, 16, 17, 31, 32, 63])  # both nibbles of a byte, and the second panel
     assert torch.equal(packed.rows(ids), dense[ids])
     bytes_per_weight = packed.bytes / dense.numel()
-    expected = {3: 0.625, 2: 1.125, 1: 0.75, 0: 1.25 if kind != gguf.GGMLQuantizationType.Q6_K else 1.5}
+    # Q8_0 and Q5_0 (float16 scales) 1.0625 bytes a weight, Q6_K (float32 scales per 16) 1.25: no offsets
+    expected = {3: 0.625, 2: 1.125, 1: 0.75, 0: 1.25, 2 | ZERO: 1.0625, ZERO: 1.25}
     # Q4_0's offsets are -8 x its scales: computed, not stored, 0.5625 bytes a weight as in the file
     centered = kind == gguf.GGMLQuantizationType.Q4_0
-    assert packed.centered == centered
+    assert packed.centered == centered and packed.symmetric == bool(packed.format & ZERO)
     assert bytes_per_weight == (0.5625 if centered else expected[packed.format])
+
+
+@pytest.mark.parametrize("dot", [False, True], ids=["float", "int8"])
+def test_offsets_left_out_where_all_are_zero_give_the_same_bits(
+    kernel: packed_matmul.PackedMatmulKernel, dot: bool
+) -> None:
+    """Signed codes (Q8_0, Q6_K) have every offset 0: not stored, and the products are those of the zeros
+    stored, bit for bit, one row (tiles) or many (strips)."""
+    for kind in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q6_K):
+        packed = PackedWeight.pack([any_weight(kind, 64, seed=3)], dot=dot)
+        assert packed is not None and packed.symmetric and packed.offsets.numel() == 0
+        stored = PackedWeight(packed.codes, packed.scales, torch.zeros_like(packed.scales))
+        assert not stored.format & ZERO
+        for rows in (1, 13):
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(kernel(x, packed), kernel(x, stored))

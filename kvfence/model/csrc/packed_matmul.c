@@ -6,13 +6,14 @@
  * (the product is exact, one rounding in the add), the very value the reference dequantizer gives.
  * Codes that span at most 16 values (Q4_0, Q4_1, Q4_K) are kept as nibbles, others as bytes; scales
  * and offsets that float16 holds exactly (every non-K format's) as float16, others as float32: Q4_0 and
- * Q4_1 cost 0.625 bytes a weight, as in the file, Q8_0 1.125, Q4_K 0.75.
+ * Q4_1 cost 0.625 bytes a weight, as in the file, Q8_0 1.0625 (no offsets: all are 0), Q4_K 0.75.
  *
  * Contract (packed once at load by packed_matmul.py; `format` says which storage):
  *   codes    [panels, in_features, PANEL] int8, or with KVF_NIBBLES [panels, in_features, PANEL / 2]
  *            uint8: byte j of a row holds column j in its low nibble and column j + 16 in its high one
  *   scales   [panels, in_features / group, PANEL] float32, or float16 with KVF_HALF; offsets likewise,
- *            or NULL where every offset is -8 x its scale (Q4_0's codes centred on 8: 10% fewer bytes)
+ *            or NULL where every offset is -8 x its scale (Q4_0's codes centred on 8: 10% fewer bytes),
+ *            or, with KVF_ZERO_OFFSETS, NULL where every offset is 0 (signed codes: Q8_0, Q5_0, Q6_K)
  *            (group: 32, or 16 for Q6_K)
  *   x        [rows, in_features], rows x_stride floats apart
  *   y        [rows, panels * PANEL], contiguous
@@ -53,6 +54,7 @@
 #define KVF_HALF 2
 #define KVF_DOT 4
 #define KVF_GROUP16 8 /* not a storage bit: dot_matmul's choice of tiles for byte codes in groups of 16 */
+#define KVF_ZERO_OFFSETS 16
 #define DOT_BLOCK 32 /* activations quantized per 32 of k */
 #define HALF_BLOCK 16
 #define MAX_TILE 8
@@ -276,7 +278,7 @@ static int tile_rows(int64_t remaining) {
 }
 
 static tile_fn tile_for(int rows, int format) {
-    return TILE_FNS[format][rows == 8 ? 0 : rows == 4 ? 1 : rows == 2 ? 2 : 3];
+    return TILE_FNS[format & (KVF_NIBBLES | KVF_HALF)][rows == 8 ? 0 : rows == 4 ? 1 : rows == 2 ? 2 : 3];
 }
 
 /* Many rows (prefill, wide decode batches): each group of a panel's weights is dequantized once, into `w`
@@ -608,6 +610,10 @@ static int dot_tile_rows(int64_t remaining) {
     return remaining >= DOT_TILE_MAX ? DOT_TILE_MAX : tile_rows(remaining);
 }
 
+/* The offsets every panel reads where KVF_ZERO_OFFSETS stores none: `groups` x PANEL zeros (float32's zero
+ * is float16's too), read from cache by every panel; NULL when out of memory (the caller frees it). */
+static void *zero_offsets(int64_t groups) { return calloc((size_t)(groups * PANEL), sizeof(float)); }
+
 static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void *codes, const void *scales,
                       const void *offsets, int64_t in_features, int64_t panels, int64_t format, float *y,
                       int num_threads) {
@@ -616,8 +622,9 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
     int8_t *q = malloc((size_t)(rows * in_features));
     float *d = malloc(sizeof(float) * rows * blocks);
     int32_t *qsum = malloc(sizeof(int32_t) * rows * 2 * blocks);
-    if (q == NULL || d == NULL || qsum == NULL) {
-        free(q), free(d), free(qsum);
+    void *zeros = format & KVF_ZERO_OFFSETS ? zero_offsets(groups) : NULL;
+    if (q == NULL || d == NULL || qsum == NULL || (format & KVF_ZERO_OFFSETS && zeros == NULL)) {
+        free(q), free(d), free(qsum), free(zeros);
         return KVF_NO_MEMORY;
     }
     for (int64_t r = 0; r < rows; r++)
@@ -627,7 +634,7 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *c = (const uint8_t *)codes + p * in_features * (format & KVF_NIBBLES ? PANEL / 2 : PANEL);
         const char *s = (const char *)scales + p * groups * PANEL * scale_bytes;
-        const char *o = offsets ? (const char *)offsets + p * groups * PANEL * scale_bytes : NULL;
+        const char *o = zeros ? zeros : offsets ? (const char *)offsets + p * groups * PANEL * scale_bytes : NULL;
         for (int64_t first = 0; first < rows; first += dot_tile_rows(rows - first)) {
             const int n = dot_tile_rows(rows - first);
             DOT_TILE_FNS[dot_variant(format)][n == 8 ? 0 : n == 4 ? 1 : n == 2 ? 2 : 3](
@@ -635,7 +642,7 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
                 y + first * out_features + p * PANEL, out_features);
         }
     }
-    free(q), free(d), free(qsum);
+    free(q), free(d), free(qsum), free(zeros);
     return KVF_OK;
 }
 
@@ -665,8 +672,13 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *co
     const int64_t out_features = panels * PANEL, blocks = in_features / group;
     /* the strip's weights buffer holds a group of at most MAX_GROUP (the packer makes 16 or 32) */
     const int strips = rows >= STRIP_MIN_ROWS && group <= MAX_GROUP;
+    void *zeros = format & KVF_ZERO_OFFSETS ? zero_offsets(blocks) : NULL;
     float *xt = NULL;
-    if (!strips && (xt = tiles_transposed(x, x_stride, rows, in_features)) == NULL) return KVF_NO_MEMORY;
+    if ((format & KVF_ZERO_OFFSETS && zeros == NULL) ||
+        (!strips && (xt = tiles_transposed(x, x_stride, rows, in_features)) == NULL)) {
+        free(zeros);
+        return KVF_NO_MEMORY;
+    }
     /* Threads only where each gets enough to do: a small product (one decode row of a small model's
      * projection) finishes in the time a second thread takes to join, and on a machine with as many
      * threads as cores a thread the kernel preempts stalls the others at the join. */
@@ -675,7 +687,7 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *co
         const int64_t code_bytes = format & KVF_NIBBLES ? PANEL / 2 : PANEL, scale_bytes = format & KVF_HALF ? 2 : 4;
         const char *c = (const char *)codes + p * in_features * code_bytes;
         const char *s = (const char *)scales + p * blocks * PANEL * scale_bytes;
-        const char *o = offsets ? (const char *)offsets + p * blocks * PANEL * scale_bytes : NULL;
+        const char *o = zeros ? zeros : offsets ? (const char *)offsets + p * blocks * PANEL * scale_bytes : NULL;
         if (strips) {
             strip((int)format, x, x_stride, rows, c, s, o, in_features, group, y + p * PANEL, out_features);
             continue;
@@ -684,6 +696,6 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *co
             tile_for(tile_rows(rows - first), (int)format)(xt + first * in_features, c, s, o, in_features, group,
                                                           y + first * out_features + p * PANEL, out_features);
     }
-    free(xt);
+    free(xt), free(zeros);
     return KVF_OK;
 }
