@@ -196,10 +196,10 @@ def narrow_scales(
         scales, offsets = half
     else:
         scales, offsets = scales.float(), offsets.float()
-    symmetric = not offsets.any()
+    symmetric = not bool(offsets.any())
     if symmetric or torch.equal(offsets.float(), -8 * scales.float()):  # exactly: -8 x a float is exact
         offsets = offsets.new_empty(offsets[:, :0].shape)  # no view: the storage goes
-    return scales, offsets, bool(symmetric)
+    return scales, offsets, symmetric
 
 
 class PackedMatmulKernel:
