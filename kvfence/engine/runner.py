@@ -104,6 +104,7 @@ class ModelRunner:
             [r.prompt_token_ids for r in sampled_requests],
             [r.output_token_ids for r in sampled_requests],
             self.noise,
+            consume=True,  # read by no one after: the masks above already wrote into them
         )
         grammar_failed |= grammar_mask.advance(grammars, tokens)
         sampled = {}

@@ -40,6 +40,7 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
+@torch.inference_mode()  # the model's logits are an inference tensor: `consume` scales them in place
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -47,6 +48,7 @@ def sample(
     prompts: Sequence[Sequence[int]] | None = None,
     outputs: Sequence[Sequence[int]] | None = None,
     noise: torch.Generator | None = None,
+    consume: bool = False,
 ) -> list[int | None]:
     """One token per row of `logits` [batch, vocab] (float32); None for a row with a NaN or +inf logit,
     or only -inf ones, or whose own sampling values make sampling fail: there is nothing sound to sample,
@@ -54,7 +56,9 @@ def sample(
 
     `prompts` and `outputs` are each row's token ids so far; only rows whose params `adjusts_logits` read
     them (repetition_penalty reads both, frequency and presence penalties the output). Sampled rows are
-    drawn together (`draw`): from their own generator where they set a seed, else from `noise`."""
+    drawn together (`draw`): from their own generator where they set a seed, else from `noise`. `consume`:
+    the caller reads `logits` no more (float32), and the draw scales them in place instead of a copy (a fresh
+    buffer is pages faulted in: at 16 rows x 49,152, 3 MiB a step)."""
     best, argmax = logits.max(dim=-1)  # a NaN anywhere in a row makes its max NaN: one pass checks both
     finite = torch.isfinite(best).tolist()
     tokens: list[int | None] = argmax.tolist()
@@ -70,11 +74,15 @@ def sample(
             top, token = row_logits.max(dim=-1)
             tokens[row] = int(token) if torch.isfinite(top) else None
     if drawn:
+        peaks = None  # the rows' maxima, where `best` holds them: no row adjusted
         if any(r in adjusted for r in drawn):
             rows = torch.stack([adjusted.get(r, logits[r]) for r in drawn])  # type: ignore[misc]
-        else:  # no copy of the batch's logits where every row draws
-            rows = logits if len(drawn) == len(params) else logits[drawn]
-        picked = draw(rows, [params[r] for r in drawn], [generators[r] for r in drawn], noise)
+        elif len(drawn) == len(params):  # no copy of the batch's logits where every row draws
+            rows, peaks = logits, best.unsqueeze(1)
+        else:
+            rows, peaks = logits[drawn], best[drawn].unsqueeze(1)
+        mine = rows is not logits or (consume and logits.dtype == torch.float32)
+        picked = draw(rows, [params[r] for r in drawn], [generators[r] for r in drawn], noise, peaks, mine)
         for row, token in zip(drawn, picked, strict=True):
             tokens[row] = token
     return tokens
@@ -85,14 +93,19 @@ def draw(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     noise: torch.Generator | None,
+    peaks: torch.Tensor | None = None,
+    consume: bool = False,
 ) -> list[int | None]:
     """A sampled token per row of `logits` [rows, vocab], the batch in a few tensor ops: temperature and
     min_p over every row at once; top_k and top_p over each row's best candidates (`candidates`), or, for a
     nucleus wider than them, by a threshold over the whole row (`nucleus`). A seeded row draws with
     torch.multinomial from its own generator; the others together by inverse CDF from `noise`. None for
-    a row that cannot be sampled."""
+    a row that cannot be sampled. `peaks` [rows, 1]: the rows' maxima where the caller has them; `consume`:
+    `logits` (float32) are the caller's no more, and are scaled in place."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
-    scaled = (logits.float() - logits.max(dim=-1, keepdim=True).values).div_(temperature)
+    peaks = logits.max(dim=-1, keepdim=True).values if peaks is None else peaks
+    in_place = consume and logits.dtype == torch.float32
+    scaled = (logits.sub_(peaks) if in_place else logits.float() - peaks).div_(temperature)
     if any(p.min_p > 0 for p in params):
         floor = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]).unsqueeze(1)
         scaled.masked_fill_(scaled < floor, -math.inf)
@@ -105,7 +118,8 @@ def draw(
     unseeded = [r for r in cut if generators[r] is None]
     if unseeded and _nucleus_kernel() is not None:
         rows = scaled if len(unseeded) == len(params) else scaled[unseeded]  # read by no one after the draw
-        _place(tokens, unseeded, native_draw(rows, [params[r] for r in unseeded], noise, consume=True)[0])
+        drawn = native_draw(rows, [params[r] for r in unseeded], noise, consume=True, peaked=True)[0]
+        _place(tokens, unseeded, drawn)
         cut = [r for r in cut if generators[r] is not None]
     for limit in CANDIDATE_STAGES:
         if not cut:
@@ -129,19 +143,24 @@ def native_draw(
     params: Sequence[SamplingParams],
     noise: torch.Generator | None,
     consume: bool = False,
+    peaked: bool = False,
 ) -> tuple[list[int | None], torch.Tensor]:
     """csrc/nucleus.c's draw for `scaled` [rows, vocab] (temperature and min_p applied) under each row's
     top_k and top_p, one uniform a row from `noise`: (tokens, None where no logit is finite or one is NaN
     or +inf; each row's least kept probability relative to its largest, the kept set's edge). `consume`:
     the caller reads `scaled` no more, and a float32 one is overwritten instead of copied (at 16 rows of
-    Gemma's 262,144, each fresh 16 MiB buffer is pages faulted in: 3-5 ms)."""
+    Gemma's 262,144, each fresh 16 MiB buffer is pages faulted in: 3-5 ms). `peaked`: each row's largest
+    value is 0 already (`draw`'s rows, less their maxima), so no pass finds and subtracts it."""
     kernel = _nucleus_kernel()
     assert kernel is not None
     rows = scaled.float()
     # The exps here, vectorised (a scalar expf a token was most of the C draw's time), in place over one
     # buffer; a NaN or +inf logit leaves its row a NaN, which the kernel refuses.
-    peak = rows.amax(dim=-1, keepdim=True)
-    rows = (rows.sub_(peak) if consume and rows.is_contiguous() else rows - peak).exp_().contiguous()
+    if peaked:
+        rows = (rows if consume else rows.clone()).exp_().contiguous()
+    else:
+        peak = rows.amax(dim=-1, keepdim=True)
+        rows = (rows.sub_(peak) if consume and rows.is_contiguous() else rows - peak).exp_().contiguous()
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
     uniform = torch.rand(len(params), dtype=torch.float64, generator=noise)

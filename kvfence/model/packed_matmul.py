@@ -184,9 +184,7 @@ def _as_nibbles(
     return (codes - low).view(torch.uint8), shifted.float()  # int8 cannot overflow: each is 0 to 15
 
 
-def narrow_scales(
-    scales: torch.Tensor, offsets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def narrow_scales(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Scales and offsets (groups along dim 1) in the narrowest storage the kernel reads them from: both
     float16 where it holds every value of both exactly (a non-K format's), else both float32; offsets
     not stored (size 0 along groups) where each is -8 x its scale (Q4_0) or each is 0 (signed codes,

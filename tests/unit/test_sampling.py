@@ -417,6 +417,34 @@ def test_the_batch_draw_consuming_its_rows_takes_the_c_draws_tokens() -> None:
     assert sampled == drawn
 
 
+def test_sampling_in_place_takes_the_tokens_of_sampling_a_copy() -> None:
+    """`consume` (the runner's logits, read by no one after): the draw scales them in place and the C draw
+    takes the rows' maxima from `sample`'s own pass; every kind of row takes the tokens it takes from a
+    caller's untouched logits with the same noise and generators: greedy, nucleus (C), top_k, min_p, a
+    whole distribution, seeded, and rows whose penalties adjust them."""
+    rows = torch.randn(12, 3000, generator=torch.Generator().manual_seed(11)) * 3
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.95),
+        SamplingParams(temperature=0.7, top_k=40),
+        SamplingParams(temperature=0.9, min_p=0.05),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7),
+        SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.3),
+    ]
+    history = [[1, 5, 9, 2999]] * 12
+    for params in ([kinds[i % len(kinds)] for i in range(12)], [kinds[1], kinds[0]] * 6, [kinds[1]] * 12):
+        taken = []
+        for consume in (False, True):
+            logits = rows.clone()
+            generators = [make_generator(p, logits.device) for p in params]
+            noise = torch.Generator().manual_seed(3)
+            taken.append(sample(logits, params, generators, history, history, noise, consume=consume))
+            assert consume or torch.equal(logits, rows)
+        assert taken[0] == taken[1] and all(t is not None for t in taken[1])
+    assert not torch.equal(logits, rows)  # every row drawn, by the C draw: the logits themselves consumed
+
+
 def test_the_c_draw_follows_the_probabilities() -> None:
     """20,000 draws of one row (top_k 6, top_p 0.9) with fixed noise: each kept token comes out at its
     probability (within four standard deviations) and a dropped one never; a row with no finite logit,
