@@ -371,9 +371,8 @@ def server_mode_rows(
         why = " ".join(dict.fromkeys((lines[0], lines[-1].strip())))
         return [(f"server{label} TPOT", "skipped", f"`kvfence serve` did not start: {why}")]
     with stack:
-        tpot_row(
-            url, tokenizer, 4, 4, 4, label
-        )  # a warm-up: the server's one-off allocations are not measured
+        # A warm-up: the server's one-off allocations are not measured.
+        tpot_row(url, tokenizer, 4, 4, 4, label)
         return [
             tpot_row(url, tokenizer, clients, clients * waves, max_tokens, label)
             for clients in SERVER_CLIENTS

@@ -81,7 +81,7 @@ def sample(
             rows, peaks = logits, best.unsqueeze(1)
         else:
             rows, peaks = logits[drawn], best[drawn].unsqueeze(1)
-        mine = rows is not logits or (consume and logits.dtype == torch.float32)
+        mine = consume or rows is not logits  # draw() scales in place only what is float32
         picked = draw(rows, [params[r] for r in drawn], [generators[r] for r in drawn], noise, peaks, mine)
         for row, token in zip(drawn, picked, strict=True):
             tokens[row] = token
