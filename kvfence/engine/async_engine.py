@@ -21,6 +21,7 @@ import torch
 
 from kvfence.engine.embedding import EmbeddingJob
 from kvfence.engine.engine import LLMEngine
+from kvfence.engine.heap import return_freed_heap
 from kvfence.engine.info import engine_info
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.stats import EngineStats
@@ -200,6 +201,8 @@ class AsyncEngine:
             self._run_commands(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
                 self._dispatch(self.engine.safe_step())
+                if not self.engine.has_unfinished():
+                    return_freed_heap()  # once a burst ends; its last outputs are already on their way
 
     def _run_commands(self, block: bool) -> None:
         try:

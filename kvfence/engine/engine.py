@@ -8,8 +8,6 @@ handoff extends it in disagg/handoff.py.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import itertools
 import logging
@@ -22,6 +20,7 @@ import torch
 
 from kvfence.config import EngineConfig
 from kvfence.engine.builder import build_parts
+from kvfence.engine.heap import map_large_buffers, return_freed_heap
 from kvfence.engine.output import OutputProcessor, RequestOutput
 from kvfence.engine.runner import StepResult
 from kvfence.engine.sampler import make_generator
@@ -366,7 +365,7 @@ def load_engine(
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    _map_large_buffers()
+    map_large_buffers()
     path = config.model or default_model_path()
     device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     # Graphs are captured on CUDA alone: elsewhere the flag would only add an unused scratch page.
@@ -378,30 +377,5 @@ def load_engine(
     tokenizer = Tokenizer.from_gguf(gguf, chat_template)
     model_file = gguf.path
     del gguf  # the file's map and the loader's tensors: the model holds its packed copy
-    _return_freed_heap()
+    return_freed_heap()
     return engine_cls(config, model, tokenizer, events, log, model_file=model_file)
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-_MMAP_FROM_BYTES = 1 << 20
-
-
-def _glibc(call: Callable[[ctypes.CDLL], object]) -> None:
-    """`call` on glibc; a no-op where libc is not glibc."""
-    with contextlib.suppress(OSError, AttributeError):
-        call(ctypes.CDLL("libc.so.6"))
-
-
-def _map_large_buffers() -> None:
-    """Before loading: every buffer of 1 MiB or more is mapped on its own and unmapped when freed. glibc's
-    default raises that threshold as large buffers are freed, so the loader's unpacked codes and a prefill
-    chunk's activations (freed, then reused piecemeal) stayed resident: after 16 prompts of 246 tokens the
-    1.07B engine grew 36 MiB over its start instead of 147 (a page fault per 4 KiB of such a buffer: well
-    under 1% of the step that allocates it)."""
-    _glibc(lambda libc: libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM_BYTES))
-
-
-def _return_freed_heap() -> None:
-    """After packing: hand what the loader freed on the heap back to the system (the 1.07B file's server
-    held 2.0 GB resident before these two, 1.35 GB after)."""
-    _glibc(lambda libc: libc.malloc_trim(0))

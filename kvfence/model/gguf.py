@@ -32,7 +32,7 @@ from kvfence.model.gguf_file import GGUFFile, TensorInfo
 _Q = gguf.GGMLQuantizationType
 _QK_ROWS = re.compile(r"blk\.\d+\.attn_[qk]\.(weight|bias)")
 # Weights gguf-py dequantizes at once: 0.5 MiB of float32, under the 1 MiB from which the server maps each
-# buffer on its own (engine._map_large_buffers), so that a chunk's temporaries reuse freed heap instead of
+# buffer on its own (engine/heap.py), so that a chunk's temporaries reuse freed heap instead of
 # faulting in fresh pages (chunks of 2 MiB: the 1.07B file's layers took 13.9 s to pack, now ~7).
 _CHUNK_WEIGHTS = 1 << 17
 _PROGRESS_REPORTS = 6  # lines while the dense tensors are read (an F16 file's every weight)

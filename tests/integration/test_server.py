@@ -349,3 +349,47 @@ def test_metrics_exposition(server: Server, story: ChatCompletion) -> None:
     ]:
         assert name in text, name
     assert server.metric("kvfence_requests_total", {"status": "finished"}) >= 1
+
+
+def test_the_engine_thread_returns_freed_heap_once_each_burst_ends(
+    smollm2: GGUFModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the engine thread, in order: the heap is handed back right after the step that left no request
+    unfinished, and after no other step. Two requests admitted together are one burst; a third, later,
+    another."""
+    from kvfence.engine import async_engine
+
+    engine = real_engine(smollm2, num_pages=64, max_model_len=512)
+    log: list[tuple[str, bool]] = []
+    step = engine.safe_step
+
+    def logged_step() -> list[Any]:
+        outputs = step()
+        log.append(("step", engine.has_unfinished()))
+        return outputs
+
+    monkeypatch.setattr(engine, "safe_step", logged_step)
+    monkeypatch.setattr(
+        async_engine, "return_freed_heap", lambda: log.append(("trim", engine.has_unfinished()))
+    )
+    front = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def finish(request_id: str) -> None:
+        async for _ in front.generate([1, 2, 3, 4, 5], params, "t", request_id):
+            pass
+
+    async def bursts() -> None:
+        first = [asyncio.create_task(finish(name)) for name in ("a", "b")]
+        await asyncio.sleep(0)  # both admissions queued before the engine thread takes any
+        front.start()
+        await asyncio.gather(*first)
+        await finish("c")
+
+    try:
+        asyncio.run(bursts())
+    finally:
+        front.shutdown()
+    trims = [i for i, entry in enumerate(log) if entry[0] == "trim"]
+    assert len(trims) == 2 and all(log[i - 1] == ("step", False) and log[i] == ("trim", False) for i in trims)
+    assert [i + 1 for i, entry in enumerate(log) if entry == ("step", False)] == trims, log
