@@ -91,17 +91,25 @@ def canary_leaks(jobs: list[Job], outcomes: list[Outcome], tenants: list[Tenant]
     return leaks
 
 
-def completed_ok_by_request(jobs: list[Job], outcomes: list[Outcome]) -> Callable[[str], bool | None]:
-    """request id -> True (completed as its reference), False (completed otherwise), None (not completed)."""
+def received_ok_by_request(
+    outcomes: list[Outcome], refs: dict[int, Reference]
+) -> Callable[[str], bool | None]:
+    """request id -> True when what its client received is its reference output (near ties allowed) or, for
+    a client that hung up, the start of it; False when a completed output differs; None when nothing can be
+    judged (no answer, or a hang-up whose text is not the start of its reference: a near tie may explain it).
+    A hang-up's request may finish in the engine before the disconnect reaches it: its record then shows no
+    abort, and only the text its client received can tell whether anything wrong was read."""
     by_id = {o.request_id: o for o in outcomes if o.request_id}
 
-    def completed_ok(request_id: str) -> bool | None:
+    def received_ok(request_id: str) -> bool | None:
         outcome = by_id.get(request_id)
-        if outcome is None or outcome.kind != "completed":
-            return None
-        return outcome.match in ("exact", "near_tie")
+        if outcome is not None and outcome.kind == "completed":
+            return outcome.match in ("exact", "near_tie")
+        if outcome is not None and outcome.kind == "cancelled" and outcome.job in refs:
+            return True if refs[outcome.job].text.startswith(outcome.text) else None
+        return None
 
-    return completed_ok
+    return received_ok
 
 
 def drain_problems(drain: dict[str, Any]) -> list[str]:
@@ -120,9 +128,9 @@ def health_problems(health: Health) -> list[str]:
     return [f"/health failed {health.failures} of {health.polls} polls"] if health.failures else []
 
 
-def fault_summary(ledger: FaultLedger, completed_ok: Callable[[str], bool | None]) -> dict[str, Any]:
+def fault_summary(ledger: FaultLedger, received_ok: Callable[[str], bool | None]) -> dict[str, Any]:
     """Per fault: how often it fired, took effect, was caught, absorbed, missed."""
-    verdicts = ledger.verdicts(completed_ok)
+    verdicts = ledger.verdicts(received_ok)
     fired = ledger.engine.faults.fired
     table: dict[str, dict[str, int]] = {}
     for name in sorted(set(fired) | {v.fault for v in verdicts}):

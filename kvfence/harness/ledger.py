@@ -95,14 +95,15 @@ class FaultLedger:
             return [admitting.request_id] if admitting else []
         return []
 
-    def verdicts(self, completed_ok: Callable[[str], bool | None]) -> list[Verdict]:
-        """Judge every effect. `completed_ok(request_id)`: True when the request completed with its
-        reference output, False when it completed with anything else, None when it did not complete."""
-        return [self._judge(hit, completed_ok) for hit in self.hits]
+    def verdicts(self, received_ok: Callable[[str], bool | None]) -> list[Verdict]:
+        """Judge every effect. `received_ok(request_id)`: True when what the request's client received is
+        its reference output (or, having hung up, the start of it), False when a completed output differs,
+        None when that cannot be told (judge.received_ok_by_request)."""
+        return [self._judge(hit, received_ok) for hit in self.hits]
 
-    def _judge(self, hit: Hit, completed_ok: Callable[[str], bool | None]) -> Verdict:
-        endings = {rid: self._ending(rid, completed_ok) for rid in hit.victims}
-        if any(e == "completed_wrong" for e in endings.values()):
+    def _judge(self, hit: Hit, received_ok: Callable[[str], bool | None]) -> Verdict:
+        endings = {rid: self._ending(rid, received_ok) for rid in hit.victims}
+        if any(e == "received_wrong" for e in endings.values()):
             verdict = "missed"
         elif any(e.startswith("integrity:") for e in endings.values()):
             verdict = "caught"
@@ -112,13 +113,13 @@ class FaultLedger:
             verdict = "absorbed"
         return Verdict(hit.fault, verdict, endings)
 
-    def _ending(self, request_id: str, completed_ok: Callable[[str], bool | None]) -> str:
+    def _ending(self, request_id: str, received_ok: Callable[[str], bool | None]) -> str:
         events = self.engine.events.for_request(request_id)
         aborted = [e["reason"] for e in events if e["kind"] == "aborted"]
         if aborted:
             reason = aborted[0]
             return f"integrity:{reason}" if reason in INTEGRITY_REASONS else f"aborted:{reason}"
-        ok = completed_ok(request_id)
+        ok = received_ok(request_id)
         if ok is None:
             return "unknown"
-        return "completed_ok" if ok else "completed_wrong"
+        return "received_ok" if ok else "received_wrong"

@@ -27,12 +27,12 @@ from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.judge import (
     RunReport,
     canary_leaks,
-    completed_ok_by_request,
     drain_problems,
     fault_problems,
     fault_summary,
     health_problems,
     judge_outcomes,
+    received_ok_by_request,
 )
 from kvfence.harness.ledger import FaultLedger
 from kvfence.harness.load import MODEL, Job, Outcome, Shape, Tenant, drive, make_jobs, make_tenants
@@ -151,7 +151,7 @@ def run_single_node(
         drain = asyncio.run(_single_node_drain(running.url, running.engine))
     report = RunReport("single", wall, outcomes, health, drain)
     report.problems = judge_outcomes(jobs, outcomes, refs, tokenizer)
-    report.faults = fault_summary(ledger, completed_ok_by_request(jobs, outcomes))
+    report.faults = fault_summary(ledger, received_ok_by_request(outcomes, refs))
     report.leaks = canary_leaks(jobs, outcomes, tenants)
     report.problems += drain_problems(drain) + fault_problems(report.faults) + report.leaks
     report.problems += health_problems(health)

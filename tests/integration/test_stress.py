@@ -16,7 +16,9 @@ import random
 import pytest
 from conftest import make_engine
 
-from kvfence.harness.judge import RunReport, print_report
+from kvfence.harness.judge import RunReport, print_report, received_ok_by_request
+from kvfence.harness.load import Outcome
+from kvfence.harness.references import Reference
 from kvfence.harness.runs import FAULT_RATES, Plan, run_disaggregated, run_single_node
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.transformer import Transformer
@@ -90,3 +92,19 @@ def test_double_allocation_of_a_cached_page_leaves_no_stale_prefix_entry(tiny: T
     assert r2.finish_reason == "stale_generation" and r3.status is Status.FINISHED
     r4 = engine.generate([prompt], params, "a")[0]
     assert r4.output_token_ids == solo, "R4 was served another request's KV from the prefix cache"
+
+
+def test_a_hang_up_is_judged_by_the_text_its_client_received() -> None:
+    """A client that hung up received the start of its reference: nothing wrong was read (True); any other
+    text cannot be judged (None), nor can a request nobody answered; a completion is judged whole."""
+    refs = {0: Reference([1, 2, 3], "one two three", [9.0, 9.0, 9.0])}
+    outcomes = [
+        Outcome(0, "cancelled", 200, "start", "one two"),
+        Outcome(0, "cancelled", 200, "other", "one three"),
+        Outcome(0, "completed", 200, "whole", "one two three", match="exact"),
+        Outcome(0, "completed", 200, "wrong", "one two four", match="differs"),
+        Outcome(0, "integrity", 500, "aborted"),
+    ]
+    received_ok = received_ok_by_request(outcomes, refs)
+    assert [received_ok(o.request_id or "") for o in outcomes] == [True, None, True, False, None]
+    assert received_ok("never-answered") is None
