@@ -33,9 +33,12 @@ CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 # Instruction sets named explicitly, chosen at run time from what this CPU reports, never -march=native:
 # a library built on one machine (a cache on a shared home) then runs on any CPU that has the same sets.
+# F16C is named beside AVX-512 too: -mavx512f does not imply it, and a build that turns AVX-512 off
+# (-mno-avx512f: the AVX2 path an AVX2-only machine runs) needs it for that path.
+_AVX512 = ({"avx512f", "avx512bw", "fma", "f16c"}, ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c"))
 _ISA = (
-    ({"avx512f", "avx512bw", "fma", "avx512_vnni"}, ("-mavx512f", "-mavx512bw", "-mfma", "-mavx512vnni")),
-    ({"avx512f", "avx512bw", "fma"}, ("-mavx512f", "-mavx512bw", "-mfma")),
+    (_AVX512[0] | {"avx512_vnni"}, (*_AVX512[1], "-mavx512vnni")),
+    _AVX512,
     ({"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c")),
 )
 

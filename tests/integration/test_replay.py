@@ -123,13 +123,19 @@ def _decoded_beside_others(engine: LLMEngine, prompt: list[int], others: list[li
 @pytest.mark.parametrize("decode_matmul", ["auto", "dense"])
 def test_decode_rows_are_bitwise_batch_invariant_where_pinned(smollm2: GGUFModel, decode_matmul: str) -> None:
     """What `batch_invariant` promises: with the kernels every decode step's logits are the solo ones, bit
-    for bit, whatever shares the step; the dense (BLAS) path changes them, and does not pin it."""
+    for bit, whatever shares the step. The dense (BLAS) path does not claim it, and only its claim is
+    checked: whether BLAS changes a row's bits with the batch depends on the library and the CPU (on an
+    AVX2 EPYC it did; on a Sapphire Rapids Xeon, for these shapes, it did not)."""
     model, tokenizer = (
         Transformer.from_gguf(smollm2, decode_matmul=decode_matmul),
         Tokenizer.from_gguf(smollm2),
     )
-    prompt, others = replay_prompts(tokenizer)[0], replay_prompts(tokenizer)[1:6]
     solo_engine = offline(model, tokenizer)
+    pinned = engine_info(solo_engine)["batch_invariant"]
+    assert pinned is (decode_matmul == "auto")
+    if not pinned:
+        return
+    prompt, others = replay_prompts(tokenizer)[0], replay_prompts(tokenizer)[1:6]
     solo_logits = LogitsRecorder(solo_engine)
     solo = solo_engine.generate([prompt], GREEDY)[0]
     loaded_engine = offline(model, tokenizer, max_num_batched_tokens=48)
@@ -137,12 +143,7 @@ def test_decode_rows_are_bitwise_batch_invariant_where_pinned(smollm2: GGUFModel
     loaded = _decoded_beside_others(loaded_engine, prompt, others)
     pairs = zip(solo_logits.steps[solo.request_id], loaded_logits.steps[loaded.request_id], strict=False)
     bitwise = [torch.equal(a, b) for a, b in pairs]
-    pinned = engine_info(solo_engine)["batch_invariant"]
-    assert pinned is (decode_matmul == "auto")
-    if pinned:
-        assert solo.output_token_ids == loaded.output_token_ids and all(bitwise), bitwise
-    else:
-        assert not all(bitwise), "the dense path was batch-invariant after all: pin it"
+    assert solo.output_token_ids == loaded.output_token_ids and all(bitwise), bitwise
 
 
 # ---- audit level ------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@
 
 #if defined(__AVX512F__) && !defined(KVF_PORTABLE)
 #include <immintrin.h>
+#define KVF_VECTORS /* a vector path, not the plain C one: the helpers below that use intrinsics may too */
 typedef __m512 vec;
 static inline vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vec_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
@@ -89,6 +90,7 @@ static inline vec vec_of_sums(__m256i lo, __m256i hi) {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(KVF_PORTABLE)
 /* AVX2 machines (no AVX-512): a vector of 16 is two of 8, each lane the same operation as above. */
 #include <immintrin.h>
+#define KVF_VECTORS
 typedef struct {
     __m256 lo, hi;
 } vec;
@@ -488,7 +490,7 @@ static inline __attribute__((always_inline)) void block_sums(const int rows, con
 }
 #endif
 
-#if defined(__AVX2__) && !defined(KVF_PORTABLE)
+#if defined(__AVX2__) && defined(KVF_VECTORS) /* AVX2 without F16C has no vector path above */
 /* Byte codes: one block's sums over 8 steps of 4 k, each two 64-byte lines (columns 0-15, 16-31) of 16
  * columns x 4 codes, 32 bytes (8 columns) at a time. AVX-512 machines run this too (256-bit, the same
  * integers): their byte-code weights are a model's minority, its 4-bit ones take block_sums above. */
