@@ -190,7 +190,7 @@ def check_engine(config: EngineConfig) -> None:
     check_device(config.device)
     shape = check_model(config.model)
     try:
-        check_window(capacity_report(config, shape, DTYPE_BYTES[config.dtype]), shape.context_length)
+        check_window(capacity_report(config, shape, DTYPE_BYTES[config.kv_dtype]), shape.context_length)
     except CapacityError as exc:
         raise StartupError(str(exc)) from exc
 

@@ -22,7 +22,7 @@ from kvfence.cli_checks import (
     temperature,
     top_p,
 )
-from kvfence.config import ACTIVATION_DTYPES, DECODE_ATTENTION, DECODE_MATMUL, EngineConfig
+from kvfence.config import ACTIVATION_DTYPES, DECODE_ATTENTION, DECODE_MATMUL, KV_CACHE_DTYPES, EngineConfig
 from kvfence.trail.faults import FAULTS
 from kvfence.units import format_size
 
@@ -110,6 +110,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "float32: exact float products (default: %(default)s)",
     )
     g.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=defaults.kv_cache_dtype,
+        help="float16: the KV pool holds K and V as float16 under a float32 model (as llama.cpp's default "
+        "cache), rounded as they are written: half the bytes a decode step reads and twice the tokens a "
+        "pool of --kv-cache-memory holds; logits move by the rounding (CPU only); "
+        "auto: the model's --dtype (default: %(default)s)",
+    )
+    g.add_argument(
         "--trace-pages",
         action="store_true",
         help="audit which pages each request reads and whose data they hold (lab, audits)",
@@ -183,6 +192,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         decode_attention=args.decode_attention,
         decode_matmul=args.decode_matmul,
         activation_dtype=args.activation_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         decode_graphs=not args.enforce_eager,
         trace_pages=args.trace_pages,
         declare_batch_invariance=not args.hide_batch_invariance,

@@ -17,6 +17,9 @@ DECODE_MATMUL = ("auto", "kernel", "dense")  # auto: the kernel where it can run
 # What the packed kernel multiplies codes in groups of 32 by: the float32 rows (exact weights and products),
 # or the rows quantized to int8 per 32 values, as llama.cpp does (integer dot products, ~4x less work).
 ACTIVATION_DTYPES = ("float32", "int8")
+# What the KV pool holds: the model's dtype (auto), or float16 under a float32 model (half the bytes each
+# decode step reads, twice the tokens a pool holds; llama.cpp's default cache type; CPU only).
+KV_CACHE_DTYPES = ("auto", "float16")
 
 
 @dataclass
@@ -39,6 +42,7 @@ class EngineConfig:
     decode_attention: str = "auto"  # auto | kernel | sdpa (see DECODE_ATTENTION)
     decode_matmul: str = "auto"  # auto | kernel | dense (see DECODE_MATMUL)
     activation_dtype: str = "float32"  # float32 | int8 (see ACTIVATION_DTYPES)
+    kv_cache_dtype: str = "auto"  # auto | float16 (see KV_CACHE_DTYPES)
     # Decode steps replayed from captured CUDA graphs where the model runs on CUDA (engine/graphs.py); the
     # pool gets a scratch page for their padding rows (on CPU that page alone: the graph tests' stand-in).
     decode_graphs: bool = False
@@ -54,6 +58,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("page_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, not {self.kv_cache_dtype!r}")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The pool's element type by name: `dtype` where kv_cache_dtype is auto."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
 
 @dataclass(frozen=True)

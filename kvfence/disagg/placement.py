@@ -65,10 +65,15 @@ class Placement:
         self.max_model_len = 0
 
     def mismatch(self) -> str | None:
-        """Why these workers cannot serve together (a page moves whole: one page size), else None."""
-        sizes = {name: worker.page_size for name, worker in self.workers.items()}
-        if len(set(sizes.values())) > 1:
-            return "page sizes differ: " + ", ".join(f"{name} {size}" for name, size in sizes.items())
+        """Why these workers cannot serve together (a page moves whole, as bytes: one page size and one KV
+        dtype), else None."""
+        for what, of in (
+            ("page sizes", lambda w: w.page_size),
+            ("KV dtypes", lambda w: w.info.get("kv_cache_dtype")),
+        ):
+            values = {name: of(worker) for name, worker in self.workers.items()}
+            if len(set(values.values())) > 1:
+                return f"{what} differ: " + ", ".join(f"{name} {value}" for name, value in values.items())
         return None
 
     def window(self) -> int:

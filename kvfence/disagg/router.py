@@ -468,7 +468,13 @@ class Router:
             log.error("router: %s refused after reconnecting: %s", name, problems[-1])
             self.placement.down.add(address)
             return
-        self.placement.workers[name] = worker
+        previous, self.placement.workers[name] = self.placement.workers[name], worker
+        problem = self.placement.mismatch()  # a restarted worker's pool holding another KV dtype, say
+        if problem is not None:
+            self.placement.workers[name] = previous
+            log.error("router: %s refused after reconnecting: %s", name, problem)
+            self.placement.down.add(address)
+            return
         self.placement.max_model_len = self.placement.window()
         self.placement.down.discard(address)
 

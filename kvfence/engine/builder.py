@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kvfence.cache.allocator import PageAllocator
 from kvfence.cache.fence import Fence
 from kvfence.cache.manager import KVCacheManager
@@ -43,7 +45,7 @@ class EngineParts:
 def check_start(config: EngineConfig, model: Transformer, log: Callable[[str], None]) -> CapacityReport:
     """Say what will serve (pool vs window, decode paths, isolation) and refuse a window that cannot be
     served: longer than the pool holds or than the model's own window (CapacityError)."""
-    capacity = capacity_report(config, model.config, model.dtype.itemsize)
+    capacity = capacity_report(config, model.config, pool_dtype(config, model).itemsize)
     log(capacity.describe())
     for part, path, note in (
         ("attention", model.decode_attention, model.decode_attention_note),
@@ -57,6 +59,20 @@ def check_start(config: EngineConfig, model: Transformer, log: Callable[[str], N
             "Use this only for the lab and for benchmarks, never to serve tenants."
         )
     return capacity
+
+
+def pool_dtype(config: EngineConfig, model: Transformer) -> torch.dtype:
+    """What the pool holds: the model's dtype, or float16 under a CPU model (`--kv-cache-dtype`). Elsewhere a
+    narrower pool is refused: the device's attention kernel and graphs read the model's own dtype."""
+    if config.kv_cache_dtype == "auto":
+        return model.dtype
+    dtype = getattr(torch, config.kv_cache_dtype)
+    if dtype != model.dtype and model.device.type != "cpu":
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype} under a {str(model.dtype).removeprefix('torch.')} "
+            f"model runs on CPU only (the model is on {model.device}); use --kv-cache-dtype auto"
+        )
+    return dtype
 
 
 def build_parts(
@@ -73,7 +89,7 @@ def build_parts(
         config.page_size,
         mc.num_kv_heads,
         mc.head_dim,
-        model.dtype,
+        pool_dtype(config, model),
         model.device,
         scratch_page=config.decode_graphs,
     )

@@ -32,6 +32,7 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
         "decode_attention": engine.model.decode_attention,
         "decode_matmul": engine.model.decode_matmul,
         "activation_dtype": engine.model.activation_dtype,
+        "kv_cache_dtype": str(engine.pool.kv.dtype).removeprefix("torch."),
         "page_size": engine.pool.page_size,
         "num_pages": engine.pool.num_pages,
         "capacity_tokens": engine.capacity.capacity_tokens,

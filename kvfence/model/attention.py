@@ -1,6 +1,7 @@
 """Attention of one layer of one step over the paged pool: decode rows through a `PagedDecode` kernel (in
 place) or gathered pages and SDPA, prefill chunks through SDPA; every path honours the layer's scale and
-sliding window.
+sliding window. The pool may hold K/V in a narrower type (float16) than the queries (float32): what is
+read from it is widened, and a chunk's own new K/V are rounded as the pool stores them.
 
 Contract: the pages read are the ones in the step's block tables, which the fence validated; a
 sliding-window layer reads a subset of them (its last `window` positions), never a page outside them.
@@ -48,6 +49,12 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tenso
     return pages.view(*block_tables.shape[:-1], block_tables.shape[-1] * ps, nkv, hd)
 
 
+def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """`x` as it reads back from `cache` (rounded to the pool's float16, if it is that), in x's dtype: a
+    chunk attending over its own new K/V sees what every later read of its pages will."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
+
+
 def _visible(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
     """[len(queries), len(keys)] bool: key position j is visible from query position p."""
     mask = keys[None, :] <= queries[:, None]
@@ -69,8 +76,8 @@ def decode(
     (padded to the widest row) and SDPA with the padding, and the positions before a window, masked."""
     if kernel is not None:
         return kernel(q, k_cache, v_cache, block_tables, context_lens, spec.scale, spec.window)
-    keys = gather_pages(k_cache, block_tables).transpose(1, 2)
-    values = gather_pages(v_cache, block_tables).transpose(1, 2)
+    keys = gather_pages(k_cache, block_tables).to(q.dtype).transpose(1, 2)
+    values = gather_pages(v_cache, block_tables).to(q.dtype).transpose(1, 2)
     slots = torch.arange(keys.shape[2], device=q.device)
     last = (context_lens - 1)[:, None]
     mask = slots[None, :] <= last
@@ -96,11 +103,11 @@ def prefill(
     # a 512-token chunk than the 3-D fallback, which materialises the score matrix).
     qs = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
     n_new, ctx = seq.end - seq.start, seq.context_len
-    if seq.block_table is None:
-        keys, values = k[seq.start : seq.end], v[seq.start : seq.end]
+    if seq.block_table is None:  # the values as the pool holds them: a later chunk reads them from there
+        keys, values = as_stored(k[seq.start : seq.end], k_cache), as_stored(v[seq.start : seq.end], v_cache)
     else:
-        keys = gather_pages(k_cache, seq.block_table)[:ctx]
-        values = gather_pages(v_cache, seq.block_table)[:ctx]
+        keys = gather_pages(k_cache, seq.block_table)[:ctx].to(q.dtype)
+        values = gather_pages(v_cache, seq.block_table)[:ctx].to(q.dtype)
     keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
     if seq.block_table is None and not spec.window:
         out = F.scaled_dot_product_attention(

@@ -3,9 +3,10 @@ layer's row-wise work in two calls around attention, and a pure decode step in o
 
 Contract: `DecoderLayers.build` takes the model's layers when every projection is packed (CPU float32),
 else returns None with the reason; `qkv` / `out` run one layer for the step's rows (any rows: prefill and
-decode alike, each row alone), `decode` every layer of a step whose rows are all decode rows, attention
-over their validated block tables included. The step's buffers (`StepBuffers`) are the caller's; the
-structs handed to C point into tensors this object and the buffers keep alive.
+decode alike, each row alone; K and V written into a float32 or float16 pool), `decode` every layer of a
+step whose rows are all decode rows, attention over their validated block tables included. The step's
+buffers (`StepBuffers`) are the caller's; the structs handed to C point into tensors this object and the
+buffers keep alive.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class _Step(ctypes.Structure):
         ("scale", _f32),
         ("gelu", _i64),
         ("kv", _ptr),
+        ("kv_half", _i64),
         ("num_pages", _i64),
         ("page_size", _i64),
         ("slots", _ptr),
@@ -172,6 +174,7 @@ class DecoderLayers:
             cfg.attention_scale,
             int(cfg.activation == "gelu_tanh"),
             kv.data_ptr(),
+            _kv_half(kv),
             kv.shape[2],
             kv.shape[3],
             buffers.slots.data_ptr(),
@@ -197,6 +200,12 @@ class DecoderLayers:
     def decode(self, step: _Step, h: torch.Tensor) -> None:
         """Every layer of a pure decode step: `h` updated in place."""
         _check(self._decode(ctypes.byref(step), self._layers, len(self._layers), h.data_ptr()))
+
+
+def _kv_half(kv: torch.Tensor) -> int:
+    """1 where the pool holds float16, 0 for float32: the two element types the C layer reads and writes."""
+    assert kv.dtype in (torch.float16, torch.float32) and kv.is_contiguous()
+    return int(kv.dtype == torch.float16)
 
 
 def _check(status: int) -> None:

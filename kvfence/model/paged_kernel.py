@@ -16,7 +16,7 @@ from kvfence.model import native
 STATUS = {1: "a block table names a page outside the pool or a length beyond its pages", 2: "out of memory"}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]
+_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]
 _ARGTYPES += [ctypes.c_float, _i64, ctypes.c_int]
 
 
@@ -26,7 +26,8 @@ class PagedAttentionError(RuntimeError):
 
 class PagedDecodeKernel:
     """A `paged_decode.PagedDecode` in C: decode attention for rows of one query token over their pages,
-    in place in the pool; the same result as gathering the pages and running SDPA (float32, CPU only)."""
+    in place in the pool; the same result as gathering the pages and running SDPA (float32 arithmetic over a
+    float32 or float16 pool, CPU only)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.paged_decode_attention
@@ -47,7 +48,7 @@ class PagedDecodeKernel:
         [rows, width] int64; context_lens [rows] int64. Returns [rows, heads, head_dim]."""
         rows, num_heads, head_dim = q.shape
         num_pages, page_size, num_kv_heads, _ = k_cache.shape
-        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in (torch.float32, torch.float16)
         assert q.device.type == k_cache.device.type == block_tables.device.type == "cpu"
         assert q.stride(2) == 1 and q.stride(1) == head_dim, "heads of a row must be contiguous"
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
@@ -62,6 +63,7 @@ class PagedDecodeKernel:
             q.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            int(k_cache.dtype == torch.float16),
             num_pages,
             block_tables.data_ptr(),
             block_tables.shape[1],

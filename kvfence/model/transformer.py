@@ -341,8 +341,8 @@ class Transformer:
         cos, sin = angles
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache, v_cache = kv[li, 0], kv[li, 1]
-        k_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, k)
-        v_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, v)
+        k_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, nkv, hd).index_copy_(0, inputs.slot_mapping, v.to(v_cache.dtype))
         spec = self._attention[li]
 
         def decode(rows: torch.Tensor) -> torch.Tensor:

@@ -45,15 +45,17 @@ def test_the_c_layer_computes_what_the_torch_forward_does(arch: str) -> None:
             assert (a - b).abs().max() <= 1e-4 * max(1.0, float(b.abs().max()))
 
 
-def test_a_decode_row_is_the_same_in_a_pure_decode_step_and_beside_a_prefill() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_a_decode_row_is_the_same_in_a_pure_decode_step_and_beside_a_prefill(kv_cache_dtype: str) -> None:
     """Pure decode steps run every layer in one C call; mixed steps call the C layer around attention:
-    the row's logits are bit for bit the same either way (batch invariance)."""
+    the row's logits are bit for bit the same either way (batch invariance), over either pool."""
     model = quantized_model("gemma3")  # every feature: q/k norms, post norms, GeGLU, a sliding window
     prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(5)).tolist()
-    alone_engine = make_engine(model, max_num_batched_tokens=4)  # the same prefill chunks as below
+    # the same prefill chunks in both engines
+    alone_engine = make_engine(model, max_num_batched_tokens=4, kv_cache_dtype=kv_cache_dtype)
     recorder = LogitsRecorder(alone_engine)
     alone = alone_engine.generate([prompt], PARAMS)[0]
-    mixed_engine = make_engine(model, max_num_batched_tokens=4)
+    mixed_engine = make_engine(model, max_num_batched_tokens=4, kv_cache_dtype=kv_cache_dtype)
     mixed_recorder = LogitsRecorder(mixed_engine)
     first = mixed_engine.add_request(prompt, PARAMS)
     for _ in range(4):  # the prompt's prefill and its first decode steps, alone
@@ -64,3 +66,18 @@ def test_a_decode_row_is_the_same_in_a_pure_decode_step_and_beside_a_prefill() -
     assert first.output_token_ids == alone.output_token_ids
     steps = zip(mixed_recorder.steps[first.request_id], recorder.steps[alone.request_id], strict=True)
     assert all(torch.equal(a, b) for a, b in steps)
+
+
+def test_the_c_layer_rounds_k_and_v_into_a_float16_pool_as_torch_does() -> None:
+    """Layer 0's K and V depend on the prompt alone, so the float32 pool holds what the C layer computed:
+    the float16 pool must hold exactly that, rounded to nearest by torch's own conversion."""
+    model = quantized_model("llama")
+    prompt = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(6)).tolist()
+    pools = {}
+    for kv_cache_dtype in ("auto", "float16"):
+        engine = make_engine(model, kv_cache_dtype=kv_cache_dtype)
+        engine.generate([prompt], SamplingParams(max_tokens=1))  # the prompt's prefill, one C call a layer
+        pools[kv_cache_dtype] = engine.pool.kv[0]
+    assert pools["float16"].dtype == torch.float16 and pools["auto"].dtype == torch.float32
+    assert pools["auto"].count_nonzero() > 0  # the prompt's slots were written
+    assert torch.equal(pools["float16"], pools["auto"].half())

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
-from conftest import make_engine, with_fake_graphs
+from conftest import make_engine, tiny_model, with_fake_graphs
 
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.trace import PageTrace
@@ -191,3 +191,23 @@ def test_clean_batch_reads_only_own_pages(arch_tiny: Transformer) -> None:
     assert all(trace.reads[r.request_id] for r in reqs)
     assert not any(trace.foreign_reads(r.request_id) or trace.foreign_writes(r.request_id) for r in reqs)
     assert engine.fence.stats.checks == engine.num_steps and not engine.integrity_aborts
+
+
+@pytest.mark.parametrize("fault", sorted(CASES))
+def test_over_a_float16_pool_each_fault_leaks_without_the_fence_and_aborts_with_it(fault: str) -> None:
+    """The fence checks pages, not their values: over a float16 pool (`--kv-cache-dtype float16`, the C
+    layer writing and the C kernel reading it) each fault changes an output with isolation off and aborts
+    exactly its request with isolation on, the others keeping their solo tokens."""
+    model = tiny_model(decode_matmul="kernel")  # packed weights: every layer in C
+    case = replace(
+        CASES[fault], engine_settings={**CASES[fault].engine_settings, "kv_cache_dtype": "float16"}
+    )
+    engine, reqs, _ = run_case(model, case, isolation=False)
+    victim = reqs[case.leaked_into]
+    assert engine.pool.kv.dtype.itemsize == 2 and engine.faults.fired == {fault: 1}
+    assert victim.output_token_ids != solo(model, victim, case.engine_settings), "the bug changed no output"
+    engine, reqs, _ = run_case(model, case, isolation=True)
+    assert reqs[case.aborted].status is Status.ABORTED and reqs[case.aborted].finish_reason == case.reason
+    for label, request in reqs.items():
+        if label != case.aborted:
+            assert request.output_token_ids == solo(model, request, case.engine_settings), f"{label} changed"

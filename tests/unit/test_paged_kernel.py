@@ -1,4 +1,5 @@
-"""The C decode-attention kernel against a dense reference, its bounds checks, the engine on both paths."""
+"""The C decode-attention kernel against a dense reference over a float32 or a float16 pool, its bounds
+checks, the engine on both paths."""
 
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ def kernel() -> paged_kernel.PagedDecodeKernel:
     return kernel
 
 
-def paged_case(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """A random pool, rows of one query with the given context lengths on shuffled pages, padded tables."""
+def paged_case(
+    lengths: list[int], seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
+    """A random pool of `dtype`, rows of one query with the given context lengths on shuffled pages, padded
+    tables."""
     gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
-    v_cache = torch.randn(PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    k_cache = torch.randn(PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     q = torch.randn(len(lengths), HEADS, HEAD_DIM, generator=gen)
     width = max(cdiv(n, PAGE_SIZE) for n in lengths)
     order = torch.randperm(PAGES, generator=gen)
@@ -60,11 +64,17 @@ def dense_reference(
     return torch.stack(out).float()
 
 
-def test_kernel_matches_dense_attention(kernel: paged_kernel.PagedDecodeKernel) -> None:
+POOL_DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", POOL_DTYPES, ids=str)
+def test_kernel_matches_dense_attention(kernel: paged_kernel.PagedDecodeKernel, dtype: torch.dtype) -> None:
+    """Over a float16 pool the reference reads the same float16 values (widened exactly): the kernel's
+    error is its float32 arithmetic alone, as over a float32 pool."""
     # Lengths on and around page boundaries, a one-token context and a long one.
-    case = paged_case([1, 3, 4, 5, 16, 37])
+    case = paged_case([1, 3, 4, 5, 16, 37], dtype=dtype)
     got = kernel(*case, SCALE)
-    assert (got - dense_reference(*case)).abs().max() < 1e-5
+    assert got.dtype == torch.float32 and (got - dense_reference(*case)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("window", [1, 3, 4, 6, 40])
@@ -82,8 +92,11 @@ def test_a_sliding_window_attends_over_the_last_positions_and_reads_no_page_befo
     assert (got - expected).abs().max() < 1e-5
 
 
-def test_a_row_is_computed_the_same_alone_and_in_a_batch(kernel: paged_kernel.PagedDecodeKernel) -> None:
-    q, k_cache, v_cache, tables, lengths = paged_case([9, 30, 2, 17], seed=1)
+@pytest.mark.parametrize("dtype", POOL_DTYPES, ids=str)
+def test_a_row_is_computed_the_same_alone_and_in_a_batch(
+    kernel: paged_kernel.PagedDecodeKernel, dtype: torch.dtype
+) -> None:
+    q, k_cache, v_cache, tables, lengths = paged_case([9, 30, 2, 17], seed=1, dtype=dtype)
     batched = kernel(q, k_cache, v_cache, tables, lengths, SCALE)
     for row in range(len(lengths)):
         alone = kernel(
@@ -113,16 +126,21 @@ def test_a_bad_block_table_is_refused(kernel: paged_kernel.PagedDecodeKernel, pa
         kernel(q, k_cache, v_cache, tables, lengths, SCALE)
 
 
-def test_engine_gives_the_same_tokens_with_the_kernel_and_with_sdpa() -> None:
-    """Mixed steps (prefill chunks beside decode rows) and pure decode steps, on both decode paths."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_engine_gives_the_same_tokens_with_the_kernel_and_with_sdpa(kv_cache_dtype: str) -> None:
+    """Mixed steps (prefill chunks beside decode rows) and pure decode steps, on both decode paths, over a
+    float32 pool and over a float16 one (the torch path widens what it gathers)."""
     models = {name: tiny_model(decode_attention=name) for name in ("kernel", "sdpa")}
     assert [m.decode_attention for m in models.values()] == ["kernel", "sdpa"]
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist() for n in (5, 13, 22, 8, 17)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engines = {name: make_engine(model, kv_cache_dtype=kv_cache_dtype) for name, model in models.items()}
+    pool = {"auto": torch.float32, "float16": torch.float16}[kv_cache_dtype]
+    assert all(engine.pool.kv.dtype == pool for engine in engines.values())
     outputs = {
-        name: [r.output_token_ids for r in make_engine(model).generate(prompts, params)]
-        for name, model in models.items()
+        name: [r.output_token_ids for r in engine.generate(prompts, params)]
+        for name, engine in engines.items()
     }
     assert outputs["kernel"] == outputs["sdpa"]
     assert all(len(tokens) == 12 for tokens in outputs["kernel"])

@@ -56,3 +56,13 @@ def test_a_lost_worker_is_skipped_and_a_lost_role_answers_503() -> None:
     with pytest.raises(AdmissionError) as refused:
         placement.choose(10, 10)
     assert (refused.value.code, refused.value.status) == ("decode_unavailable", 503)
+
+
+def test_workers_whose_pools_hold_another_kv_dtype_cannot_serve_together() -> None:
+    """A page moves as bytes: a float32 page read as float16 slots would be other values (the decode
+    worker's length check would abort each request; the router refuses the pair before any)."""
+    placement = placement_of([200])
+    assert placement.mismatch() is None
+    for name, worker in placement.workers.items():
+        worker.info["kv_cache_dtype"] = "float16" if name == "decode-0" else "float32"
+    assert placement.mismatch() == "KV dtypes differ: prefill-0 float32, prefill-1 float32, decode-0 float16"

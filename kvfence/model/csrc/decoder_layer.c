@@ -25,8 +25,8 @@
 int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *codes, const void *scales,
                   const void *offsets, int64_t in_features, int64_t group, int64_t panels, int64_t format,
                   float *y, int num_threads);
-int paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
-                           int64_t num_pages, const int64_t *block_tables, int64_t table_width,
+int paged_decode_attention(const float *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                           int64_t kv_half, int64_t num_pages, const int64_t *block_tables, int64_t table_width,
                            const int64_t *context_lens, float *out, int64_t rows, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t page_size, float scale,
                            int64_t window, int num_threads);
@@ -50,7 +50,8 @@ typedef struct {
     float eps, scale;
     int64_t gelu; /* the MLP's gate: 0 SiLU, 1 tanh GELU */
     /* per step */
-    float *kv;                  /* the pool [layers, 2, pages, page_size, kv_heads, head_dim] */
+    void *kv;                   /* the pool [layers, 2, pages, page_size, kv_heads, head_dim] */
+    int64_t kv_half;            /* 1: the pool holds float16 (K and V rounded to nearest as they are written) */
     int64_t num_pages, page_size;
     const int64_t *slots;       /* [rows] each row's new K/V slot (page * page_size + offset) */
     const int64_t *tables;      /* [rows, table_width] decode rows' validated block tables */
@@ -115,9 +116,20 @@ static int matmul(const kvf_step *s, const float *x, int64_t x_stride, const kvf
     return KVF_OK;
 }
 
-static float *layer_cache(const kvf_step *s, int64_t layer, int64_t kv) {
-    const int64_t half = s->num_pages * s->page_size * s->kv_heads * s->head_dim;
-    return s->kv + (2 * layer + kv) * half;
+static void *layer_cache(const kvf_step *s, int64_t layer, int64_t kv) {
+    const int64_t elements = s->num_pages * s->page_size * s->kv_heads * s->head_dim;
+    return (char *)s->kv + (2 * layer + kv) * elements * (s->kv_half ? 2 : 4);
+}
+
+/* n values into the pool at element `at`: copied, or rounded to the nearest float16 (as torch's .half()). */
+static void store_kv(void *cache, int64_t at, const float *values, int64_t n, int64_t half) {
+    if (!half) {
+        memcpy((float *)cache + at, values, sizeof(float) * n);
+        return;
+    }
+    _Float16 *out = (_Float16 *)cache + at;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = (_Float16)values[i];
 }
 
 int layer_qkv(const kvf_step *s, const kvf_layer *l, int64_t layer, const float *h) {
@@ -127,7 +139,7 @@ int layer_qkv(const kvf_step *s, const kvf_layer *l, int64_t layer, const float 
         rms_norm(h + r * s->hidden, s->hidden, l->attn_norm, s->eps, s->x + r * s->hidden);
     const int status = matmul(s, s->x, s->hidden, &l->qkv, s->qkv);
     if (status != KVF_OK) return status;
-    float *k_cache = layer_cache(s, layer, 0), *v_cache = layer_cache(s, layer, 1);
+    void *k_cache = layer_cache(s, layer, 0), *v_cache = layer_cache(s, layer, 1);
     const float *cos = l->local ? s->local_cos : s->cos, *sin = l->local ? s->local_sin : s->sin;
 #pragma omp parallel for num_threads(s->threads) if (s->rows > 4)
     for (int64_t r = 0; r < s->rows; r++) {
@@ -139,8 +151,8 @@ int layer_qkv(const kvf_step *s, const kvf_layer *l, int64_t layer, const float 
             rope(head, cos + r * hd, sin + r * hd, hd);
         }
         const int64_t at = s->slots[r] * s->kv_heads * hd;
-        memcpy(k_cache + at, row + s->heads * hd, sizeof(float) * s->kv_heads * hd);
-        memcpy(v_cache + at, row + (s->heads + s->kv_heads) * hd, sizeof(float) * s->kv_heads * hd);
+        store_kv(k_cache, at, row + s->heads * hd, s->kv_heads * hd, s->kv_half);
+        store_kv(v_cache, at, row + (s->heads + s->kv_heads) * hd, s->kv_heads * hd, s->kv_half);
     }
     return KVF_OK;
 }
@@ -181,7 +193,7 @@ int decode_layers(const kvf_step *s, const kvf_layer *layers, int64_t num_layers
         int status = layer_qkv(s, l, layer, h);
         if (status != KVF_OK) return status;
         status = paged_decode_attention(s->qkv, width, layer_cache(s, layer, 0), layer_cache(s, layer, 1),
-                                        s->num_pages, s->tables, s->table_width, s->context_lens, s->attn,
+                                        s->kv_half, s->num_pages, s->tables, s->table_width, s->context_lens, s->attn,
                                         s->rows, s->heads, s->kv_heads, s->head_dim, s->page_size, s->scale,
                                         l->window, s->threads);
         if (status != KVF_OK) return status;
