@@ -5,6 +5,7 @@ sampled, at 1, 4 and 16 streams.
                                        [--streams 1,4,16] [--requests 2] [--prompt-len 246]
                                        [--max-tokens 64] [--threads 2]
                                        [--activation-dtype float32|int8]
+                                       [--kv-cache-dtype auto|float16]
 
 Both servers run at once, each on the same `--threads` threads (llama-server: `-t`/`-tb`, 16 slots, continuous
 batching; kvfence: `kvfence serve --num-threads`), and the rows alternate between them, so each pair sees the
@@ -14,7 +15,8 @@ greedy, or temperature 0.8 with top_p 0.95 (what OpenAI clients send). Models: t
 `llama-1b`, a 1.07B llama-shaped file of random Q4_0 weights with SmolLM2's tokenizer
 (kvfence.harness.synthetic, written once into ~/.cache/kvfence-bench), where memory bandwidth rather than
 per-step overhead decides. `--activation-dtype int8` serves kvfence with 4-bit weights multiplied by
-int8-quantized rows, as llama.cpp computes them (default float32: exact products). Prints a table of output
+int8-quantized rows, as llama.cpp computes them (default float32: exact products); `--kv-cache-dtype float16`
+with a float16 KV pool, as llama.cpp's cache (default auto: float32). Prints a table of output
 tok/s with the ratio, TTFT and TPOT p50, each server's resident memory after the rows (and its peak,
 loading included) and the seconds from its start until it answered /health; writes
 bench/results/vs_llama.json. Exit status 1 when a verdict fails: kvfence >= llama-server at every row,
@@ -44,7 +46,7 @@ from common import (
     write_json,
 )
 
-from kvfence.config import ACTIVATION_DTYPES
+from kvfence.config import ACTIVATION_DTYPES, KV_CACHE_DTYPES
 from kvfence.harness.cluster import cluster
 from kvfence.harness.peers import llama_server, llama_server_binary
 from kvfence.harness.procs import memory_mb
@@ -80,17 +82,18 @@ class Served:
 
 
 @contextmanager
-def servers(binary: Path, model: Path, threads: int, activation_dtype: str) -> Iterator[dict[str, Served]]:
+def servers(binary: Path, model: Path, args: argparse.Namespace) -> Iterator[dict[str, Served]]:
     """Both servers on `model` by name, started one after the other (each on an idle machine)."""
+    threads = args.threads
     with ExitStack() as stack:
         start = time.perf_counter()
         peer = stack.enter_context(llama_server(binary, model, threads, 16, 16 * WINDOW // 4))
         peer_ready = time.perf_counter() - start
-        args = ["--model", str(model), "--num-threads", str(threads), "--max-num-seqs", "16"]
-        args += ["--max-model-len", str(WINDOW), "--kv-cache-memory", KV_POOL]
-        args += ["--activation-dtype", activation_dtype]
+        serve = ["--model", str(model), "--num-threads", str(threads), "--max-num-seqs", "16"]
+        serve += ["--max-model-len", str(WINDOW), "--kv-cache-memory", KV_POOL]
+        serve += ["--activation-dtype", args.activation_dtype, "--kv-cache-dtype", args.kv_cache_dtype]
         start = time.perf_counter()
-        running = stack.enter_context(cluster(serve_args=args))
+        running = stack.enter_context(cluster(serve_args=serve))
         ready = time.perf_counter() - start
         yield {
             "llama-server": Served(peer.url, peer.pid, peer_ready),
@@ -109,7 +112,7 @@ def bench_model(binary: Path, name: str, args: argparse.Namespace) -> list[dict[
     path = model_file(name)
     tokenizer = Tokenizer(read_header(path)[1])
     rows: list[dict[str, Any]] = []
-    with servers(binary, path, args.threads, args.activation_dtype) as running:
+    with servers(binary, path, args) as running:
         for served in running.values():  # a warm-up each: one-off allocations are not measured
             warm_up = make_prompts(tokenizer, 4, args.prompt_len, salt=-1)
             row(served.url, path.stem, warm_up, args, 4, "greedy")
@@ -222,11 +225,13 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--activation-dtype", choices=ACTIVATION_DTYPES, default="float32")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     args = parser.parse_args()
     binary = llama_server_binary(args.llama_server, build=args.build)
     rows = [r for name in args.models.split(",") for r in bench_model(binary, name, args)]
     table(rows)
     found = {"binary": str(binary), "activation_dtype": args.activation_dtype, "rows": rows}
+    found["kv_cache_dtype"] = args.kv_cache_dtype
     write_json("vs_llama", found | {"verdicts": verdicts(rows)})
     return exit_status()
 

@@ -33,6 +33,18 @@ class PagedDecodeKernel:
         self._fn = library.paged_decode_attention
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = ctypes.c_int
+        self._round_half = library.kvf_round_half
+        self._round_half.argtypes = [_ptr, _ptr, _i64]
+        self._round_half.restype = None
+
+    def round_half(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` (float32, CPU) rounded to float16 by the C code that writes K and V into a float16 pool
+        (csrc/decoder_layer.c calls it): the same bits as torch's `.half()`, whichever build (tested)."""
+        values = values.contiguous()
+        assert values.dtype == torch.float32 and values.device.type == "cpu"
+        out = torch.empty(values.shape, dtype=torch.float16)
+        self._round_half(out.data_ptr(), values.data_ptr(), values.numel())
+        return out
 
     def __call__(
         self,
@@ -84,7 +96,9 @@ class PagedDecodeKernel:
 
 
 @functools.cache
-def load() -> tuple[PagedDecodeKernel | None, str]:
-    """(the kernel, "") or (None, why not)."""
-    library, why = native.load_library("paged_attention")
+def load(portable: bool = False, avx512: bool = True) -> tuple[PagedDecodeKernel | None, str]:
+    """(the kernel, "") or (None, why not). `portable` builds the plain-C path; `avx512=False` the AVX2 one
+    (8-wide float16 conversions) on an AVX-512 machine: each must match the reference (tested)."""
+    flags = ("-DKVF_PORTABLE",) if portable else () if avx512 else ("-mno-avx512f",)
+    library, why = native.load_library("paged_attention", flags)
     return (PagedDecodeKernel(library), "") if library is not None else (None, why)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY, make_engine, tiny_model, tiny_tensors
 
-from kvfence.model import paged_kernel
+from kvfence.model import native, paged_kernel
 from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams
 from kvfence.units import cdiv
@@ -51,15 +51,15 @@ def dense_reference(
     lengths: torch.Tensor,
     window: int = 0,
 ) -> torch.Tensor:
-    """float64 softmax attention over each row's tokens (its last `window` ones if set), read page by page;
-    query head h uses KV head h // (heads / kv_heads)."""
-    out = []
+    """float64 softmax attention (q.k x SCALE) over each row's tokens (its last `window` ones if set), read
+    page by page; query head h uses KV head h // (heads / kv_heads)."""
+    out, head_dim = [], q.shape[-1]
     for row, n in enumerate(lengths.tolist()):
         first = max(0, n - window) if window else 0
-        keys = k_cache[tables[row]].reshape(-1, KV_HEADS, HEAD_DIM)[first:n].double()
-        values = v_cache[tables[row]].reshape(-1, KV_HEADS, HEAD_DIM)[first:n].double()
+        keys = k_cache[tables[row]].reshape(-1, KV_HEADS, head_dim)[first:n].double()
+        values = v_cache[tables[row]].reshape(-1, KV_HEADS, head_dim)[first:n].double()
         kv_of_head = torch.arange(HEADS) // (HEADS // KV_HEADS)
-        scores = torch.einsum("hd,thd->ht", q[row].double(), keys[:, kv_of_head]) / HEAD_DIM**0.5
+        scores = torch.einsum("hd,thd->ht", q[row].double(), keys[:, kv_of_head]) * SCALE
         out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), values[:, kv_of_head]))
     return torch.stack(out).float()
 
@@ -75,6 +75,39 @@ def test_kernel_matches_dense_attention(kernel: paged_kernel.PagedDecodeKernel, 
     case = paged_case([1, 3, 4, 5, 16, 37], dtype=dtype)
     got = kernel(*case, SCALE)
     assert got.dtype == torch.float32 and (got - dense_reference(*case)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("build", ["this CPU", "portable", "avx2"])
+def test_every_build_matches_dense_attention_over_a_float16_pool(build: str) -> None:
+    """The vector paths widen float16 16 or 8 at a time (AVX-512, AVX2 with F16C), the plain C one by one:
+    each sums in its own order, each within float32 rounding of the reference. Head dims of 16 and 20
+    (a tail past the vector width)."""
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= native.cpu_flags():
+        pytest.skip("no AVX2 with FMA and F16C here")
+    other, why = paged_kernel.load(portable=build == "portable", avx512=build != "avx2")
+    assert other is not None, why
+    case = paged_case([1, 5, 16, 37], seed=7, dtype=torch.float16)
+    assert (other(*case, SCALE) - dense_reference(*case)).abs().max() < 1e-5
+    q, k_cache, v_cache, tables, lengths = case
+    wider = [torch.cat([t, t[..., :4]], dim=-1) for t in (q, k_cache, v_cache)]  # head_dim 20
+    got = other(*wider, tables, lengths, SCALE)
+    assert (got - dense_reference(*wider, tables, lengths)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("build", ["this CPU", "portable", "avx2"])
+def test_every_build_rounds_to_float16_as_torch_does(build: str) -> None:
+    """What the C layer writes into a float16 pool: ties to even, subnormals, overflow to infinity, NaN,
+    and a length that leaves a tail past the vector width."""
+    if build == "avx2" and not {"avx2", "fma", "f16c"} <= native.cpu_flags():
+        pytest.skip("no AVX2 with FMA and F16C here")
+    kernel, why = paged_kernel.load(portable=build == "portable", avx512=build != "avx2")
+    assert kernel is not None, why
+    gen = torch.Generator().manual_seed(8)
+    ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 2**-25, 3 * 2**-25, 65520.0, -70000.0, 2**-30])
+    values = torch.cat([torch.randn(1000, generator=gen) * 1e3, torch.randn(37, generator=gen) * 1e-6, ties])
+    values = torch.cat([values, torch.tensor([float("nan"), float("inf")])])
+    rounded = kernel.round_half(values)
+    assert torch.equal(rounded[:-2], values[:-2].half()) and rounded[-2].isnan() and rounded[-1].isinf()
 
 
 @pytest.mark.parametrize("window", [1, 3, 4, 6, 40])

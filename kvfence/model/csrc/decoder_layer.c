@@ -30,6 +30,7 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const void *k_c
                            const int64_t *context_lens, float *out, int64_t rows, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t page_size, float scale,
                            int64_t window, int num_threads);
+void kvf_round_half(_Float16 *out, const float *values, int64_t n);
 
 typedef struct {
     const void *codes, *scales, *offsets; /* as packed_matmul.c stores them, in `format` */
@@ -123,13 +124,10 @@ static void *layer_cache(const kvf_step *s, int64_t layer, int64_t kv) {
 
 /* n values into the pool at element `at`: copied, or rounded to the nearest float16 (as torch's .half()). */
 static void store_kv(void *cache, int64_t at, const float *values, int64_t n, int64_t half) {
-    if (!half) {
+    if (half)
+        kvf_round_half((_Float16 *)cache + at, values, n);
+    else
         memcpy((float *)cache + at, values, sizeof(float) * n);
-        return;
-    }
-    _Float16 *out = (_Float16 *)cache + at;
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) out[i] = (_Float16)values[i];
 }
 
 int layer_qkv(const kvf_step *s, const kvf_layer *l, int64_t layer, const float *h) {
