@@ -19,11 +19,13 @@ import threading
 import unicodedata
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import llguidance
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvfence.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import llguidance
 
 CACHE_SIZE = 256  # distinct schemas kept compiled
 # How JSON is written under a grammar (also inlined as "x-guidance" where a Lark grammar embeds a schema).
@@ -54,8 +56,17 @@ def _check_text(text: str) -> None:
             raise ValueError(f"U+{ord(char):04X} (control, unassigned or private use) is not supported")
 
 
+def _llguidance() -> ModuleType:
+    """llguidance, imported with the first guide: a server that compiles none never maps its native library
+    (2.4 MiB resident, of a bound the 1B file's server meets by a MiB or two)."""
+    import llguidance
+
+    return llguidance
+
+
 def _grammar(guide: Guide) -> str:
     """llguidance's grammar for `guide`; ValueError when the spec is malformed."""
+    llguidance = _llguidance()
     if guide.kind != "json":
         for text in guide.spec if guide.kind == "choice" else [guide.spec]:
             _check_text(text)
@@ -133,7 +144,7 @@ class GrammarCompiler:
             grammar = _grammar(guide)
         except ValueError as exc:
             raise GrammarError(f"invalid {what}: {exc}") from None
-        tokenizer = self._llg()
+        tokenizer, llguidance = self._llg(), _llguidance()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
             raise GrammarError(f"unsupported {what}: {'; '.join(messages)}")
@@ -146,7 +157,7 @@ class GrammarCompiler:
     def _llg(self) -> llguidance.LLTokenizer:
         """Built on first use (about half a second for a 49k vocab), then shared by every grammar."""
         if self._llg_tokenizer is None:
-            self._llg_tokenizer = llguidance.LLTokenizer(
+            self._llg_tokenizer = _llguidance().LLTokenizer(
                 self._tokenizer.backend_json(),
                 n_vocab=self._vocab_size,
                 eos_token=sorted(self._tokenizer.stop_token_ids),

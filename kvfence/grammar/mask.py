@@ -10,7 +10,6 @@ Contracts:
 
 from __future__ import annotations
 
-import llguidance.numpy as llg_numpy
 import numpy as np
 import torch
 
@@ -27,6 +26,8 @@ def apply_masks(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> 
     rows = [row for row in rows if row not in failed]
     if not rows:
         return failed
+    import llguidance.numpy as llg_numpy  # here, not at the top: as compiler._llguidance, mapped at first use
+
     vocab = logits.shape[1]
     bitmask = llg_numpy.allocate_token_bitmask(len(rows), vocab)
     # On the engine thread, one row after another: a mask takes microseconds here, while llguidance's

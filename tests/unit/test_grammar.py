@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -537,3 +539,13 @@ def test_http_a_named_call_cut_off_and_streamed(client: TestClient) -> None:
     assert all(d["id"] is None and d["function"]["name"] is None for d in deltas[1:])
     assert "".join(d["function"]["arguments"] for d in deltas) == call["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_server_that_compiles_no_guide_never_loads_llguidance() -> None:
+    """Its native library is 2.4 MiB resident: loaded with the first guide (`compiler._llguidance`), not with
+    the server's modules. A fresh interpreter, so that no other test's import is seen."""
+    code = (
+        "import sys, kvfence.cli, kvfence.api.server, kvfence.engine.runner, kvfence.grammar.mask\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'llguidance'], 'llguidance was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -191,9 +191,9 @@ int decode_layers(const kvf_step *s, const kvf_layer *layers, int64_t num_layers
         int status = layer_qkv(s, l, layer, h);
         if (status != KVF_OK) return status;
         status = paged_decode_attention(s->qkv, width, layer_cache(s, layer, 0), layer_cache(s, layer, 1),
-                                        s->kv_half, s->num_pages, s->tables, s->table_width, s->context_lens, s->attn,
-                                        s->rows, s->heads, s->kv_heads, s->head_dim, s->page_size, s->scale,
-                                        l->window, s->threads);
+                                        s->kv_half, s->num_pages, s->tables, s->table_width, s->context_lens,
+                                        s->attn, s->rows, s->heads, s->kv_heads, s->head_dim, s->page_size,
+                                        s->scale, l->window, s->threads);
         if (status != KVF_OK) return status;
         status = layer_out(s, l, h);
         if (status != KVF_OK) return status;

@@ -26,9 +26,10 @@
 #include <stdlib.h>
 
 /* Float16 K and V widened to float32 (exactly: every float16 is a float32) inside a dot product and a
- * scaled add over one head, and rounded from float32 as the C layer writes them: F16C's 16- or 8-wide conversions where the CPU has them; GCC converts _Float16
- * one element at a time (7.5x slower than the float32 loops, measured), so the vector loops are written
- * out. The order of the sums depends on head_dim alone: a row computes alike in any batch. */
+ * scaled add over one head, and rounded from float32 as the C layer writes them: 16 or 8 at a time where
+ * the CPU converts vectors (AVX-512, F16C). GCC converts _Float16 one element at a time (the kernel ran
+ * 7.5x slower over a float16 pool than over a float32 one), so the vector loops are written out. The order
+ * of the sums depends on head_dim alone: a row computes alike in any batch. */
 #if defined(__AVX512F__) && !defined(KVF_PORTABLE)
 #include <immintrin.h>
 #define HALF_LANES 16
@@ -81,7 +82,8 @@ static inline void half_axpy(float *o, float p, const _Float16 *v, int64_t n) {
     int64_t i = 0;
 #ifdef HALF_LANES
     const lanes weight = lanes_broadcast(p);
-    for (; i + HALF_LANES <= n; i += HALF_LANES) lanes_store(o + i, lanes_fma(weight, lanes_of_half(v + i), lanes_load(o + i)));
+    for (; i + HALF_LANES <= n; i += HALF_LANES)
+        lanes_store(o + i, lanes_fma(weight, lanes_of_half(v + i), lanes_load(o + i)));
 #endif
     for (; i < n; i++) o[i] += p * (float)v[i];
 }
@@ -203,13 +205,15 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const void *k_c
     if (!tables_are_valid(block_tables, table_width, context_lens, rows, page_size, num_pages))
         return KVF_BAD_TABLE;
     int status = KVF_OK;
+    int (*const attend)(const float *, const void *, const void *, const int64_t *, int64_t, int64_t, float *,
+                        int64_t, int64_t, int64_t, int64_t, int64_t, float) =
+        kv_half ? attend_row_half : attend_row_float;
 #pragma omp parallel for schedule(static, 1) num_threads(num_threads) if (rows > 1)
     for (int64_t row = 0; row < rows; row++) {
         const int64_t ctx = context_lens[row], first = window > 0 && ctx > window ? ctx - window : 0;
-        const int row_status = (kv_half ? attend_row_half : attend_row_float)(q + row * q_row_stride, k_cache, v_cache,
-                                          block_tables + row * table_width, first, ctx,
-                                          out + row * num_heads * head_dim, num_heads, num_heads / num_kv_heads,
-                                          head_dim, page_size, num_kv_heads * head_dim, scale);
+        const int row_status = attend(q + row * q_row_stride, k_cache, v_cache, block_tables + row * table_width,
+                                      first, ctx, out + row * num_heads * head_dim, num_heads,
+                                      num_heads / num_kv_heads, head_dim, page_size, num_kv_heads * head_dim, scale);
         if (row_status != KVF_OK) {
 #pragma omp atomic write
             status = row_status;
