@@ -13,8 +13,8 @@
  *            uint8: byte j of a row holds column j in its low nibble and column j + 16 in its high one
  *   scales   [panels, in_features / group, PANEL] float32, or float16 with KVF_HALF; offsets likewise,
  *            or NULL where every offset is -8 x its scale (Q4_0's codes centred on 8: 10% fewer bytes),
- *            or, with KVF_ZERO_OFFSETS, NULL where every offset is 0 (signed codes: Q8_0, Q5_0, Q6_K)
- *            (group: 32, or 16 for Q6_K)
+ *            or, with KVF_ZERO_OFFSETS, NULL where every offset is 0 (signed codes: Q8_0, Q5_0, Q6_K),
+ *            whose tiles leave the offset term out (group: 32, or 16 for Q6_K)
  *   x        [rows, in_features], rows x_stride floats apart
  *   y        [rows, panels * PANEL], contiguous
  * Each row accumulates alone, over k in order (a partial sum per group, added to the row's total),
@@ -202,6 +202,22 @@ static inline __attribute__((always_inline)) void load_offsets(const void *base,
     }
 }
 
+/* A weight from its code, scale and offset: c x s + o, or with zero offsets (KVF_ZERO_OFFSETS) c x s, no
+ * offset read or added. The same bits either way: fma(c, s, +0) and c x s differ only in the sign of a zero,
+ * and every sum these weights enter starts at +0, to which -0 and +0 add alike. */
+static inline __attribute__((always_inline)) vec weight_of(vec c, vec s, vec o, int zero) {
+    return zero ? vec_mul(c, s) : vec_fma(c, s, o);
+}
+
+/* A group's offsets for the panel's 32 columns as load_offsets gives them; none read with zero offsets. */
+static inline __attribute__((always_inline)) void group_offsets(const int format, const void *base, int64_t at,
+                                                                vec s0, vec s1, vec *a, vec *b) {
+    if (format & KVF_ZERO_OFFSETS)
+        *a = *b = vec_zero(); /* never read: weight_of and dot_tile leave the offset term out */
+    else
+        load_offsets(base, at, format & KVF_HALF, s0, s1, a, b);
+}
+
 /* Row k's codes for the panel's 32 columns, as floats: nibbles (column j low, j + 16 high) or bytes. */
 static inline __attribute__((always_inline)) void load_codes(const void *codes, int64_t k, int nibbles, vec *c0,
                                                              vec *c1) {
@@ -222,18 +238,18 @@ static inline __attribute__((always_inline)) void tile(const int rows, const int
                                                        const void *codes, const void *scales,
                                                        const void *offsets, int64_t in_features, int64_t group,
                                                        float *y, int64_t y_stride) {
-    const int nibbles = format & KVF_NIBBLES, half = format & KVF_HALF;
+    const int nibbles = format & KVF_NIBBLES, half = format & KVF_HALF, zero = format & KVF_ZERO_OFFSETS;
     vec total[MAX_TILE][2], acc[MAX_TILE][2];
     for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = vec_zero();
     for (int64_t b = 0; b < in_features / group; b++) {
         vec s0, s1, o0, o1;
         load_pair(scales, b * PANEL, half, &s0, &s1);
-        load_offsets(offsets, b * PANEL, half, s0, s1, &o0, &o1);
+        group_offsets(format, offsets, b * PANEL, s0, s1, &o0, &o1);
         for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = vec_zero();
         for (int64_t k = b * group; k < (b + 1) * group; k++) {
             vec c0, c1;
             load_codes(codes, k, nibbles, &c0, &c1);
-            const vec w0 = vec_fma(c0, s0, o0), w1 = vec_fma(c1, s1, o1);
+            const vec w0 = weight_of(c0, s0, o0, zero), w1 = weight_of(c1, s1, o1, zero);
 #pragma GCC unroll 8
             for (int m = 0; m < rows; m++) {
                 const vec xb = vec_broadcast(xt[k * rows + m]);
@@ -254,8 +270,8 @@ static inline __attribute__((always_inline)) void tile(const int rows, const int
 
 typedef void (*tile_fn)(const float *, const void *, const void *, const void *, int64_t, int64_t, float *,
                         int64_t);
-/* One function per tile height and storage format, so that every branch above is resolved at compile
- * time. */
+/* One function per tile height and storage format (nibbles, half scales, zero offsets), so that every
+ * branch above is resolved at compile time. */
 #define TILE(ROWS, FORMAT)                                                                                \
     static void tile_##ROWS##_##FORMAT(const float *xt, const void *codes, const void *scales,               \
                                        const void *offsets, int64_t in_features, int64_t group, float *y,     \
@@ -267,11 +283,19 @@ TILES(0)
 TILES(1)
 TILES(2)
 TILES(3)
-static const tile_fn TILE_FNS[4][4] = {
+TILES(16)
+TILES(17)
+TILES(18)
+TILES(19)
+static const tile_fn TILE_FNS[8][4] = { /* [format's storage bits, zero offsets as 4][tile] */
     {tile_8_0, tile_4_0, tile_2_0, tile_1_0},
     {tile_8_1, tile_4_1, tile_2_1, tile_1_1},
     {tile_8_2, tile_4_2, tile_2_2, tile_1_2},
     {tile_8_3, tile_4_3, tile_2_3, tile_1_3},
+    {tile_8_16, tile_4_16, tile_2_16, tile_1_16},
+    {tile_8_17, tile_4_17, tile_2_17, tile_1_17},
+    {tile_8_18, tile_4_18, tile_2_18, tile_1_18},
+    {tile_8_19, tile_4_19, tile_2_19, tile_1_19},
 };
 
 /* Rows are cut into tiles of 8, then one each of 4, 2 and 1 as needed. */
@@ -280,7 +304,8 @@ static int tile_rows(int64_t remaining) {
 }
 
 static tile_fn tile_for(int rows, int format) {
-    return TILE_FNS[format & (KVF_NIBBLES | KVF_HALF)][rows == 8 ? 0 : rows == 4 ? 1 : rows == 2 ? 2 : 3];
+    const int variant = (format & (KVF_NIBBLES | KVF_HALF)) | (format & KVF_ZERO_OFFSETS ? 4 : 0);
+    return TILE_FNS[variant][rows == 8 ? 0 : rows == 4 ? 1 : rows == 2 ? 2 : 3];
 }
 
 /* Many rows (prefill, wide decode batches): each group of a panel's weights is dequantized once, into `w`
@@ -302,16 +327,16 @@ static tile_fn tile_for(int rows, int format) {
 /* Group b of the panel's 32 columns, as tile() computes its weights: w[k][j], [group][PANEL]. */
 static void dequantize_group(const int format, const void *codes, const void *scales, const void *offsets,
                              int64_t b, int64_t group, float *w) {
-    const int nibbles = format & KVF_NIBBLES, half = format & KVF_HALF;
+    const int nibbles = format & KVF_NIBBLES, half = format & KVF_HALF, zero = format & KVF_ZERO_OFFSETS;
     vec s0, s1, o0, o1;
     load_pair(scales, b * PANEL, half, &s0, &s1);
-    load_offsets(offsets, b * PANEL, half, s0, s1, &o0, &o1);
+    group_offsets(format, offsets, b * PANEL, s0, s1, &o0, &o1);
     for (int64_t i = 0; i < group; i++) {
         const int64_t k = b * group + i;
         vec c0, c1;
         load_codes(codes, k, nibbles, &c0, &c1);
-        vec_store(w + i * PANEL, vec_fma(c0, s0, o0));
-        vec_store(w + i * PANEL + 16, vec_fma(c1, s1, o1));
+        vec_store(w + i * PANEL, weight_of(c0, s0, o0, zero));
+        vec_store(w + i * PANEL + 16, weight_of(c1, s1, o1, zero));
     }
 }
 
@@ -553,13 +578,16 @@ static inline __attribute__((always_inline)) void dot_tile(const int rows, const
             vec s[2], o[2];
             const int64_t at = (b * per_block + g) * PANEL;
             load_pair(scales, at, format & KVF_HALF, &s[0], &s[1]);
-            load_offsets(offsets, at, format & KVF_HALF, s[0], s[1], &o[0], &o[1]);
+            group_offsets(format, offsets, at, s[0], s[1], &o[0], &o[1]);
             for (int m = 0; m < rows; m++) {
                 const int32_t *halves = qsum + m * 2 * blocks + 2 * b; /* integers: the same sum either way */
                 const int32_t sum_q = per_block == 2 ? halves[g] : halves[0] + halves[1];
                 const vec qs = vec_broadcast((float)sum_q), dm = vec_broadcast(d[m * blocks + b]);
-                for (int h = 0; h < 2; h++)
-                    total[m][h] = vec_fma(dm, vec_fma(o[h], qs, vec_mul(s[h], sums[m][h])), total[m][h]);
+                for (int h = 0; h < 2; h++) { /* with zero offsets, o x sum(q) is left out (weight_of's bits) */
+                    const vec scaled = vec_mul(s[h], sums[m][h]);
+                    const vec block = format & KVF_ZERO_OFFSETS ? scaled : vec_fma(o[h], qs, scaled);
+                    total[m][h] = vec_fma(dm, block, total[m][h]);
+                }
             }
         }
     }
@@ -593,28 +621,38 @@ DOT_TILES(2)
 DOT_TILES(3)
 DOT_TILES(8)
 DOT_TILES(10)
-static const dot_tile_fn DOT_TILE_FNS[6][4] = { /* [dot_variant(format)][tile] */
+DOT_TILES(16)
+DOT_TILES(17)
+DOT_TILES(18)
+DOT_TILES(19)
+DOT_TILES(24)
+DOT_TILES(26)
+static const dot_tile_fn DOT_TILE_FNS[12][4] = { /* [dot_variant(format)][tile] */
     {DOT_TILE_8(0), dot_tile_4_0, dot_tile_2_0, dot_tile_1_0},
     {DOT_TILE_8(1), dot_tile_4_1, dot_tile_2_1, dot_tile_1_1},
     {DOT_TILE_8(2), dot_tile_4_2, dot_tile_2_2, dot_tile_1_2},
     {DOT_TILE_8(3), dot_tile_4_3, dot_tile_2_3, dot_tile_1_3},
     {DOT_TILE_8(8), dot_tile_4_8, dot_tile_2_8, dot_tile_1_8},
     {DOT_TILE_8(10), dot_tile_4_10, dot_tile_2_10, dot_tile_1_10},
+    {DOT_TILE_8(16), dot_tile_4_16, dot_tile_2_16, dot_tile_1_16},
+    {DOT_TILE_8(17), dot_tile_4_17, dot_tile_2_17, dot_tile_1_17},
+    {DOT_TILE_8(18), dot_tile_4_18, dot_tile_2_18, dot_tile_1_18},
+    {DOT_TILE_8(19), dot_tile_4_19, dot_tile_2_19, dot_tile_1_19},
+    {DOT_TILE_8(24), dot_tile_4_24, dot_tile_2_24, dot_tile_1_24},
+    {DOT_TILE_8(26), dot_tile_4_26, dot_tile_2_26, dot_tile_1_26},
 };
 
-/* DOT_TILE_FNS' row: the storage bits (nibbles, half scales), then byte codes in groups of 16. */
+/* DOT_TILE_FNS' row: the storage bits (nibbles, half scales), byte codes in groups of 16, then the same
+ * with zero offsets. */
 static int dot_variant(int64_t format) {
-    return format & KVF_GROUP16 ? 4 + !!(format & KVF_HALF) : (int)(format & (KVF_NIBBLES | KVF_HALF));
+    const int zero = format & KVF_ZERO_OFFSETS ? 6 : 0;
+    return zero + (format & KVF_GROUP16 ? 4 + !!(format & KVF_HALF) : (int)(format & (KVF_NIBBLES | KVF_HALF)));
 }
 
 /* As tile_rows, never more than this path's block_sums holds. */
 static int dot_tile_rows(int64_t remaining) {
     return remaining >= DOT_TILE_MAX ? DOT_TILE_MAX : tile_rows(remaining);
 }
-
-/* The offsets every panel reads where KVF_ZERO_OFFSETS stores none: `groups` x PANEL zeros (float32's zero
- * is float16's too), read from cache by every panel; NULL when out of memory (the caller frees it). */
-static void *zero_offsets(int64_t groups) { return calloc((size_t)(groups * PANEL), sizeof(float)); }
 
 static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void *codes, const void *scales,
                       const void *offsets, int64_t in_features, int64_t panels, int64_t format, float *y,
@@ -624,9 +662,8 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
     int8_t *q = malloc((size_t)(rows * in_features));
     float *d = malloc(sizeof(float) * rows * blocks);
     int32_t *qsum = malloc(sizeof(int32_t) * rows * 2 * blocks);
-    void *zeros = format & KVF_ZERO_OFFSETS ? zero_offsets(groups) : NULL;
-    if (q == NULL || d == NULL || qsum == NULL || (format & KVF_ZERO_OFFSETS && zeros == NULL)) {
-        free(q), free(d), free(qsum), free(zeros);
+    if (q == NULL || d == NULL || qsum == NULL) {
+        free(q), free(d), free(qsum);
         return KVF_NO_MEMORY;
     }
     for (int64_t r = 0; r < rows; r++)
@@ -636,7 +673,7 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *c = (const uint8_t *)codes + p * in_features * (format & KVF_NIBBLES ? PANEL / 2 : PANEL);
         const char *s = (const char *)scales + p * groups * PANEL * scale_bytes;
-        const char *o = zeros ? zeros : offsets ? (const char *)offsets + p * groups * PANEL * scale_bytes : NULL;
+        const char *o = offsets ? (const char *)offsets + p * groups * PANEL * scale_bytes : NULL;
         for (int64_t first = 0; first < rows; first += dot_tile_rows(rows - first)) {
             const int n = dot_tile_rows(rows - first);
             DOT_TILE_FNS[dot_variant(format)][n == 8 ? 0 : n == 4 ? 1 : n == 2 ? 2 : 3](
@@ -644,7 +681,7 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
                 y + first * out_features + p * PANEL, out_features);
         }
     }
-    free(q), free(d), free(qsum), free(zeros);
+    free(q), free(d), free(qsum);
     return KVF_OK;
 }
 
@@ -674,13 +711,8 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *co
     const int64_t out_features = panels * PANEL, blocks = in_features / group;
     /* the strip's weights buffer holds a group of at most MAX_GROUP (the packer makes 16 or 32) */
     const int strips = rows >= STRIP_MIN_ROWS && group <= MAX_GROUP;
-    void *zeros = format & KVF_ZERO_OFFSETS ? zero_offsets(blocks) : NULL;
     float *xt = NULL;
-    if ((format & KVF_ZERO_OFFSETS && zeros == NULL) ||
-        (!strips && (xt = tiles_transposed(x, x_stride, rows, in_features)) == NULL)) {
-        free(zeros);
-        return KVF_NO_MEMORY;
-    }
+    if (!strips && (xt = tiles_transposed(x, x_stride, rows, in_features)) == NULL) return KVF_NO_MEMORY;
     /* Threads only where each gets enough to do: a small product (one decode row of a small model's
      * projection) finishes in the time a second thread takes to join, and on a machine with as many
      * threads as cores a thread the kernel preempts stalls the others at the join. */
@@ -689,7 +721,7 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *co
         const int64_t code_bytes = format & KVF_NIBBLES ? PANEL / 2 : PANEL, scale_bytes = format & KVF_HALF ? 2 : 4;
         const char *c = (const char *)codes + p * in_features * code_bytes;
         const char *s = (const char *)scales + p * blocks * PANEL * scale_bytes;
-        const char *o = zeros ? zeros : offsets ? (const char *)offsets + p * blocks * PANEL * scale_bytes : NULL;
+        const char *o = offsets ? (const char *)offsets + p * blocks * PANEL * scale_bytes : NULL;
         if (strips) {
             strip((int)format, x, x_stride, rows, c, s, o, in_features, group, y + p * PANEL, out_features);
             continue;
@@ -698,6 +730,6 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *co
             tile_for(tile_rows(rows - first), (int)format)(xt + first * in_features, c, s, o, in_features, group,
                                                           y + first * out_features + p * PANEL, out_features);
     }
-    free(xt), free(zeros);
+    free(xt);
     return KVF_OK;
 }
