@@ -53,11 +53,12 @@ class Pipeline:
         prefill_pages: int = 64,
         decode_pages: int = 64,
         agent: Callable[[str, HandoffEngine], OneSidedAgent] | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.hub = MemoryHub()
         # Each address has the role a key would prove (the ROLE_RULES are enforced on every delivery).
         self.router = self.hub.connector(ROUTER, "router")
-        settings = {"isolation": isolation, "enable_prefix_caching": False}
+        settings = {"isolation": isolation, "enable_prefix_caching": False, "kv_cache_dtype": kv_cache_dtype}
         # Each worker's window is what its own pool can hold (a prefill pool may be smaller than decode's).
         engines = {
             role: make_engine(model, HandoffEngine, num_pages=n, max_model_len=min(48, n * 4), **settings)
@@ -152,8 +153,10 @@ def lifecycle(pipe: Pipeline, request_id: str) -> list[str]:
     ]
 
 
-def solo(model: Transformer, prompt: list[int], max_tokens: int = 6) -> list[int]:
-    engine = make_engine(model, max_model_len=48)
+def solo(
+    model: Transformer, prompt: list[int], max_tokens: int = 6, kv_cache_dtype: str = "auto"
+) -> list[int]:
+    engine = make_engine(model, max_model_len=48, kv_cache_dtype=kv_cache_dtype)
     return engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[
         0
     ].output_token_ids
@@ -162,12 +165,13 @@ def solo(model: Transformer, prompt: list[int], max_tokens: int = 6) -> list[int
 def assert_tokens_equal_single_node(pipe: Pipeline, model: Transformer) -> None:
     """Prompts of 1 to 30 tokens through the pipe (either transport): each answer equals the single-node
     one, nobody reads a foreign page, every page is free after, and decode's trail is in order."""
-    lengths = [1, 6, 13, 22, 30]
+    lengths, kv_cache_dtype = [1, 6, 13, 22, 30], pipe.decode.engine.config.kv_cache_dtype
     for i, n in enumerate(lengths):
         pipe.submit(f"r{i}", "t", PROMPTS[n])
     pipe.run()
     for i, n in enumerate(lengths):
-        assert pipe.results[f"r{i}"] == Result(solo(model, PROMPTS[n]), "finished", "length")
+        expected = solo(model, PROMPTS[n], kv_cache_dtype=kv_cache_dtype)
+        assert pipe.results[f"r{i}"] == Result(expected, "finished", "length")
         assert pipe.trace.foreign_reads(f"r{i}") == []
     assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
     assert pipe.prefill.engine.allocator.num_free_pages == pipe.prefill.engine.pool.num_pages
@@ -187,6 +191,13 @@ def test_disaggregated_tokens_equal_single_node(tiny: Transformer) -> None:
     assert_tokens_equal_single_node(pipe, tiny)
     started = [e for e in pipe.prefill.engine.events.for_request("r3") if e["kind"] == "transfer_started"]
     assert started[0]["transport"] == "zmq"
+
+
+def test_disaggregated_tokens_over_float16_pools_equal_single_node(tiny: Transformer) -> None:
+    """Pages move as bytes: float16 pools on both workers give the single node's float16 tokens."""
+    pipe = Pipeline(tiny, kv_cache_dtype="float16")
+    assert pipe.prefill.engine.pool.kv.dtype == pipe.decode.engine.pool.kv.dtype == torch.float16
+    assert_tokens_equal_single_node(pipe, tiny)
 
 
 def fill_decode_pool_with_a_secret(pipe: Pipeline) -> None:
