@@ -42,10 +42,12 @@ class EngineParts:
     runner: ModelRunner
 
 
-def check_start(config: EngineConfig, model: Transformer, log: Callable[[str], None]) -> CapacityReport:
-    """Say what will serve (pool vs window, decode paths, isolation) and refuse a window that cannot be
-    served: longer than the pool holds or than the model's own window (CapacityError)."""
-    capacity = capacity_report(config, model.config, pool_dtype(config, model).itemsize)
+def check_start(
+    config: EngineConfig, model: Transformer, kv_dtype: torch.dtype, log: Callable[[str], None]
+) -> CapacityReport:
+    """Say what will serve (pool of `kv_dtype` vs window, decode paths, isolation) and refuse a window that
+    cannot be served: longer than the pool holds or than the model's own window (CapacityError)."""
+    capacity = capacity_report(config, model.config, kv_dtype.itemsize)
     log(capacity.describe())
     for part, path, note in (
         ("attention", model.decode_attention, model.decode_attention_note),
@@ -78,7 +80,8 @@ def pool_dtype(config: EngineConfig, model: Transformer) -> torch.dtype:
 def build_parts(
     config: EngineConfig, model: Transformer, events: EventLog, log: Callable[[str], None]
 ) -> EngineParts:
-    capacity = check_start(config, model, log)
+    kv_dtype = pool_dtype(config, model)
+    capacity = check_start(config, model, kv_dtype, log)
     faults = FaultInjector()
     for name, rate in config.faults.items():
         faults.arm(name, rate)
@@ -89,7 +92,7 @@ def build_parts(
         config.page_size,
         mc.num_kv_heads,
         mc.head_dim,
-        pool_dtype(config, model),
+        kv_dtype,
         model.device,
         scratch_page=config.decode_graphs,
     )

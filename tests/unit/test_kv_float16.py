@@ -16,6 +16,7 @@ from kvfence.config import EngineConfig
 from kvfence.engine.builder import pool_dtype
 from kvfence.model import attention
 from kvfence.model.attention import LayerAttention, PrefillSeq
+from kvfence.units import cdiv
 
 TOKENS, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 10, 4, 2, 16, 4
 
@@ -48,7 +49,7 @@ def _chunk_both_ways() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(TOKENS, HEADS, HEAD_DIM, generator=gen)
     k, v = (torch.randn(TOKENS, KV_HEADS, HEAD_DIM, generator=gen) * 4 for _ in range(2))
-    pages = -(-TOKENS // PAGE_SIZE)
+    pages = cdiv(TOKENS, PAGE_SIZE)
     k_cache, v_cache = (
         torch.zeros(pages, PAGE_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.float16) for _ in range(2)
     )
