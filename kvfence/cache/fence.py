@@ -174,13 +174,12 @@ class Fence:
         self.enabled = enabled
         self.stats = FenceStats()
         self._native = _native_check() if native_check else None
-        # The pool's metadata arrays are allocated once with it and only ever edited in place: their
-        # addresses go into csrc/fence.c's `struct pool` once, not as arguments of every check.
+        self._next_slot = np.zeros(pool.num_pages, dtype=np.int64)  # the C check's per-page scratch
+        # The pool's metadata arrays (and the scratch) are allocated once and only ever edited in place:
+        # their addresses go into csrc/fence.c's `struct pool` once, not as arguments of every check.
+        arrays = (pool.generation, pool.owner, pool.state, pool.written, pool.holders, self._next_slot)
         self._pool = _PoolArrays(
-            pool.generation.size,
-            pool.page_size,
-            int(PageState.OWNED),
-            *(_pointer(a) for a in (pool.generation, pool.owner, pool.state, pool.written, pool.holders)),
+            pool.generation.size, pool.page_size, int(PageState.OWNED), *(_pointer(a) for a in arrays)
         )
         self._pool_address = ctypes.addressof(self._pool)
         self._reasons = np.zeros(64, dtype=np.int8)  # the C check's verdict per row, grown when needed
@@ -233,6 +232,8 @@ class Fence:
         return self._check_reads(StepLayout.reads_only([record], [num_tokens])).get(0)
 
     def _check_reads(self, layout: StepLayout) -> dict[int, str]:
+        """Rows whose reads fail, as csrc/fence.c judges them: a page id outside [0, num_pages) fails
+        closed as a foreign page (never wrapped by a negative index, never an IndexError)."""
         pool, pages = self.pool, layout.pages
         if pages.size == 0:
             return {}
@@ -240,13 +241,15 @@ class Fence:
         rows = np.repeat(np.arange(counts.size), counts)
         logical = np.arange(pages.size) - layout.starts[rows]
         required = np.clip(layout.num_cached[rows] - logical * pool.page_size, 0, pool.page_size)
+        inside = (pages >= 0) & (pages < pool.num_pages)
+        safe = np.where(inside, pages, 0)  # gathered at page 0 only to be judged foreign below
         failures = (
-            (STALE_GENERATION, pool.generation[pages] != layout.generations),
+            (STALE_GENERATION, inside & (pool.generation[safe] != layout.generations)),
             (
                 FOREIGN_OWNER,
-                (pool.owner[pages] != layout.tenants[rows]) | (pool.state[pages] != PageState.OWNED),
+                ~inside | (pool.owner[safe] != layout.tenants[rows]) | (pool.state[safe] != PageState.OWNED),
             ),
-            (UNWRITTEN_READ, pool.written[pages] < required),
+            (UNWRITTEN_READ, inside & (pool.written[safe] < required)),
         )
         return _first_reason_per_row(rows, failures)
 
@@ -290,7 +293,10 @@ class _PoolArrays(ctypes.Structure):
         ("num_pages", ctypes.c_int64),
         ("page_size", ctypes.c_int64),
         ("owned", ctypes.c_int64),
-        *((name, ctypes.c_void_p) for name in ("generation", "owner", "state", "written", "holders")),
+        *(
+            (name, ctypes.c_void_p)
+            for name in ("generation", "owner", "state", "written", "holders", "next_slot")
+        ),
     ]
 
 

@@ -11,8 +11,10 @@ Metadata (README: "How the fence works") is host-side numpy, one entry per page:
   state       FREE / OWNED / QUARANTINED            (allocator only)
   last_writer tenant whose data the page holds      (the KV writer; survives reallocation, for tracing)
   holders     requests that map the page            (allocator only: its reference counts)
-Writes are append-only and exclusive: a write into slot s needs s >= written (a written slot is never
-rewritten, whoever asks) and at most one holder (a page another request can read is never written).
+Writes are append-only, gapless and exclusive: a page's writes fill slots written, written + 1, ... in
+order (a written slot is never rewritten, whoever asks, and no slot is skipped, so `written` counts only
+slots this generation wrote and a read up to it never sees a previous owner's KV) and need at most one
+holder (a page another request can read is never written).
 Bookkeeping lives on the host because the scheduler that edits it runs there, and so the fence check
 never has to synchronise with the device.
 """
@@ -115,17 +117,23 @@ class KVPool:
     def authorize_writes(
         self, pages: np.ndarray, generations: np.ndarray, tenants: np.ndarray, offsets: np.ndarray
     ) -> np.ndarray:
-        """Fenced writes (invariant 2): a write of slot `offsets[i]` is allowed only into a page that is
-        OWNED by the writer's tenant at the generation the writer names, past every slot already written
-        (append-only) and mapped by at most one request (exclusive). Returns the allowed mask; refusals are
+        """Fenced writes (invariant 2): a write of slot `offsets[i]` is allowed only into a page of the pool
+        that is OWNED by the writer's tenant at the generation the writer names and mapped by at most one
+        request (exclusive), and only at the page's next slot (append-only, no gaps): the k-th such write
+        into a page, in the order given, must be at slot `written + k`. A gap would leave slots that
+        `commit_writes` marks written while they hold a previous owner's KV. A page id outside
+        [0, num_pages) is refused, never wrapped or raised on. Returns the allowed mask; refusals are
         counted."""
-        allowed = (
-            (self.generation[pages] == generations)
-            & (self.owner[pages] == tenants)
-            & (self.state[pages] == PageState.OWNED)
-            & (offsets >= self.written[pages])
-            & (self.holders[pages] <= 1)
+        inside = (pages >= 0) & (pages < self.num_pages)
+        safe = np.where(inside, pages, 0)  # gathered at page 0 only to be refused below
+        granted = (
+            inside
+            & (self.generation[safe] == generations)
+            & (self.owner[safe] == tenants)
+            & (self.state[safe] == PageState.OWNED)
+            & (self.holders[safe] <= 1)
         )
+        allowed = granted & (offsets == self.written[safe] + _rank_per_page(safe, granted))
         self.refused_writes += int(allowed.size - np.count_nonzero(allowed))
         return allowed
 
@@ -164,3 +172,17 @@ class KVPool:
         self.owner[page] = NO_OWNER
         self.written[page] = 0
         self.state[page] = PageState.FREE
+
+
+def _rank_per_page(pages: np.ndarray, counted: np.ndarray) -> np.ndarray:
+    """For each counted entry, how many counted entries before it name the same page (0 elsewhere)."""
+    ranks = np.zeros(pages.size, dtype=np.int64)
+    where = np.flatnonzero(counted)
+    if where.size < 2:  # nothing to rank against
+        return ranks
+    order = where[np.argsort(pages[where], kind="stable")]  # grouped by page, in the given order within
+    sorted_pages = pages[order]
+    first = np.flatnonzero(np.r_[True, sorted_pages[1:] != sorted_pages[:-1]])
+    sizes = np.diff(np.r_[first, order.size])
+    ranks[order] = np.arange(order.size) - np.repeat(first, sizes)
+    return ranks

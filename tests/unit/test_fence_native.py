@@ -1,5 +1,6 @@
 """The fence's C check (cache/csrc/fence.c) against its numpy reference, on random pools and layouts: the
-same rows aborted for the same reasons, the same writes refused."""
+same rows aborted for the same reasons, the same writes refused; and both failing closed on a page id
+outside the pool."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from kvfence.cache.fence import Fence, StepLayout, _native_check
 from kvfence.cache.pool import KVPool, PageState
-from kvfence.trail.reasons import FOREIGN_OWNER
+from kvfence.trail.reasons import FOREIGN_OWNER, STALE_WRITE
 
 PAGES, PAGE_SIZE = 24, 4
 
@@ -28,28 +29,34 @@ def random_pool(rng: np.random.Generator) -> KVPool:
 
 def random_layout(rng: np.random.Generator, pool: KVPool) -> StepLayout:
     """Rows reading random pages (mostly at their current generation and owner, so that clean rows and
-    each kind of violation all occur) and writing random slots."""
+    each kind of violation all occur, now and then a page id outside the pool) and writing runs of slots
+    (mostly from the page's next slot on, else with a gap or a rewrite; a page now and then in two runs)."""
     rows = int(rng.integers(1, 7))
     counts = rng.integers(0, 5, rows)
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     pages = rng.integers(0, PAGES, int(starts[-1]))
     tenants = rng.integers(0, 3, rows)
     generations = np.where(rng.random(pages.size) < 0.8, pool.generation[pages], pool.generation[pages] + 1)
+    pages[rng.random(pages.size) < 0.03] = rng.choice([-1, PAGES, -(2**40), 2**40])
     num_cached = np.array([rng.integers(0, max(1, c * PAGE_SIZE + 1)) for c in counts], dtype=np.int64)
-    writes = int(rng.integers(0, 8))
-    write_rows = rng.integers(0, rows, writes)
-    write_pages = rng.integers(0, PAGES, writes)
+    runs = rng.integers(1, 4, int(rng.integers(0, 4)))
+    write_pages = np.repeat(rng.integers(0, PAGES, runs.size), runs)
+    within = np.arange(write_pages.size) - np.repeat(np.cumsum(runs) - runs, runs)
+    jitter = np.where(rng.random(write_pages.size) < 0.8, 0, rng.integers(-1, 2, write_pages.size))
+    write_offsets = np.maximum(pool.written[write_pages] + within + jitter, 0)
+    write_generations = np.where(rng.random(write_pages.size) < 0.8, pool.generation[write_pages], 9)
+    write_pages[rng.random(write_pages.size) < 0.03] = rng.choice([-1, PAGES])
     return StepLayout.of(
         tenants=tenants,
         num_cached=num_cached,
         starts=starts,
         pages=pages,
         generations=generations,
-        write_rows=write_rows,
+        write_rows=np.repeat(rng.integers(0, rows, runs.size), runs),
         write_pages=write_pages,
-        write_generations=np.where(rng.random(writes) < 0.8, pool.generation[write_pages], 9),
-        write_offsets=rng.integers(0, PAGE_SIZE, writes),
-        write_positions=np.zeros(writes, dtype=np.int64),
+        write_generations=write_generations,
+        write_offsets=write_offsets,
+        write_positions=np.zeros(write_pages.size, dtype=np.int64),
     )
 
 
@@ -68,23 +75,33 @@ def test_the_c_check_gives_the_numpy_verdict_on_random_layouts() -> None:
     assert len(reasons) == 4, reasons  # every kind of violation was exercised, and clean rows too
 
 
-@pytest.mark.parametrize("page", [-1, PAGES])
-def test_a_page_outside_the_pool_fails_closed(page: int) -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["c", "numpy"])
+@pytest.mark.parametrize("page", [-1, -PAGES, PAGES, 2**40])
+@pytest.mark.parametrize("access", ["read", "write"])
+def test_a_page_outside_the_pool_fails_closed(access: str, page: int, native: bool) -> None:
+    """Row 0 reads or writes a page id outside the pool (every other entry valid): the row is refused,
+    as a foreign page, never judged by the page a negative index wraps to, and nothing raises. Row 1
+    (the same pages, in range) is clean."""
     pool = random_pool(np.random.default_rng(3))
-    pool.state[:] = PageState.OWNED
+    pool.state[:], pool.owner[:], pool.holders[:], pool.written[:] = PageState.OWNED, 0, 1, 0
+    read, write = (page, 0) if access == "read" else (0, page)
     layout = StepLayout.of(
-        tenants=np.array([0]),
-        num_cached=np.array([0]),
-        starts=np.array([0, 1]),
-        pages=np.array([page]),
-        generations=np.array([0]),
-        write_rows=np.array([0]),
-        write_pages=np.array([page]),
-        write_generations=np.array([0]),
-        write_offsets=np.array([0]),
-        write_positions=np.array([0]),
+        tenants=np.array([0, 0]),
+        num_cached=np.array([0, 0]),
+        starts=np.array([0, 1, 2]),
+        pages=np.array([read, 1]),
+        generations=pool.generation[[0, 1]],
+        write_rows=np.array([0, 1]),
+        write_pages=np.array([write, 1]),
+        write_generations=pool.generation[[0, 1]],
+        write_offsets=np.array([0, 0]),
+        write_positions=np.array([0, 0]),
     )
-    assert Fence(pool).validate_step(layout) == {0: FOREIGN_OWNER}
+    fence = Fence(pool, native_check=native)
+    assert (fence._native is not None) == native
+    reason = FOREIGN_OWNER if access == "read" else STALE_WRITE
+    assert fence.validate_step(layout) == {0: reason}
+    assert pool.refused_writes == (access == "write")
 
 
 @pytest.mark.parametrize("section", ["starts", "write_rows"])

@@ -1,11 +1,12 @@
-/* The fence's batched validation (cache/fence.py) in one pass over a step's layout: a Python extension
+/* The fence's batched validation (cache/fence.py) in one call over a step's layout: a Python extension
  * module, `kvfence_fence.validate(flat, rows, writes, pool, reasons) -> (bad rows, refused writes)`.
  *
  * Contract: the verdict of `Fence._numpy_verdict` for the same layout and pool, row by row (tested
  * against it on random layouts): reasons[r] is the first violation of row r in the order STALE_GENERATION,
- * FOREIGN_OWNER, UNWRITTEN_READ over every page it reads, then STALE_WRITE over every slot it writes; 0
- * for a clean row. A page id outside [0, num_pages) fails closed, as a foreign page. A layout whose
- * offsets or write rows point outside it is refused (ValueError) before anything is read.
+ * FOREIGN_OWNER, UNWRITTEN_READ over every page it reads, then STALE_WRITE over every slot it writes
+ * (`KVPool.authorize_writes`' rule: granted, and at the page's next slot, no gap); 0 for a clean row. A
+ * page id outside [0, num_pages) fails closed, as a foreign page. A layout whose offsets or write rows
+ * point outside it is refused (ValueError) before anything is read.
  *
  * The layout is `StepLayout.flat`, one int64 array in the order of `struct layout` below; the pool is
  * `struct pool` at an address fixed when the fence is made (its arrays are allocated once and edited in
@@ -23,6 +24,7 @@ struct pool {
     const int64_t *generation, *owner;
     const int8_t *state;
     const int64_t *written, *holders;
+    int64_t *next_slot; /* [num_pages] scratch of check_writes, the fence's own */
 };
 
 struct layout {
@@ -68,13 +70,25 @@ static void check_reads(const struct layout *l, int64_t rows, const struct pool 
     }
 }
 
+/* Generation, owner, state and exclusivity: what a write needs before its slot is looked at. */
+static int granted(const struct layout *l, int64_t w, const struct pool *p) {
+    const int64_t page = l->write_pages[w];
+    return page >= 0 && page < p->num_pages && p->generation[page] == l->write_generations[w] &&
+           p->owner[page] == l->tenants[l->write_rows[w]] && p->state[page] == p->owned &&
+           p->holders[page] <= 1;
+}
+
+/* The k-th granted write into a page (in layout order) must be at slot written + k: append-only and
+ * without gaps. `next_slot` is scratch: each page written is set to its `written` first, so it needs no
+ * clearing between calls. */
 static int64_t check_writes(const struct layout *l, int64_t writes, const struct pool *p, int8_t *reasons) {
+    for (int64_t w = 0; w < writes; w++)
+        if (granted(l, w, p)) p->next_slot[l->write_pages[w]] = p->written[l->write_pages[w]];
     int64_t refused = 0;
     for (int64_t w = 0; w < writes; w++) {
-        const int64_t page = l->write_pages[w], r = l->write_rows[w];
-        const int ok = page >= 0 && page < p->num_pages && p->generation[page] == l->write_generations[w] &&
-                       p->owner[page] == l->tenants[r] && p->state[page] == p->owned &&
-                       l->write_offsets[w] >= p->written[page] && p->holders[page] <= 1;
+        const int64_t r = l->write_rows[w];
+        int ok = granted(l, w, p);
+        if (ok) ok = l->write_offsets[w] == p->next_slot[l->write_pages[w]]++;
         if (!ok) {
             refused++;
             if (reasons[r] == CLEAN) reasons[r] = STALE_WRITE;
