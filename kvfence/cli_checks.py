@@ -4,7 +4,9 @@ Every bad start-up option ends the command with one line on stderr, naming the o
 code 2, no traceback, and before any model is loaded: option values that cannot be right (argparse types
 and a parser whose errors are one line), the model file (its GGUF header only), the device, the pool
 against the window (from the header: the same report and check the engine runs after loading), the API
-key file, the admin key, the audit log, the open-file limit and the HTTP port (bound here, then served).
+key file and the admin key file (each refused unless it is a regular file no other user may read or
+change), the audit log, the open-file limit and the HTTP port (bound here, then served). No secret is ever
+an option's value: a command line is readable by every local user (/proc/PID/cmdline).
 A check that fails raises `StartupError`; `kvfence.cli.main` prints it.
 
 Once the checks pass, `protection_lines` says what protects the server: isolation, auth, who may read the
@@ -19,6 +21,7 @@ import math
 import os
 import resource
 import socket
+import stat
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -217,16 +220,40 @@ def parse_api_keys(text: str) -> dict[str, str]:
     return keys
 
 
+def read_secret_file(path: Path, option: str) -> str:
+    """The text of a file that holds keys, refused (StartupError) unless it is a regular file to which no
+    group or other user has any access (the rule ssh applies to a private key). The mode is read from the
+    open file, so the file checked is the file read; O_NONBLOCK: a FIFO given by mistake cannot hang the
+    start before it is refused."""
+    source = f"{option} {path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StartupError(f"{source}: cannot read it ({_reason(exc)})") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise StartupError(f"{source}: not a regular file; give the file that holds the key")
+        if mode & 0o077:
+            raise StartupError(
+                f"{source}: its mode {stat.S_IMODE(mode):04o} gives other users access to the key; "
+                f"chmod 600 {path}"
+            )
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read()
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StartupError(f"{source}: not UTF-8 text ({_reason(exc)})") from exc
+
+
 def load_api_keys(path: Path | None) -> dict[str, str] | None:
-    """From --api-keys FILE, else from $KVFENCE_API_KEYS, else None (auth off)."""
+    """From --api-keys FILE (`read_secret_file`), else from $KVFENCE_API_KEYS, else None (auth off)."""
     if path is not None:
         source = f"--api-keys {path}"
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise StartupError(
-                f"{source}: cannot read it ({_reason(exc)}); give a file of 'KEY TENANT' lines"
-            ) from exc
+        text = read_secret_file(path, "--api-keys")
     else:
         source, text = "$KVFENCE_API_KEYS", os.environ.get("KVFENCE_API_KEYS", "")
         if not text:
@@ -237,6 +264,22 @@ def load_api_keys(path: Path | None) -> dict[str, str] | None:
         raise StartupError(
             f"{source}: {exc}; write one 'KEY TENANT' per line ('#' starts a comment)"
         ) from exc
+
+
+def load_admin_key(path: Path | None) -> tuple[str | None, str]:
+    """The admin key and where it came from: --admin-key-file FILE (`read_secret_file`; one trailing
+    newline dropped), else $KVFENCE_ADMIN_KEY, else None. A file's key with whitespace left in it is
+    refused: a bearer token has none (RFC 6750), so it is a mistake (a second line, a stray CR)."""
+    if path is None:
+        return os.environ.get("KVFENCE_ADMIN_KEY") or None, "$KVFENCE_ADMIN_KEY"
+    source = f"--admin-key-file {path}"
+    text = read_secret_file(path, "--admin-key-file")
+    key = text[:-1] if text.endswith("\n") else text
+    if not key:
+        raise StartupError(f"{source}: it holds no key; write the key on its one line")
+    if any(char.isspace() for char in key):
+        raise StartupError(f"{source}: the key has whitespace in it; write the key alone on one line")
+    return key, source
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -303,7 +346,10 @@ class Front:
         if self.api_keys and self.admin_key:
             metrics = "metrics: admin key required"
         elif self.api_keys:
-            metrics = "metrics: admin key required, and no --admin-key is set: /metrics refuses everyone"
+            metrics = (
+                "metrics: admin key required, and none is set (--admin-key-file, $KVFENCE_ADMIN_KEY): "
+                "/metrics refuses everyone"
+            )
         else:
             metrics = "metrics: open (no API keys)"
         door = (
@@ -317,10 +363,10 @@ class Front:
 def check_http(args: argparse.Namespace) -> Front:
     """The options of the HTTP front (`add_http_options`), checked, and its socket bound."""
     api_keys = load_api_keys(args.api_keys)
-    admin_key = args.admin_key or os.environ.get("KVFENCE_ADMIN_KEY") or None
+    admin_key, admin_source = load_admin_key(args.admin_key_file)
     if admin_key and api_keys and admin_key in api_keys:
         raise StartupError(
-            "--admin-key: it is also a tenant key in the API key list; give the admin its own key"
+            f"{admin_source}: it is also a tenant key in the API key list; give the admin its own key"
         )
     if args.audit_log is not None:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any, NoReturn
 
 from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 from kvfence.cli_checks import (
@@ -202,6 +203,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+class SecretOnCommandLine(argparse.Action):
+    """The retired `--admin-key KEY`, refused with what replaces it: a command line is readable by every
+    local user (/proc/PID/cmdline). Its value is never repeated."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: str | None = None
+    ) -> NoReturn:
+        parser.error(
+            f"{option_string} is refused: every local user can read a command line; write the key alone in "
+            "a file only you can read (chmod 600) and pass --admin-key-file FILE, or set $KVFENCE_ADMIN_KEY"
+        )
+
+
 def add_http_options(parser: argparse.ArgumentParser) -> None:
     """The flags of every command that serves the OpenAI API."""
     g = parser.add_argument_group("http")
@@ -211,10 +225,23 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
         "--api-keys",
         type=Path,
         metavar="FILE",
-        help="'KEY TENANT' per line (# comments) (default: $KVFENCE_API_KEYS, '; '-separated; "
-        "neither: auth off)",
+        help="'KEY TENANT' per line (# comments), a file only its owner may access (chmod 600) (default: "
+        "$KVFENCE_API_KEYS, '; '-separated; neither: auth off)",
     )
-    g.add_argument("--admin-key", help="key for the audit endpoint (default: $KVFENCE_ADMIN_KEY)")
+    g.add_argument(
+        "--admin-key-file",
+        type=Path,
+        metavar="FILE",
+        help="a file holding the key for the audit endpoints and /metrics, on one line, that only its owner "
+        "may access (chmod 600) (default: $KVFENCE_ADMIN_KEY)",
+    )
+    g.add_argument(
+        "--admin-key",
+        nargs="?",
+        action=SecretOnCommandLine,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
     g.add_argument("--audit-log", type=Path, metavar="FILE", help="append audit events here as JSONL")
     g.add_argument(
         "--metrics-compat",

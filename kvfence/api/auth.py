@@ -46,7 +46,10 @@ class Auth:
         if key and self.api_keys and key in self.api_keys:
             raise APIError(403, "This endpoint needs the admin key.", code="admin_only")
         if self.admin_key is None:  # say so: no key could open it, and a caller would retry forever
-            message = "No admin key is configured on this server: start it with --admin-key to open this."
+            message = (
+                "No admin key is configured on this server: start it with --admin-key-file FILE (or "
+                "$KVFENCE_ADMIN_KEY) to open this."
+            )
             raise APIError(403, message, code="admin_key_not_configured")
         raise APIError(401, "Invalid or missing admin key.", code="invalid_api_key")
 

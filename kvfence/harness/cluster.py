@@ -85,14 +85,17 @@ class Front:
         return self.model_name or default_model_path().stem
 
     def flags(self) -> list[str]:
-        """The front's settings as `kvfence serve` / `kvfence router` options."""
-        flags = ["--admin-key", self.admin_key] if self.admin_key else []
-        flags += [] if self.isolation else ["--isolation", "off"]
+        """The front's settings as `kvfence serve` / `kvfence router` options (no key: see `env`)."""
+        flags = [] if self.isolation else ["--isolation", "off"]
         return flags + (["--served-model-name", self.model_name] if self.model_name else [])
 
     def env(self) -> dict[str, str] | None:
+        """The keys, for the front process's environment: every local user can read a command line, only
+        the process's own user its environment."""
         keys = self.api_keys and "; ".join(f"{key} {tenant}" for key, tenant in self.api_keys.items())
-        return {"KVFENCE_API_KEYS": keys} if keys else None
+        env = {"KVFENCE_API_KEYS": keys} if keys else {}
+        env |= {"KVFENCE_ADMIN_KEY": self.admin_key} if self.admin_key else {}
+        return env or None
 
 
 @dataclass

@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 from kvfence.cli_checks import StartupError, check_engine, model_shape
 from kvfence.config import CapacityError, EngineConfig
 from kvfence.disagg.launch import free_ports
+from kvfence.harness.cluster import Front as ClusterFront
 from kvfence.harness.procs import KVFENCE, launch, stop
 from kvfence.harness.server import LOOPBACK, serve
 from kvfence.model.gguf import read_header
@@ -301,7 +302,27 @@ BAD_OPTIONS: dict[str, tuple[list[str], str]] = {  # case -> arguments, what the
     "port in use": (["serve", "--port", "{busy_port}"], "--port {busy_port}"),
     "missing key file": (["serve", "--api-keys", "/nonexistent.txt"], "--api-keys /nonexistent.txt"),
     "malformed key file": (["serve", "--api-keys", "{bad_keys}"], "--api-keys {bad_keys}"),
-    "admin key is a tenant's": (["serve", "--api-keys", "{keys}", "--admin-key", "key-a"], "--admin-key"),
+    "admin key is a tenant's": (
+        ["serve", "--api-keys", "{keys}", "--admin-key-file", "{tenant_admin_key}"],
+        "--admin-key-file {tenant_admin_key}: it is also a tenant key",
+    ),
+    # A key on the command line: refused, naming what replaces it (argparse alone would say only
+    # "unrecognized arguments"), and the key is not repeated.
+    "admin key in argv": (["serve", "--admin-key", "s3cret"], "pass --admin-key-file FILE"),
+    "router: admin key in argv": (
+        ["router", *WORKERS, "--admin-key", "s3cret"],
+        "pass --admin-key-file FILE",
+    ),
+    "admin key file open to others": (
+        ["serve", "--admin-key-file", "{open_admin_key}"],
+        "--admin-key-file {open_admin_key}: its mode 0644 gives other users access",
+    ),
+    "key file open to others": (
+        ["serve", "--api-keys", "{open_keys}"],
+        "--api-keys {open_keys}: its mode 0640",
+    ),
+    "admin key file is a directory": (["serve", "--admin-key-file", "{tmp}"], "{tmp}: not a regular file"),
+    "empty admin key file": (["serve", "--admin-key-file", "{empty_admin_key}"], "holds no key"),
     "read timeout 0": (["serve", "--http-read-timeout", "0"], "--http-read-timeout"),
     "no connections": (["serve", "--max-connections", "0"], "--max-connections"),
     "unknown fault": (["serve", "--inject-fault", "no_such_fault"], "--inject-fault"),
@@ -316,19 +337,29 @@ BAD_OPTIONS: dict[str, tuple[list[str], str]] = {  # case -> arguments, what the
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """The paths and the busy port the cases name: a non-GGUF file, key files, a port someone listens on."""
+    """The paths and the busy port the cases name: a non-GGUF file, key files (mode 0600 unless named open),
+    a port someone listens on."""
     tmp = tmp_path_factory.mktemp("front-door")
     (tmp / "model.gguf").write_text("not a model\n")
-    (tmp / "bad-keys.txt").write_text("key-a tenant-a\nkey-b\n")
-    (tmp / "keys.txt").write_text("key-a tenant-a\nkey-b tenant-b\n")
+    secrets = {
+        "bad_keys": ("key-a tenant-a\nkey-b\n", 0o600),
+        "keys": ("key-a tenant-a\nkey-b tenant-b\n", 0o600),
+        "open_keys": ("key-a tenant-a\n", 0o640),
+        "admin_key": ("admin-secret\n", 0o600),
+        "tenant_admin_key": ("key-a\n", 0o600),
+        "open_admin_key": ("admin-secret\n", 0o644),
+        "empty_admin_key": ("\n", 0o600),
+    }
+    for name, (text, mode) in secrets.items():
+        (tmp / name).write_text(text)
+        (tmp / name).chmod(mode)  # whatever the umask made it
     with socket.socket() as busy:
         busy.bind((LOOPBACK, 0))
         busy.listen()
         yield {
             "tmp": str(tmp),
             "not_gguf": str(tmp / "model.gguf"),
-            "bad_keys": str(tmp / "bad-keys.txt"),
-            "keys": str(tmp / "keys.txt"),
+            **{name: str(tmp / name) for name in secrets},
             "busy_port": str(busy.getsockname()[1]),
         }
 
@@ -360,6 +391,7 @@ def test_a_bad_start_up_option_is_one_line_before_the_model_loads(
     errors = [line for line in lines if not line.startswith(INSECURE)]
     assert code == 2 and len(errors) == 1, f"exit {code}:\n" + "\n".join(lines)
     assert errors[0].startswith("error: ") and named.format(**files) in errors[0], errors[0]
+    assert "s3cret" not in errors[0] and "admin-secret" not in errors[0]  # no key is ever echoed
 
 
 @pytest.mark.parametrize(
@@ -445,7 +477,9 @@ def test_the_fast_header_read_agrees_with_gguf_py(tmp_path: Path) -> None:
 def test_the_console_says_what_protects_the_server(files: dict[str, str]) -> None:
     """A small real server with API keys, an admin key and a fault armed, started with the window its own
     refusal suggested: the console names each protection, and its front door cuts a trickling client while
-    it serves. Without keys, the console says auth is off and the metrics are open."""
+    it serves. No key is in its command line (which every local user can read), and the admin key read
+    from its file (the newline dropped) opens /metrics. Without keys, the console says auth is off and the
+    metrics are open."""
     code, lines = kvfence(["serve", "--num-pages", "64"])
     match = re.search(r"--max-model-len (\d+) ", lines[-1])
     assert code == 2 and match, lines
@@ -455,8 +489,8 @@ def test_the_console_says_what_protects_the_server(files: dict[str, str]) -> Non
     args += [
         "--api-keys",
         files["keys"],
-        "--admin-key",
-        "admin-secret",
+        "--admin-key-file",
+        files["admin_key"],
         "--inject-fault",
         "stale_mapping:1.0",
     ]
@@ -476,6 +510,12 @@ def test_the_console_says_what_protects_the_server(files: dict[str, str]) -> Non
         ):
             assert line in said, proc.tail()
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401  # auth is on
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert files["admin_key"].encode() in argv  # the process read: the file is named, no key is
+        assert not [arg for arg in argv if b"admin-secret" in arg or b"key-a" in arg or b"key-b" in arg]
+        for key, status in (("admin-secret", 200), ("key-a", 403)):
+            bearer = {"Authorization": f"Bearer {key}"}
+            assert httpx.get(f"{url}/metrics", headers=bearer, timeout=10).status_code == status
         with socket.create_connection((LOOPBACK, port)) as sock:
             sock.sendall(SLOW_HEAD[:10])
             cut: dict[str, Any] = {}
@@ -492,3 +532,11 @@ def test_the_console_says_what_protects_the_server(files: dict[str, str]) -> Non
         assert any(line.startswith("WARNING: isolation: OFF") for line in said), bare.tail()
     finally:
         stop([bare])
+
+
+def test_the_harness_gives_a_front_process_its_keys_in_its_environment() -> None:
+    """What the tests and benches start (`cluster(serve_args=...)`, a router process) carries no key in its
+    command line: the keys travel in the environment, which only the process's own user can read."""
+    front = ClusterFront(api_keys={"key-a": "tenant-a"}, admin_key="admin-secret", isolation=False)
+    assert not [flag for flag in front.flags() if "admin-secret" in flag or "key-a" in flag]
+    assert front.env() == {"KVFENCE_API_KEYS": "key-a tenant-a", "KVFENCE_ADMIN_KEY": "admin-secret"}
