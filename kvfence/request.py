@@ -67,6 +67,7 @@ class Request:
     # the parent's last logits with their own generator and go on as requests of their own on its pages.
     forks: list[Request] = field(default_factory=list)
     index: int = 0  # the choice this sequence answers: its place among its parent's forks, else 0
+    parent_id: str | None = None  # a fork's parent (its id stays in use while the fork runs)
     # Prompt position -> that prompt token's logprobs (SamplingParams.prompt_logprobs), as steps compute them.
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 

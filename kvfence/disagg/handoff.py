@@ -25,7 +25,8 @@ class HandoffEngine(LLMEngine):
 
     def add_prefill(self, prompt_token_ids: list[int], tenant: str, request_id: str) -> Request:
         """A prefill worker's request: compute the prompt's KV, sample nothing, then park it with its pages
-        for the transfer. Refused (AdmissionError) before any page is reserved, like any request."""
+        for the transfer. Refused (AdmissionError) before any page is reserved, like any request (an id
+        a live request holds included: that request is left as it was)."""
         request = self._admit(prompt_token_ids, SamplingParams(max_tokens=1), tenant, request_id)
         request.prefill_only = True
         self.scheduler.add(request)
@@ -46,8 +47,9 @@ class HandoffEngine(LLMEngine):
     ) -> Request | None:
         """A decode worker's request: admit it and reserve pages for the KV of every prompt token but the
         last (the decode side computes that one and samples from it), then park it until the KV arrives.
-        None when the pages are not free right now (nothing is then held). `n` > 1: forked once its
-        prompt is computed, as `add_request` forks."""
+        None when the pages are not free right now (nothing is then held). Refused (AdmissionError) as
+        `add_request` refuses, an id a live request holds included. `n` > 1: forked once its prompt is
+        computed, as `add_request` forks."""
         request = self._admit(prompt_token_ids, params, tenant, request_id, n)
         if not self.scheduler.reserve(request, len(prompt_token_ids) - 1):
             self._finish(request, Status.ABORTED, "no_free_pages")

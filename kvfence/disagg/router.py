@@ -60,7 +60,7 @@ from kvfence.disagg.outputs import aborted, from_wire
 from kvfence.disagg.placement import Placement, Route, WorkerInfo
 from kvfence.disagg.questions import Answered, Questions
 from kvfence.engine.async_engine import STATS_TIMEOUT_S
-from kvfence.engine.engine import AdmissionError
+from kvfence.engine.engine import AdmissionError, duplicate_refusal
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.stats import EngineStats
 from kvfence.grammar.compiler import Guide, RequestGrammar
@@ -203,7 +203,11 @@ class Router:
         n: int = 1,
     ) -> AsyncIterator[RequestOutput]:
         """As the single node's; `grammar` travels as the guide it was compiled from, `n` to decode. With
-        n > 1 the outputs are the forks' (`index`), until all n finished or the request ended unforked."""
+        n > 1 the outputs are the forks' (`index`), until all n finished or the request ended unforked.
+        An id a request in flight here holds is refused (AdmissionError 409) before anything is recorded or
+        sent: that request's stream, route and workers' state stay its own."""
+        if request_id in self._streams:
+            raise duplicate_refusal(request_id)
         try:
             route = self.placement.choose(len(prompt_token_ids), params.max_tokens)
         except AdmissionError as refusal:

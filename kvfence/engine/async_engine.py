@@ -142,19 +142,21 @@ class AsyncEngine:
         """Admit the request (AdmissionError propagates) and yield its outputs until it finishes.
         Leaving the iterator early (client gone, task cancelled) aborts the request and frees its pages.
         With n > 1 the outputs are its forks' (`index` tells them apart), until all n finished or the
-        parent was aborted before forking; leaving early aborts every fork still running."""
+        parent was aborted before forking; leaving early aborts every fork still running. A request refused
+        (an id a live request holds, say) leaves every other request and its stream as they were."""
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        target = (asyncio.get_running_loop(), stream)
         ids = [request_id, *(fork_id(request_id, i) for i in range(n if n > 1 else 0))]
-        for stream_id in ids:
-            self._streams[stream_id] = (asyncio.get_running_loop(), stream)
+
+        def admit() -> None:
+            self.engine.add_request(prompt_token_ids, params, tenant, request_id, grammar, n=n)
+            # Only once admitted, and on the engine thread before its next step: no output is missed, and
+            # a refused request never takes the stream of the live request whose id it carries.
+            for stream_id in ids:
+                self._streams[stream_id] = target
+
         try:
-            await asyncio.wrap_future(
-                self.call(
-                    lambda: self.engine.add_request(
-                        prompt_token_ids, params, tenant, request_id, grammar, n=n
-                    )
-                )
-            )
+            await asyncio.wrap_future(self.call(admit))
             running = n
             while True:
                 output = await stream.get()
@@ -164,9 +166,8 @@ class AsyncEngine:
                     if output.request_id == request_id or running == 0:
                         return
         finally:
-            for stream_id in ids:
-                self._streams.pop(stream_id, None)
-                self.abort(stream_id, "client_disconnected")
+            # Queued after `admit`, so it runs after it even when this caller left before admission.
+            self.call(lambda: self._release(ids, target))
 
     async def embed(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """The prompt's embedding (engine/embedding.py): float32 [embedding_size], unit norm. Its chunks of
@@ -192,9 +193,13 @@ class AsyncEngine:
             "pools": {"single": engine_info(self.engine)},
         }
 
-    def abort(self, request_id: str, reason: str) -> None:
-        """Abort if still running (a no-op for finished requests)."""
-        self.call(lambda: self.engine.abort(request_id, reason))
+    def _release(self, ids: list[str], target: tuple[asyncio.AbstractEventLoop, Any]) -> None:
+        """On the engine thread: a caller's streams closed and what of its request still runs aborted; an
+        id whose stream is another caller's (or nobody's: refused) is left alone."""
+        for stream_id in ids:
+            if self._streams.get(stream_id) is target:
+                del self._streams[stream_id]
+                self.engine.abort(stream_id, "client_disconnected")
 
     def _loop(self) -> None:
         while not self._stopped.is_set():

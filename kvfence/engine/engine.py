@@ -35,6 +35,7 @@ from kvfence.trail.reasons import INTEGRITY_REASONS
 from kvfence.units import cdiv
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+DUPLICATE_REQUEST_ID = "duplicate_request_id"
 FORKED = "forked"  # a parent's finish reason once its forks took over its pages (n > 1)
 RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 log = logging.getLogger("kvfence.engine")
@@ -42,7 +43,8 @@ log = logging.getLogger("kvfence.engine")
 
 class AdmissionError(ValueError):
     """A request refused before any page was reserved. `code` is the OpenAI error code; `status` the HTTP
-    status: 400 for a request that can never be served, 503 for one that cannot be served right now."""
+    status: 400 for a request that can never be served, 409 for an id a live request holds, 429 for a
+    tenant over its queue, 503 for one that cannot be served right now."""
 
     def __init__(self, code: str, message: str, status: int = 400) -> None:
         super().__init__(message)
@@ -60,6 +62,11 @@ def context_refusal(prompt: int, budget: int, limits: list[tuple[str, int, int]]
             )
             return AdmissionError(CONTEXT_LENGTH_EXCEEDED, f"{text} {limit} tokens. {asked}")
     return None
+
+
+def duplicate_refusal(request_id: str) -> AdmissionError:
+    """The refusal of a request whose id a live request holds: that request is left as it was."""
+    return AdmissionError(DUPLICATE_REQUEST_ID, f"Request id {request_id!r} is held by a live request.", 409)
 
 
 class LLMEngine:
@@ -105,7 +112,8 @@ class LLMEngine:
         n: int = 1,
     ) -> Request:
         """Admit a request or refuse it before any page is reserved (invariant 3); beyond its tenant's
-        queue limit, refuse it with 429 (the tenant floods: its own requests wait, nobody else's).
+        queue limit, refuse it with 429 (the tenant floods: its own requests wait, nobody else's); with an
+        id a live request holds (`_ids_in_use`), refuse it with 409, that request untouched.
         `grammar`: this request's own matcher (structured output), already compiled. `n` > 1: parallel
         sampling, the prompt computed once and forked into n requests `fork_id(request_id, i)`."""
         if n > 1 and grammar is not None:  # a matcher is one sequence's state: forks would need copies
@@ -131,7 +139,13 @@ class LLMEngine:
         n: int = 1,
     ) -> Request:
         request_id = request_id or f"req-{next(self._ids)}"
-        assert request_id not in self.requests, f"duplicate request id {request_id}"
+        claimed = {request_id, *(fork_id(request_id, index) for index in range(n if n > 1 else 0))}
+        held = claimed & self._ids_in_use()
+        if held:
+            # Refused before anything is made for it, and nothing goes on the record: the trail under that
+            # id is the live request's.
+            log.warning("refused a request whose id %r a live request holds", min(held))
+            raise duplicate_refusal(min(held))
         request = Request(
             request_id,
             tenant,
@@ -157,6 +171,17 @@ class LLMEngine:
         )
         return request
 
+    def _ids_in_use(self) -> set[str]:
+        """The ids a new request may not take: each live request's, the forks a live parent will start, the
+        parent of a live fork (a decode worker ends the forks by their parent's id) and each quarantined
+        request's (its pages wait under that id for `drain`)."""
+        held = set(self.requests) | set(self.scheduler.quarantined)
+        for request in self.requests.values():
+            held.update(fork.request_id for fork in request.forks)
+            if request.parent_id is not None:
+                held.add(request.parent_id)
+        return held
+
     def _fork_of(self, parent: Request, index: int) -> Request:
         """Fork `index` of a parent, not yet running: the same tenant and prompt, its own record and its own
         generator, seeded `seed + index` when the parent has a seed (so that every choice is reproducible,
@@ -172,6 +197,7 @@ class LLMEngine:
             self.kv_cache.new_record(parent.tenant),
             generator=make_generator(params, self.model.device),
             index=index,
+            parent_id=parent.request_id,
         )
 
     def _admission_refusal(self, request: Request) -> AdmissionError | None:

@@ -389,6 +389,57 @@ def test_only_the_sending_prefill_can_drain_a_quarantine(tiny: Transformer) -> N
     assert (pipe.decode.engine.pool.state[pages] == PageState.FREE).all()
 
 
+def workers_state(pipe: Pipeline, request_id: str) -> tuple[object, ...]:
+    """What a refused replay must leave as it was: each worker's request (the same object, its pages) and
+    its transfer state, by identity."""
+    live = [w.engine.requests.get(request_id) for w in (pipe.prefill, pipe.decode)]
+    return (
+        *live,
+        *(list(r.record.pages) for r in live if r is not None),
+        pipe.decode.inbound.get(request_id),
+        pipe.decode.routers.get(request_id),
+        pipe.prefill.transfers.get(request_id),
+    )
+
+
+def test_a_reserve_or_prefill_under_a_live_id_is_rejected_and_the_live_request_finishes(
+    tiny: Transformer,
+) -> None:
+    """A replayed (or second router's) `reserve` and `prefill` carrying the id of a request both workers
+    hold: each is answered `rejected` (the engine refuses the id; the worker's `except AdmissionError`
+    replies), and the live request finishes with its solo tokens. They used to reach the engine's assert,
+    and the worker's handler then failed the live request."""
+    pipe = Pipeline(tiny)
+    pipe.submit("r1", "A", PROMPTS[13])
+    before = workers_state(pipe, "r1")
+    reserved = pipe.reserve("r1", "B", PROMPTS[6])
+    prefilled = pipe.start_prefill("r1", "B", PROMPTS[6], [[0, 1], [1, 1]])
+    for reply in (reserved, prefilled):
+        assert reply.KIND == "rejected" and getattr(reply, "code") == "duplicate_request_id"  # noqa: B009
+    assert workers_state(pipe, "r1") == before and all(x is not None for x in before)
+    pipe.run()
+    assert pipe.results["r1"] == Result(solo(tiny, PROMPTS[13]), "finished", "length")
+    for worker in (pipe.prefill, pipe.decode):
+        assert worker.engine.events.kinds("r1").count("admitted") == 1
+        assert worker.engine.allocator.num_free_pages == worker.engine.pool.num_pages
+
+
+def test_a_quarantined_id_is_not_reserved_again_before_its_drain(tiny: Transformer) -> None:
+    """An aborted request's pages wait under its id for the drain: a reserve reusing the id meanwhile is
+    rejected (it would have taken over the transfer state the drain waits on), and is served after it."""
+    pipe = Pipeline(tiny, isolation=True)
+    reserved = pipe.reserve("r1", "A", PROMPTS[22], max_tokens=2)
+    pages = [p for p, _ in targets(reserved)]
+    pipe.abort("r1")
+    pipe.deliver(DECODE)  # quarantined; prefill's ack not back yet
+    assert getattr(pipe.reserve("r1", "B", PROMPTS[6]), "code") == "duplicate_request_id"  # noqa: B009
+    assert (pipe.decode.engine.pool.state[pages] == PageState.QUARANTINED).all()
+    pipe.deliver(PREFILL)
+    pipe.deliver(DECODE)  # the ack: drained
+    assert (pipe.decode.engine.pool.state[pages] == PageState.FREE).all()
+    assert pipe.reserve("r1", "B", PROMPTS[6]).KIND == "reserved"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_bytes_round_trip(dtype: torch.dtype) -> None:
     pool = KVPool(2, 4, 4, 2, 8, dtype, "cpu")

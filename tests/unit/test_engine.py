@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from typing import Any
 
 import pytest
 import torch
 from conftest import make_engine
 
 from kvfence.config import CapacityError
-from kvfence.engine.engine import CONTEXT_LENGTH_EXCEEDED, AdmissionError
+from kvfence.engine.async_engine import AsyncEngine
+from kvfence.engine.engine import CONTEXT_LENGTH_EXCEEDED, DUPLICATE_REQUEST_ID, AdmissionError, LLMEngine
 from kvfence.model.transformer import StepInputs, Transformer
-from kvfence.request import Status
+from kvfence.request import Request, Status
 from kvfence.sampling import SamplingParams
 
 _rng = random.Random(3)
@@ -50,6 +53,68 @@ def test_rejection_happens_before_any_page_is_reserved(
     while not running.is_finished:
         engine.step()
     assert running.status is Status.FINISHED and "big" not in engine.requests
+
+
+def held(engine: LLMEngine, request: Request) -> tuple[Any, ...]:
+    """What a refused request must leave as it was: the live request's place, state, pages and trail, and
+    the pool."""
+    record = request.record
+    return (
+        engine.requests.get(request.request_id) is request,
+        request.status,
+        request.num_computed_tokens,
+        list(record.pages),
+        list(record.generations),
+        engine.events.kinds(request.request_id),
+        engine.allocator.num_free_pages,
+        engine.pool.generation.tolist(),
+    )
+
+
+def test_a_request_with_a_live_id_is_refused_and_the_live_one_goes_on(tiny: Transformer) -> None:
+    """A second request under a live id gets 409 and leaves nothing behind; the live one finishes with the
+    tokens it gives alone."""
+    first = prompt(12)
+    alone = make_engine(tiny).generate([first], GREEDY)[0].output_token_ids
+    engine = make_engine(tiny)
+    live = engine.add_request(first, GREEDY, "a", request_id="r1")
+    engine.step()
+    before = held(engine, live)
+    with pytest.raises(AdmissionError) as err:
+        engine.add_request(prompt(5), GREEDY, "b", request_id="r1")
+    assert (err.value.code, err.value.status) == (DUPLICATE_REQUEST_ID, 409)
+    assert held(engine, live) == before
+    while not live.is_finished:
+        engine.step()
+    assert (live.status, live.output_token_ids) == (Status.FINISHED, alone)
+    engine.add_request(prompt(5), GREEDY, "b", request_id="r1")  # once it is gone, the id is free
+
+
+def test_the_engine_thread_refuses_a_live_id_without_touching_its_stream(tiny: Transformer) -> None:
+    """Over AsyncEngine: the refused caller's exit neither takes over nor aborts the live request's stream
+    (it used to register its own stream under the id first, and abort the id on its way out)."""
+    first = prompt(12)
+    alone = make_engine(tiny).generate([first], GREEDY)[0].output_token_ids
+    engine = make_engine(tiny)
+    engine.tokenizer = object()  # type: ignore[assignment]  # AsyncEngine hands it to the HTTP layer only
+
+    async def scenario(client: AsyncEngine) -> list[Any]:
+        live = client.generate(first, GREEDY, "a", "r1")
+        outputs = [await anext(live)]  # admitted and stepping
+        with pytest.raises(AdmissionError) as err:
+            await anext(client.generate(prompt(5), GREEDY, "b", "r1"))
+        assert err.value.code == DUPLICATE_REQUEST_ID
+        return outputs + [output async for output in live]
+
+    client = AsyncEngine(engine)
+    client.start()
+    try:
+        outputs = asyncio.run(scenario(client))
+    finally:
+        client.shutdown()
+    assert [t for o in outputs for t in o.new_token_ids] == alone
+    assert (outputs[-1].status, outputs[-1].finish_reason) == (Status.FINISHED, "length")
+    assert engine.events.kinds("r1").count("admitted") == 1 and "aborted" not in engine.events.kinds("r1")
 
 
 def test_boundary_request_is_admitted(tiny: Transformer) -> None:

@@ -10,7 +10,13 @@ import pytest
 import torch
 from conftest import make_engine
 
-from kvfence.engine.engine import CONTEXT_LENGTH_EXCEEDED, FORKED, AdmissionError, LLMEngine
+from kvfence.engine.engine import (
+    CONTEXT_LENGTH_EXCEEDED,
+    DUPLICATE_REQUEST_ID,
+    FORKED,
+    AdmissionError,
+    LLMEngine,
+)
 from kvfence.model.transformer import Transformer
 from kvfence.request import Request, Status, fork_id
 from kvfence.sampling import SamplingParams
@@ -157,3 +163,29 @@ def test_forks_count_against_the_tenant_limits_and_max_num_seqs(tiny: Transforme
         assert sum(max(1, len(r.forks)) for r in running if r.tenant == "a") <= 3
     assert widest <= 4
     assert all(c.output_token_ids == solo(tiny, with_seed(SEEDED, c.index)) for c in other.forks)
+
+
+def refuse(engine: LLMEngine, request_id: str, n: int) -> None:
+    with pytest.raises(AdmissionError) as err:
+        engine.add_request(PROMPT, SEEDED, "c", request_id=request_id, n=n)
+    assert err.value.code == DUPLICATE_REQUEST_ID, request_id
+
+
+def test_the_ids_of_a_family_stay_its_own_while_any_member_runs(tiny: Transformer) -> None:
+    """A parent's forks-to-come hold their ids before they start, and the parent's id stays held while its
+    forks run (a decode worker aborts the forks by it); a request with n > 1 claims its forks' ids too.
+    Each is refused with 409, and the family's forks still sample their solo tokens."""
+    engine = make_engine(tiny, page_size=PAGE, max_num_batched_tokens=4)  # a prompt of three chunks
+    parent = engine.add_request(PROMPT, SEEDED, "a", request_id="p", n=2)
+    loner = engine.add_request(PROMPT[:3], SEEDED, "b", request_id=fork_id("q", 1))
+    engine.step()
+    assert parent.status is Status.RUNNING and not loner.is_finished  # nothing forked yet
+    refuse(engine, fork_id("p", 1), 1)  # a fork to come
+    refuse(engine, "q", 2)  # its fork 1 would take a live id
+    run_until_forked(engine, parent)
+    refuse(engine, "p", 1)  # the parent's id, its forks running
+    assert parent.finish_reason == FORKED and engine.events.kinds("p").count("admitted") == 1
+    run_all(engine, [*parent.forks, loner])
+    for index, child in enumerate(parent.forks):
+        assert child.output_token_ids == solo(tiny, with_seed(SEEDED, index))
+    engine.add_request(PROMPT, SEEDED, "c", request_id="p", n=2)  # the family is done: its ids are free

@@ -9,8 +9,10 @@ router serves the real HTTP app. Each test fails without its protection.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -41,7 +43,9 @@ from kvfence.disagg.messages import (
 )
 from kvfence.disagg.placement import Placement, WorkerInfo
 from kvfence.disagg.router import Router
+from kvfence.engine.engine import DUPLICATE_REQUEST_ID, AdmissionError
 from kvfence.engine.stats import EngineStats
+from kvfence.sampling import SamplingParams
 
 ADMIN_KEY = "admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -363,3 +367,63 @@ def test_an_output_of_a_choice_the_request_has_not_fails_it_closed() -> None:
         response = client.post("/v1/completions", json=body)
     assert response.status_code >= 500 and "choices" not in response.json(), response.text
     assert router.rejected["bad_field"] == 1
+
+
+class HeldDecode(StandIn):
+    """A decode stand-in that reserves every one-token prompt (nothing to transfer), notes each request
+    message it gets in arrival order, and sends the outputs the test hands it."""
+
+    def __init__(self, role: str) -> None:
+        self.got: list[tuple[str, str]] = []  # (kind, request_id)
+        self.outputs: queue.Queue[Output] = queue.Queue()
+        super().__init__(role)
+
+    def _serve(self) -> None:
+        router = None
+        try:
+            while not self._stopped.is_set():
+                while router is not None and not self.outputs.empty():
+                    self.connector.send(router, self.outputs.get_nowait())
+                item = self.connector.recv(0.05)
+                if not isinstance(item, Received):
+                    continue
+                message = decode(item.header, item.payload, BOUNDS)
+                if isinstance(message, Reserve | Abort):
+                    router = item.sender
+                    self.got.append((message.KIND, message.request_id))
+                    if isinstance(message, Reserve):
+                        self.connector.send(router, Reserved(message.request_id, []))
+                else:
+                    self.connector.send(item.sender, self._answer(message))
+        finally:
+            self.connector.close()
+
+
+def test_a_second_request_under_a_live_id_is_refused_before_anything_is_sent() -> None:
+    """The router refuses (409) a request whose id one in flight holds, sending decode nothing: the live
+    request keeps its stream and ends with its own output, and decode sees one reserve and no abort. (It
+    used to take over the id's stream and route, send a second reserve and, leaving, abort the id.)"""
+    held = HeldDecode("decode")
+    params = SamplingParams(max_tokens=1)
+
+    async def scenario(router: Router) -> tuple[AdmissionError, Any]:
+        live = router.generate([5], params, "t", "r1")
+        first = asyncio.ensure_future(anext(live))
+        deadline = time.monotonic() + WAIT_S
+        while not held.got and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert held.got == [("reserve", "r1")]
+        with pytest.raises(AdmissionError) as refused:
+            await asyncio.wait_for(anext(router.generate([6], params, "t", "r1")), WAIT_S)
+        held.outputs.put(Output("r1", [7], "x", True, "finished", "length", 1, 1))
+        output = await asyncio.wait_for(first, WAIT_S)
+        await live.aclose()
+        return refused.value, output
+
+    with serving([StandIn("prefill")], [held]) as (router, _):
+        refused, output = asyncio.run(scenario(router))
+        router.worker_stats("decode")  # its reply follows every earlier message to decode (one channel)
+        assert held.got == [("reserve", "r1")]
+    assert (refused.code, refused.status) == (DUPLICATE_REQUEST_ID, 409)
+    assert (output.new_token_ids, output.finish_reason) == ([7], "length")
+    assert router.events.kinds("r1").count("admitted") == 1 and not router.placement.routes
