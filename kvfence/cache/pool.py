@@ -1,8 +1,9 @@
 """The KV page pool: the tensors plus the per-page metadata that is the fence's ground truth.
 
-KV layout is [layers, 2, pages, page_size, kv_heads, head_dim] on the model's device. Pages are never
-zeroed on reuse (as in every fast engine): a recycled page holds its previous owner's data until it is
-overwritten, which is exactly why every read must be fenced.
+KV layout is [layers, 2, pages, page_size, kv_heads, head_dim] on the model's device, `pages` counting
+the scratch and zero pages past `num_pages` (`KVPool.__init__`). Pages are never zeroed on reuse (as in
+every fast engine): a recycled page holds its previous owner's data until it is overwritten, which is
+exactly why every read must be fenced.
 
 Metadata (README: "How the fence works") is host-side numpy, one entry per page:
   generation  bumped on every allocation            (allocator only)
@@ -57,10 +58,16 @@ class KVPool:
         # never validates a read of it; allocated here, not appended later, so nothing registered on `kv`
         # is orphaned and the pool's memory is never briefly doubled.
         self.scratch_page = num_pages if scratch_page else None
+        # The zero page, past every other, holds zeros for good: the fence refuses a write into it (it has
+        # no metadata), no allocator hands it out, and the graphs' padding rows write the scratch page. The
+        # torch decode path reads it for every slot past a row's context, so neither a table's padding nor
+        # a page's unwritten slots (a previous owner's KV, NaN for all it knows) reach attention: a mask
+        # alone does not neutralise them, as 0 * NaN is NaN.
+        self.zero_page = num_pages + scratch_page
         self.kv = torch.zeros(
             num_layers,
             2,
-            num_pages + scratch_page,
+            self.zero_page + 1,
             page_size,
             num_kv_heads,
             head_dim,

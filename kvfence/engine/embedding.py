@@ -66,6 +66,7 @@ class EmbeddingJob:
             decode_context_lens=torch.zeros(0, dtype=torch.long, device=device),
             prefills=[PrefillSeq(0, n, end, table)],
             logits_rows=torch.tensor([n - 1], dtype=torch.long, device=device),
+            zero_page=None,  # no decode rows
         )
         hidden = model.hidden_states(inputs, self._kv)
         self.computed = end

@@ -180,6 +180,7 @@ class DecodeGraphRunner:
             decode_context_lens=lens,
             prefills=[],
             logits_rows=rows,
+            zero_page=self.pool.zero_page,
         )
 
     def _load(self, batch: DecodeBatch, bucket: int) -> None:
@@ -193,8 +194,9 @@ class DecodeGraphRunner:
         self._load_tables(batch, bucket)
 
     def _load_tables(self, batch: DecodeBatch, bucket: int) -> None:
-        """Only the rows that changed go to the device. Past its pages a row names the scratch page, so
-        not even a masked read (the SDPA fallback gathers the whole width) touches another request's page."""
+        """Only the rows that changed go to the device. Past its pages a row names the scratch page, so its
+        table names no other request's page (the SDPA fallback reads the pool's zero page past a row's
+        context, whatever the table holds there)."""
         new = np.full((bucket, self.width), self.scratch_page, dtype=np.int64)
         new[: batch.rows] = batch.padded_tables(self.width, self.scratch_page)
         changed = np.flatnonzero((self.tables_host[:bucket] != new).any(axis=1))

@@ -168,6 +168,7 @@ class ModelRunner:
             )
             for row in np.flatnonzero(~is_decode).tolist()
         ]
+        tables = _decode_tables(layout, decode, self.pool.zero_page)
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(layout.write_positions).to(device),
@@ -175,12 +176,13 @@ class ModelRunner:
                 device
             ),
             decode_rows=torch.from_numpy(token_ends[decode] - 1).to(device),
-            decode_block_tables=torch.from_numpy(_decode_tables(layout, decode)).to(device),
+            decode_block_tables=torch.from_numpy(tables).to(device),
             decode_context_lens=torch.from_numpy(cached[decode] + 1).to(device),
             prefills=prefills,
             logits_rows=torch.from_numpy(
                 np.concatenate([[row for row, _, _ in prompt_rows], token_ends[sampled] - 1]).astype(np.int64)
             ).to(device),
+            zero_page=self.pool.zero_page,
         )
         return inputs, np.flatnonzero(sampled).tolist(), [(r, position) for _, r, position in prompt_rows]
 
@@ -237,11 +239,12 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
     return request.prompt_token_ids[start:end] + request.output_token_ids[: max(end - prompt, 0)]
 
 
-def _decode_tables(layout: StepLayout, rows: np.ndarray) -> np.ndarray:
-    """[len(rows), widest] int64: each row's pages from the layout, padded with 0 (past a row's length
-    nothing is read: the kernel stops at its pages, and SDPA masks the padding)."""
+def _decode_tables(layout: StepLayout, rows: np.ndarray, pad_page: int) -> np.ndarray:
+    """[len(rows), widest] int64: each row's pages from the layout, padded with `pad_page` (the pool's zero
+    page: past a row's length nothing is read, the kernel stops at its pages and SDPA gathers the zero page,
+    yet the table names no page another request holds)."""
     begins, counts = layout.starts[rows], np.diff(layout.starts)[rows]
-    tables = np.zeros((rows.size, int(counts.max(initial=0))), dtype=np.int64)
+    tables = np.full((rows.size, int(counts.max(initial=0))), pad_page, dtype=np.int64)
     which = np.repeat(np.arange(rows.size), counts)
     columns = np.arange(which.size) - np.repeat(np.cumsum(counts) - counts, counts)
     tables[which, columns] = layout.pages[np.repeat(begins, counts) + columns]

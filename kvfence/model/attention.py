@@ -1,10 +1,12 @@
 """Attention of one layer of one step over the paged pool: decode rows through a `PagedDecode` kernel (in
-place) or gathered pages and SDPA, prefill chunks through SDPA; every path honours the layer's scale and
+place) or gathered slots and SDPA, prefill chunks through SDPA; every path honours the layer's scale and
 sliding window. The pool may hold K/V in a narrower type (float16) than the queries (float32): what is
 read from it is widened, and a chunk's own new K/V are rounded as the pool stores them.
 
 Contract: the pages read are the ones in the step's block tables, which the fence validated; a
-sliding-window layer reads a subset of them (its last `window` positions), never a page outside them.
+sliding-window layer reads a subset of them (its last `window` positions), never a page outside them. A
+decode row reads no slot past its context: where the torch path needs one (to pad a row to the widest),
+it reads the pool's zero page, which no request owns.
 Query i of a chunk at position p sees keys at positions j with j <= p and, in a window, p - j < window.
 """
 
@@ -71,22 +73,45 @@ def decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     spec: LayerAttention,
+    slots: torch.Tensor | None,
 ) -> torch.Tensor:
-    """q [D, heads, hd] attends over each row's pages: in place with the kernel, else the pages gathered
-    (padded to the widest row) and SDPA with the padding, and the positions before a window, masked."""
+    """q [D, heads, hd] attends over each row's pages: in place with the kernel, else each row's `slots`
+    gathered (`context_slots`, made once for a step's layers: the zero page past a row's context) and SDPA
+    with the slots past the context, and the positions before a window, masked."""
     if kernel is not None:
         return kernel(q, k_cache, v_cache, block_tables, context_lens, spec.scale, spec.window)
-    keys = gather_pages(k_cache, block_tables).to(q.dtype).transpose(1, 2)
-    values = gather_pages(v_cache, block_tables).to(q.dtype).transpose(1, 2)
-    slots = torch.arange(keys.shape[2], device=q.device)
+    assert slots is not None, "decode attention over SDPA gathers the step's context_slots"
+    keys = gather_slots(k_cache, slots).to(q.dtype).transpose(1, 2)
+    values = gather_slots(v_cache, slots).to(q.dtype).transpose(1, 2)
+    positions = torch.arange(keys.shape[2], device=q.device)
     last = (context_lens - 1)[:, None]
-    mask = slots[None, :] <= last
+    mask = positions[None, :] <= last
     if spec.window:
-        mask &= last - slots[None, :] < spec.window
+        mask &= last - positions[None, :] < spec.window
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], enable_gqa=True, scale=spec.scale
     )
     return out.squeeze(2)
+
+
+def context_slots(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, zero_page: int
+) -> torch.Tensor:
+    """[rows, width * page_size] flat slots (page * page_size + offset): each row's context in order, and
+    past it the zero page's first slot. So a gather reads neither a table's padding (another request's
+    page, if padded with one) nor the unwritten slots of the row's last page (a previous owner's KV): the
+    mask keeps a slot from being attended, not its NaN from poisoning the row (0 * NaN is NaN)."""
+    offsets = torch.arange(page_size, device=block_tables.device)
+    slots = (block_tables[:, :, None] * page_size + offsets).flatten(1)
+    positions = torch.arange(slots.shape[1], device=block_tables.device)
+    return torch.where(positions < context_lens[:, None], slots, zero_page * page_size)
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`cache` [pages, page_size, kv_heads, head_dim] at flat `slots` [rows, n]: [rows, n, kv_heads,
+    head_dim], one index_select over contiguous slots."""
+    nkv, hd = cache.shape[2:]
+    return cache.view(-1, nkv * hd).index_select(0, slots.flatten()).view(*slots.shape, nkv, hd)
 
 
 def prefill(

@@ -3,10 +3,10 @@
 One call runs a whole step: a flat list of tokens from many sequences (chunked prefill and decode mixed).
 Each layer stores the new tokens' K/V into their pool slots, then attends over the pool (attention.py):
 decode rows through the paged-attention kernel, in place (C on CPU, Triton on CUDA; where neither runs:
-one padded SDPA over gathered pages), prefill chunks through one SDPA each. Every row, prefill and decode,
-multiplies by the GGUF's quantized weights in a C kernel (the same float32 weights in about a third of the
-bytes, and the only copy of them: weights.py). Logits are computed only at the rows that are sampled,
-because the LM head is the largest matmul of a prefill step.
+one padded SDPA over gathered slots, the pool's zero page past each row's context), prefill chunks through
+one SDPA each. Every row, prefill and decode, multiplies by the GGUF's quantized weights in a C kernel (the
+same float32 weights in about a third of the bytes, and the only copy of them: weights.py). Logits are
+computed only at the rows that are sampled, because the LM head is the largest matmul of a prefill step.
 
 Architectures differ only in what `ModelConfig` and the layer's tensors say: Q/K/V biases (Qwen 2), per-head
 Q/K norms (Qwen 3, Gemma 3), norms after each branch, a scaled embedding and GeGLU (Gemma 3), per-layer
@@ -63,6 +63,9 @@ class StepInputs:
     decode_context_lens: torch.Tensor  # [D] tokens each decode row attends over (new one included)
     prefills: list[PrefillSeq]
     logits_rows: torch.Tensor  # [S] indices into T whose logits are returned
+    # A page of `kv` that holds zeros (KVPool.zero_page): the torch decode path reads it for every slot past
+    # a row's context. None only for a step without decode rows.
+    zero_page: int | None
 
 
 class Rope:
@@ -269,15 +272,27 @@ class Transformer:
         if self._c_layers is not None:
             h = self._layers_in_c(self._c_layers, h.contiguous(), inputs, kv, (*angles, *local))
         else:
+            slots = self._decode_slots(inputs, kv.shape[3])
             for li, layer in enumerate(self.layers):
                 rope = local if li in cfg.local_layers else angles
-                attn = self._attend(li, layer, self._rms_norm(h, layer.attn_norm), inputs, kv, rope)
+                x = self._rms_norm(h, layer.attn_norm)
+                attn = self._attend(li, layer, x, inputs, kv, rope, slots)
                 out = self._linear(attn, layer.o)
                 h = h + (out if layer.post_attn_norm is None else self._rms_norm(out, layer.post_attn_norm))
                 gate, up = self._linear(self._rms_norm(h, layer.ffn_norm), layer.gate_up).chunk(2, dim=-1)
                 out = self._linear(self._act(gate) * up, layer.down)
                 h = h + (out if layer.post_ffn_norm is None else self._rms_norm(out, layer.post_ffn_norm))
         return self._rms_norm(h[inputs.logits_rows], self.norm)
+
+    def _decode_slots(self, inputs: StepInputs, page_size: int) -> torch.Tensor | None:
+        """What decode rows over SDPA gather (`attention.context_slots`), made once for every layer of the
+        step; None where the kernel decodes, or no row does."""
+        if self._kernel is not None or not inputs.decode_rows.numel():
+            return None
+        if inputs.zero_page is None:
+            raise ValueError("decode attention over SDPA needs the pool's zero page")
+        tables, lens = inputs.decode_block_tables, inputs.decode_context_lens
+        return attention.context_slots(tables, lens, page_size, inputs.zero_page)
 
     def _layers_in_c(
         self,
@@ -313,7 +328,7 @@ class Transformer:
                 tables, lens = inputs.decode_block_tables, inputs.decode_context_lens
                 rows_q = q[inputs.decode_rows]
                 attn[inputs.decode_rows] = attention.decode(
-                    self._kernel, rows_q, k_cache, v_cache, tables, lens, spec
+                    self._kernel, rows_q, k_cache, v_cache, tables, lens, spec, None
                 )
             for seq in inputs.prefills:
                 attn[seq.start : seq.end] = attention.prefill(q, k, v, k_cache, v_cache, seq, spec)
@@ -328,10 +343,11 @@ class Transformer:
         inputs: StepInputs,
         kv: torch.Tensor,
         angles: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor | None,
     ) -> torch.Tensor:
         """Layer `li`'s attention block up to the output projection: Q/K/V, their norms and RoPE at the
-        layer's `angles` (cos, sin), the new K/V stored in their slots, attention over the pool. Returns
-        [T, heads * head_dim]."""
+        layer's `angles` (cos, sin), the new K/V stored in their slots, attention over the pool (decode
+        rows over SDPA: at `_decode_slots`). Returns [T, heads * head_dim]."""
         cfg = self.config
         nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self._linear(x, layer.qkv).view(-1, nq + 2 * nkv, hd)
@@ -347,7 +363,7 @@ class Transformer:
 
         def decode(rows: torch.Tensor) -> torch.Tensor:
             tables, lens = inputs.decode_block_tables, inputs.decode_context_lens
-            return attention.decode(self._kernel, rows, k_cache, v_cache, tables, lens, spec)
+            return attention.decode(self._kernel, rows, k_cache, v_cache, tables, lens, spec, slots)
 
         if not inputs.prefills:  # a pure decode step: every row is a decode row, in order
             return decode(q).view(-1, nq * hd)

@@ -24,7 +24,8 @@ def new_pool(seed: int = 0) -> KVPool:
     pool = KVPool(
         TINY.num_layers, NUM_PAGES, PAGE_SIZE, TINY.num_kv_heads, TINY.head_dim, torch.float32, "cpu", True
     )
-    pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(seed)))
+    pages = pool.kv[:, :, : pool.zero_page]  # every page but the zero page holds someone's old KV
+    pages.copy_(torch.randn(pages.shape, generator=torch.Generator().manual_seed(seed)))
     return pool
 
 
@@ -41,7 +42,7 @@ def decode_batch(lengths: list[int], pages: list[list[int]]) -> DecodeBatch:
 
 def eager(model: Transformer, pool: KVPool, batch: DecodeBatch) -> torch.Tensor:
     """The same step through the eager forward, exactly as the runner builds decode inputs."""
-    tables = torch.from_numpy(batch.padded_tables(int(np.diff(batch.starts).max()), 0))
+    tables = torch.from_numpy(batch.padded_tables(int(np.diff(batch.starts).max()), pool.zero_page))
     rows = torch.arange(batch.rows)
     inputs = StepInputs(
         input_ids=torch.from_numpy(batch.token_ids),
@@ -52,6 +53,7 @@ def eager(model: Transformer, pool: KVPool, batch: DecodeBatch) -> torch.Tensor:
         decode_context_lens=torch.from_numpy(batch.positions + 1),
         prefills=[],
         logits_rows=rows,
+        zero_page=pool.zero_page,
     )
     return model.forward(inputs, pool.kv)
 
@@ -86,7 +88,8 @@ def test_real_rows_equal_the_eager_forward_and_padding_touches_only_scratch(atte
     # scratch page, past the pool's pages); the slots the real rows wrote hold the eager step's K/V up to
     # BLAS rounding: the projections of a 4-row and a 3-row batch round differently on some CPUs (2.6e-6
     # seen on an AVX-512 EPYC). Only the decode kernels pin batch invariance, not these GEMMs.
-    assert ours.kv.shape[2] == NUM_PAGES + 1 and graphs.scratch_page == NUM_PAGES
+    assert ours.kv.shape[2] == NUM_PAGES + 2 and graphs.scratch_page == NUM_PAGES
+    assert ours.zero_page == NUM_PAGES + 1 and not ours.kv[:, :, ours.zero_page].any()
     mine, eager_kv = ours.kv[:, :, :NUM_PAGES].flatten(2, 3), theirs.kv[:, :, :NUM_PAGES].flatten(2, 3)
     written = torch.from_numpy(batch.slots)
     untouched = torch.ones(NUM_PAGES * PAGE_SIZE, dtype=torch.bool)

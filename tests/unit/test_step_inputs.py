@@ -21,7 +21,8 @@ from kvfence.sampling import SamplingParams
 def per_row_model_inputs(
     runner: ModelRunner, requests: list[Request], num_new: list[int], layout: StepLayout
 ) -> tuple[StepInputs, list[int]]:
-    """The per-row implementation as it was (kvfence 553e6b0), verbatim but for `self`."""
+    """The per-row implementation as it was (kvfence 553e6b0), verbatim but for `self` and the tables'
+    padding: the pool's zero page, not page 0 (another request's)."""
     device, ps = runner.model.device, runner.pool.page_size
     token_starts = np.concatenate([[0], np.cumsum(num_new)])
     input_ids = list(
@@ -44,7 +45,7 @@ def per_row_model_inputs(
             logits_rows.append(end - 1)
             sample_rows.append(row)
     max_pages = max((len(p) for _, _, p in decode), default=0)
-    tables = torch.zeros(len(decode), max_pages, dtype=torch.long)
+    tables = torch.full((len(decode), max_pages), runner.pool.zero_page, dtype=torch.long)
     for i, (_, _, pages) in enumerate(decode):
         tables[i, : len(pages)] = pages
     inputs = StepInputs(
@@ -56,6 +57,7 @@ def per_row_model_inputs(
         decode_context_lens=torch.tensor([d[1] for d in decode], dtype=torch.long, device=device),
         prefills=prefills,
         logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        zero_page=runner.pool.zero_page,
     )
     return inputs, sample_rows
 
@@ -66,6 +68,7 @@ def assert_same_inputs(ours: StepInputs, theirs: StepInputs) -> None:
         assert a.dtype == b.dtype == torch.long and torch.equal(a, b), name
     for name in ("decode_context_lens", "logits_rows"):
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    assert ours.zero_page == theirs.zero_page
     assert len(ours.prefills) == len(theirs.prefills)
     for a, b in zip(ours.prefills, theirs.prefills, strict=True):
         assert (a.start, a.end, a.context_len) == (b.start, b.end, b.context_len)
