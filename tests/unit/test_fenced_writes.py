@@ -189,9 +189,10 @@ def run(engine: LLMEngine, jobs: list[tuple[str, int, int]]) -> list[Request]:
 
 
 def solo(model: Transformer, request: Request) -> list[int]:
-    return run(make_engine(model, **SETTINGS), [(request.tenant, len(request.prompt_token_ids), 6)])[
-        0
-    ].output_token_ids
+    """`request`'s tokens alone on a fresh engine."""
+    job = (request.tenant, len(request.prompt_token_ids), request.params.max_tokens)
+    (alone,) = run(make_engine(model, **SETTINGS), [job])
+    return alone.output_token_ids
 
 
 def skipped_slot_run(
@@ -215,11 +216,10 @@ def skipped_slot_run(
     return engine, fault, b, c
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "numpy"])
 def test_a_skipped_slot_leaks_the_previous_owner_without_the_fence(
-    tiny: Transformer, monkeypatch: pytest.MonkeyPatch, native: bool
+    tiny: Transformer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, _, b, c = skipped_slot_run(tiny, monkeypatch, isolation=False, native=native)
+    _, _, b, c = skipped_slot_run(tiny, monkeypatch, isolation=False, native=True)
     assert b.status is Status.FINISHED and c.status is Status.FINISHED
     assert b.output_token_ids != solo(tiny, b), "reading a's KV in the skipped slot changed no output"
     assert c.output_token_ids == solo(tiny, c)
