@@ -1,9 +1,12 @@
 """KV transfer transport: a mailbox per node, point-to-point, ordered per sender, authenticated.
 
-Every node (router, prefill worker, decode worker) owns one address. `send(peer, message)` delivers to
-the peer's mailbox; `recv()` returns what arrived, or a `LinkEvent`. Messages from one sender to one
-receiver arrive in the order sent — the handoff protocol relies on it: an abort-ack sent after the last
-page proves that no page of that request is still on the way.
+Every node (router, prefill worker, decode worker) owns one address. `send(peer, message)` queues a
+message for the peer's mailbox and never blocks: it returns False when the message could not be queued
+(the peer has not taken `send_hwm` messages: slow, stopped or gone), which is then dropped whole and
+counted (`rejected["send_blocked"]`), so that one stalled peer cannot stop a node's only thread; the
+caller fails closed what the message was for. `recv()` returns what arrived, or a `LinkEvent`. Messages
+from one sender to one receiver that are queued arrive in the order sent — the handoff protocol relies
+on it: an abort-ack sent after the last page proves that no page of that request is still on the way.
 
 Trust nothing that arrives:
 - With keys (`TransportKeys`), every socket runs CURVE (encrypted, and the peer's key checked against the
@@ -42,6 +45,10 @@ from kvfence.disagg.messages import Msg, encode
 
 log = logging.getLogger("kvfence.disagg")
 MAX_FRAME_BYTES = 64 << 20  # larger than any page of any model served here; bigger frames are cut off
+# Messages queued for one peer before a send is refused (a count, not bytes: libzmq bounds nothing else).
+# A transfer of 8192 pages (a 128k-token window in 16-token pages) queues whole while the receiver is
+# mid-step; a peer that has left that many, and its own receive queue, untaken is stalled.
+SEND_HWM = 8192
 
 
 @dataclass(frozen=True)
@@ -71,10 +78,13 @@ class Connector(ABC):
     secure: bool = False
 
     def __init__(self) -> None:
-        self.rejected: Counter[str] = Counter()  # frames dropped before parsing, by reason
+        # Frames dropped by reason: received ones before parsing, and sends not queued (`send_blocked`).
+        self.rejected: Counter[str] = Counter()
 
     @abstractmethod
-    def send(self, peer: str, message: Msg) -> None: ...
+    def send(self, peer: str, message: Msg) -> bool:
+        """Queue `message` for `peer` without blocking: True once it is queued whole, False when it was
+        dropped whole (counted as `send_blocked`)."""
 
     @abstractmethod
     def recv(self, timeout_s: float) -> Received | LinkEvent | None:
@@ -136,11 +146,14 @@ class _Curve:
 
 
 class ZmqConnector(Connector):
-    """A bound ROUTER socket receives; one DEALER per peer sends. A monitor on each DEALER reports the TCP
-    connection as a LinkEvent (a DEALER reconnects by itself, so a restarted peer comes back up)."""
+    """A bound ROUTER socket receives; one DEALER per peer sends, queuing at most `send_hwm` messages for
+    it (SNDHWM). A monitor on each DEALER reports the TCP connection as a LinkEvent (a DEALER reconnects by
+    itself, so a restarted peer comes back up)."""
 
-    def __init__(self, bind: str, keys: TransportKeys | None = None) -> None:
+    def __init__(self, bind: str, keys: TransportKeys | None = None, send_hwm: int = SEND_HWM) -> None:
         super().__init__()
+        self._send_hwm = send_hwm
+        self._dropped: Counter[str] = Counter()  # sends dropped, by peer (logged at 1, 2, 4, 8...)
         self._curve = _Curve(keys, self.rejected) if keys else None
         self.secure = keys is not None
         self._context = self._curve.context if self._curve else zmq.Context.instance()
@@ -167,6 +180,7 @@ class ZmqConnector(Connector):
             return
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, self._send_hwm)
         socket.setsockopt_string(zmq.IDENTITY, self.address)
         if self._curve:
             self._curve.client(socket, peer)  # raises UnknownPeer before anything is dialled
@@ -176,9 +190,22 @@ class ZmqConnector(Connector):
         self._monitors[monitor] = peer
         self._poller.register(monitor, zmq.POLLIN)
 
-    def send(self, peer: str, message: Msg) -> None:
+    def send(self, peer: str, message: Msg) -> bool:
+        """NOBLOCK: a full queue (SNDHWM reached) refuses the message's first frame with EAGAIN, and then
+        nothing of it is queued. Once the first frame is in, libzmq takes the last one too (the mark counts
+        whole messages), unless the pipe is torn down in between, and then it drops the whole message and
+        refuses that frame: no peer ever receives half a message."""
         self.connect(peer)
-        self._peers[peer].send_multipart(encode(message), copy=False)
+        try:
+            self._peers[peer].send_multipart(encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.rejected["send_blocked"] += 1
+            self._dropped[peer] += 1
+            dropped = self._dropped[peer]
+            if dropped & (dropped - 1) == 0:  # a stalled peer costs a log line per doubling, not per frame
+                log.warning("%s is not taking its messages: %d dropped (send_blocked)", peer, dropped)
+            return False
+        return True
 
     def role_of(self, peer: str) -> str | None:
         known = self._curve.keys.book.by_address.get(peer) if self._curve else None
@@ -266,9 +293,11 @@ class MemoryConnector(Connector):
     def role_of(self, peer: str) -> str | None:
         return self.hub.roles.get(peer)
 
-    def send(self, peer: str, message: Msg) -> None:
+    def send(self, peer: str, message: Msg) -> bool:
+        """An in-process mailbox has no bound: always queued."""
         header, payload = encode(message)
         self.hub.mailboxes[peer].append(Received(self.address, self.hub.roles[self.address], header, payload))
+        return True
 
     def inject(self, peer: str, header: bytes, payload: bytes = b"") -> None:
         """Put raw frames in a peer's mailbox as this node (tests: malformed or forged messages)."""

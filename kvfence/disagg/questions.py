@@ -51,6 +51,14 @@ class Questions:
     def close(self, token: str) -> None:
         self._open.pop(token, None)
 
+    def fail(self, token: str, error: Exception) -> None:
+        """The question could not be sent: it is closed, and an awaiting asker gets `error` now rather than
+        at its timeout."""
+        asked = self._open.pop(token, None)
+        future = None if asked is None else asked[2]
+        if future is not None and not future.done():
+            future.set_exception(error)
+
     def take(self, sender: str, token: str, reply: Msg) -> Answered:
         """Whether `reply`, from `sender`, answers an open question, and which kind of question."""
         asked = self._open.get(token)

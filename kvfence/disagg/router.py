@@ -18,9 +18,10 @@ All sockets live on one I/O thread; asyncio callers talk to it through a queue a
 trusts nothing it receives: a frame is parsed into its declared type, its authenticated sender must have
 the role that may send that kind, a reply must answer a question this router asked that very worker, and
 a request's messages must come from the worker it was sent to. Everything else is dropped and counted;
-no frame can end the thread (`alive` says whether it runs, and /health with it). What a reply says is
-untrusted too (a worker's key may be stolen): its stats, audit events, pool and pins go through
-`replies.py` before anything uses them, and what it drops or caps is counted as `bad_reply`.
+no frame can end the thread (`alive` says whether it runs, and /health with it), and no send can block it
+(`_send_now`). What a reply says is untrusted too (a worker's key may be stolen): its stats, audit events,
+pool and pins go through `replies.py` before anything uses them, and what it drops or caps is counted as
+`bad_reply`.
 """
 
 from __future__ import annotations
@@ -372,7 +373,7 @@ class Router:
         try:
             while not self._stopped.is_set():
                 while not self._outbox.empty():
-                    connector.send(*self._outbox.get_nowait())
+                    self._send_now(connector, *self._outbox.get_nowait())
                 received = connector.recv(IO_WAIT_S)
                 if received is not None:
                     self._dispatch_safely(received)
@@ -380,6 +381,29 @@ class Router:
                 connector.rejected.clear()
         finally:
             connector.close()
+
+    def _send_now(self, connector: Connector, peer: str, message: Msg) -> None:
+        """Send on the I/O thread, which a send never blocks. A message the connector dropped (the worker is
+        not taking its frames: counted as `send_blocked`) fails what waits on it now: a question's asker
+        gets TimeoutError (a lost hello after a reconnection keeps that worker out until its next link up),
+        and a request whose `reserve` or `prefill` was lost ends (`send_blocked`), decode told to abort. A
+        lost `abort` leaves nothing to fail: its request is over here already."""
+        if connector.send(peer, message):
+            return
+        token = getattr(message, "token", None)
+        if token is not None:
+            self.questions.fail(
+                token, TimeoutError(f"{message.KIND} to {self.names.get(peer, peer)} could not be sent")
+            )
+        elif isinstance(message, Reserve | Prefill):
+            self._end_stream(message.request_id, "send_blocked")
+
+    def _end_stream(self, request_id: str, reason: str) -> None:
+        """End a request's stream from the I/O thread (`_give_up`), if its caller is still there."""
+        target = self._streams.get(request_id)
+        if target is None or target[0].is_closed():
+            return
+        target[0].call_soon_threadsafe(target[1].put_nowait, self._give_up(request_id, reason))
 
     def _dispatch_safely(self, item: Received | LinkEvent) -> None:
         """No frame may end the one I/O thread: whatever a handler raises is logged and counted."""

@@ -105,10 +105,13 @@ class StandIn:
 
 
 @contextlib.contextmanager
-def serving(prefill: list[StandIn], decode_: list[StandIn]) -> Iterator[tuple[Router, TestClient]]:
-    """The router in front of the stand-ins, behind the real HTTP app (auth off, an admin key)."""
+def serving(
+    prefill: list[StandIn], decode_: list[StandIn], **options: Any
+) -> Iterator[tuple[Router, TestClient]]:
+    """The router (given `options`) in front of the stand-ins, behind the real HTTP app (auth off, an
+    admin key)."""
     addresses = [w.address for w in prefill], [w.address for w in decode_]
-    router = Router(*addresses, None, 256)  # type: ignore[arg-type]  # no tokenizer needed here
+    router = Router(*addresses, None, 256, **options)  # type: ignore[arg-type]  # no tokenizer needed here
     try:
         with TestClient(build_app(router, "m", None, ADMIN_KEY)) as client:
             yield router, client
@@ -220,7 +223,7 @@ def test_audit_events_without_ts_or_junk_leave_the_merged_trail_answering() -> N
 def test_forged_and_oversized_pins_are_dropped_and_shown_as_the_workers_claim() -> None:
     forged = {
         "model_sha256": "0" * 5000,  # oversized
-        "nested": {"deeper": {"still": 1}},  # more than one level
+        "nested": {"deeper": {"still": {"more": 1}}},  # more than two levels
         "capacity_tokens": 10**9,  # a pin the hello states: the router shows its own value
         "transport": {"kind": "zeromq", "authenticated": False},
         **{f"extra{i}": i for i in range(100)},  # more pins than anyone needs
@@ -240,7 +243,7 @@ def test_forged_and_oversized_pins_are_dropped_and_shown_as_the_workers_claim() 
 def test_the_first_link_up_read_after_start_asks_no_second_hello() -> None:
     """The I/O thread reads frames before monitor events, so a link's first `up` can come after start()
     has its hello: asking again would count each dropped pin twice. Only a link that was down is asked."""
-    liar = StandIn("prefill", hello={"info": {"nested": {"deeper": {"still": 1}}}})
+    liar = StandIn("prefill", hello={"info": {"nested": {"deeper": {"still": {"more": 1}}}}})
     with serving([liar], [StandIn("decode")]) as (router, _):
         assert liar.hellos == 1  # start()'s, answered before start() returned
         router._on_link(LinkEvent(liar.address, up=True))
@@ -427,3 +430,24 @@ def test_a_second_request_under_a_live_id_is_refused_before_anything_is_sent() -
     assert (refused.code, refused.status) == (DUPLICATE_REQUEST_ID, 409)
     assert (output.new_token_ids, output.finish_reason) == ([7], "length")
     assert router.events.kinds("r1").count("admitted") == 1 and not router.placement.routes
+
+
+def test_what_the_connector_could_not_send_fails_at_once() -> None:
+    """The router's connector drops what it sends (as ZmqConnector.send does once a worker stopped taking
+    frames: counted, False): the request ends with `send_blocked` now, not at the router's timeout, and a
+    stats question fails its asker with TimeoutError saying it was never sent."""
+    with serving([StandIn("prefill")], [StandIn("decode")], timeout_s=60.0) as (router, client):
+        connector = router._ready.result()
+
+        def dropped(peer: str, message: Msg) -> bool:
+            connector.rejected["send_blocked"] += 1
+            return False
+
+        connector.send = dropped  # type: ignore[method-assign]
+        body = {"model": "m", "prompt": [5, 6], "max_tokens": 1}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 500 and response.json()["error"]["code"] == "send_blocked"
+        with pytest.raises(TimeoutError, match="stats to decode could not be sent"):
+            router.worker_stats("decode")
+    trail = router.events.for_request(response.headers["x-request-id"])
+    assert [(e["kind"], e.get("reason")) for e in trail] == [("admitted", None), ("aborted", "send_blocked")]

@@ -136,6 +136,48 @@ def test_bad_frame_counts_are_dropped_not_raised(keyed: Any) -> None:
     assert server.rejected["frame_count"] == 2
 
 
+# ---- sends never block ------------------------------------------------------------------------------------
+
+HWM = 4
+
+
+def test_a_send_to_a_stopped_peer_never_blocks() -> None:
+    """Nothing listens at the peer's address (its process stopped): the first HWM sends are queued for it,
+    every later one returns False at once, dropped whole and counted. (A blocking send stopped the
+    sender's only thread at the first message past the mark.)"""
+    (port,) = free_ports(1)
+    connector = ZmqConnector("tcp://127.0.0.1:0", send_hwm=HWM)
+    try:
+        sent = [connector.send(f"tcp://127.0.0.1:{port}", Hello(token=f"q{i}")) for i in range(40)]
+    finally:
+        connector.close()
+    assert sent == [True] * HWM + [False] * (40 - HWM)
+    assert connector.rejected["send_blocked"] == 40 - HWM
+
+
+def test_a_peer_that_reads_nothing_meanwhile_gets_only_whole_messages_in_order() -> None:
+    """A bound socket that reads nothing while 2000 pages are sent to it: every send returns, the ones
+    refused are counted, and what the peer reads afterwards is exactly the pages whose send said True, in
+    order, each whole (its header and its 64 KiB payload together)."""
+    context: zmq.Context[Any] = zmq.Context()
+    peer = context.socket(zmq.ROUTER)
+    peer.setsockopt(zmq.RCVHWM, 1)
+    peer.bind("tcp://127.0.0.1:0")
+    connector = ZmqConnector("tcp://127.0.0.1:0", send_hwm=HWM)
+    pages = [Page("r", i, i, 1, i, payload=i.to_bytes(4, "big") * (1 << 14)) for i in range(2000)]
+    try:
+        sent = [connector.send(peer.getsockopt_string(zmq.LAST_ENDPOINT), page) for page in pages]
+        queued = [page for page, ok in zip(pages, sent, strict=True) if ok]
+        assert len(queued) < len(pages) and connector.rejected["send_blocked"] == sent.count(False)
+        heard = []
+        while len(heard) < len(queued) and peer.poll(5000):  # a bound on the wait, not a measurement
+            heard.append(peer.recv_multipart())
+    finally:
+        connector.close()
+        context.destroy(linger=0)
+    assert [frames[1:] for frames in heard] == [list(encode(page)) for page in queued]
+
+
 # ---- the parser -----------------------------------------------------------------------------------------
 
 
