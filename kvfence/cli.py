@@ -40,6 +40,7 @@ from kvfence.cli_options import (
     add_transport_options,
     address_list,
     engine_config,
+    kv_plane,
     model_file,
 )
 from kvfence.config import CapacityError, EngineConfig
@@ -88,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
         listen = args.listen or _own_address(keys) or DEFAULT_LISTEN
         from kvfence.disagg.launch import run_worker  # the worker's engine: torch, after every check
 
-        run_worker(args.role, config, listen, keys=keys, kv_transport=args.kv_transport)
+        run_worker(args.role, config, listen, keys=keys, plane=kv_plane(args))
         return 0
     check_engine(config)
     front = check_http(args)
@@ -120,7 +121,7 @@ def _serve_disaggregated(args: argparse.Namespace, config: EngineConfig, front: 
     keys = None if args.insecure_transport else ephemeral(specs)
     _log(f"transport: {'INSECURE (--insecure-transport)' if keys is None else 'CURVE with ephemeral keys'}")
     workers = [(name, config) for name in names]
-    with _terminate_on_sigterm(), LocalWorkers(workers, addresses, keys, kv_transport=args.kv_transport):
+    with _terminate_on_sigterm(), LocalWorkers(workers, addresses, keys, plane=kv_plane(args)):
         router_keys = keys["router"] if keys else None
         prefill = [addresses[n] for n in names if n.startswith("prefill")]
         decode = [addresses[n] for n in names if n.startswith("decode")]

@@ -24,6 +24,7 @@ from kvfence.cli_checks import (
     top_p,
 )
 from kvfence.config import ACTIVATION_DTYPES, DECODE_ATTENTION, DECODE_MATMUL, KV_CACHE_DTYPES, EngineConfig
+from kvfence.disagg.plane import KvPlane
 from kvfence.trail.faults import FAULTS
 from kvfence.units import format_size
 
@@ -343,10 +344,34 @@ def add_kv_transport_option(parser: argparse.ArgumentParser) -> None:
         "--kv-transport",
         choices=KV_TRANSPORTS,
         default="auto",
-        help="how a PD worker moves KV pages: sealed one-sided NIXL writes (AES-GCM; the agent in an "
-        "unprivileged landing process that holds no pool), or ZeroMQ frames on CURVE; auto: nixl where "
-        "installed and the pool is in host memory (default: %(default)s)",
+        help="how a PD worker moves KV pages: sealed one-sided NIXL writes (AES-GCM; the agent in a landing "
+        "process under a uid of its own, not dumpable, that holds no pool: needs root), or ZeroMQ frames "
+        "on CURVE; auto: nixl where installed, the pool in host memory, this process root and UCX on one "
+        "interface, else zmq (default: %(default)s)",
     )
+    parser.add_argument(
+        "--kv-interface",
+        metavar="IFACE",
+        help="the one network interface UCX listens on (default: the one holding the --listen address; "
+        "required with nixl when that address is a wildcard)",
+    )
+    parser.add_argument(
+        "--landing-uid",
+        type=_landing_uid,
+        metavar="UID",
+        help="the uid every landing process of this worker runs under: one no other process uses, not "
+        "root, nobody or the server's (default: one of its own per worker)",
+    )
+
+
+def _landing_uid(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 2**31:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a uid from 1 to 2^31-1")
+    return int(text)
+
+
+def kv_plane(args: argparse.Namespace) -> KvPlane:
+    return KvPlane(args.kv_transport, args.kv_interface, args.landing_uid)
 
 
 def add_scale_options(parser: argparse.ArgumentParser) -> None:

@@ -128,12 +128,22 @@ def _transport_problems(server: dict[str, Any]) -> list[dict[str, Any]]:
         for where, transport in transports.items()
         if not (isinstance(transport, dict) and transport.get("authenticated"))
     ]
-    # A worker that moves pages one-sided must say its data plane is sealed: pages under AEAD, and the
-    # fabric's agent in a landing process holding no pool (UCX authenticates nobody).
-    return problems + [
-        {"problem": "data plane not sealed", "where": where, "transport": transport}
-        for where, transport in transports.items()
-        if isinstance(transport, dict)
-        and transport.get("kv") == "nixl"
-        and not transport.get("data_plane_sealed")
-    ]
+    # A worker that moves pages one-sided must say its data plane is sealed: pages under AEAD, the fabric's
+    # agent in a landing process holding no pool, under a uid of its own, not dumpable, UCX on one
+    # interface, CURVE on the control channel (UCX authenticates nobody). Each condition that does not
+    # hold fails by name; a worker that reports none fails as a whole.
+    for where, transport in transports.items():
+        if not isinstance(transport, dict) or transport.get("kv") != "nixl":
+            continue
+        conditions = transport.get("conditions")
+        failed = (
+            [name for name, held in conditions.items() if not held]
+            if isinstance(conditions, dict) and conditions
+            else ["conditions not reported"]
+        )
+        if failed or not transport.get("data_plane_sealed"):
+            problems += [
+                {"problem": f"data plane not sealed: {name}", "where": where, "transport": transport}
+                for name in failed or ["data_plane_sealed is false"]
+            ]
+    return problems

@@ -223,10 +223,12 @@ class Fence:
             return INCOMPLETE_HANDOFF
         return None
 
-    def check_fork(self, record: MappingRecord, num_tokens: int) -> str | None:
-        """Before a parent's pages are shared with its forks and its partial page copied: every entry must
-        still be the parent's and written for `num_tokens` tokens, else the violation. A copy taken from a
-        page that changed hands would carry foreign KV into a fresh generation no later check could tell."""
+    def check_record(self, record: MappingRecord, num_tokens: int) -> str | None:
+        """Before a request's pages are read outside a step (a parent's pages shared with its forks and its
+        partial page copied; a prefill's pages read to be sent): every entry must still be the request's
+        and written for `num_tokens` tokens, else the violation. A copy taken from a page that changed
+        hands would carry foreign KV into a fresh generation, or another pool, that no later check could
+        tell."""
         if not self.enabled:
             return None
         return self._check_reads(StepLayout.reads_only([record], [num_tokens])).get(0)

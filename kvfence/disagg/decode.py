@@ -26,14 +26,16 @@ With isolation off every one of those checks is skipped — only the lab and the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import Counter
 
 import numpy as np
 import xxhash
 
 from kvfence.disagg.connector import Connector, LinkEvent
 from kvfence.disagg.handoff import HandoffEngine
-from kvfence.disagg.landing import LandingLost
+from kvfence.disagg.inbound import Inbound, Phase
+from kvfence.disagg.landing import LandingError
+from kvfence.disagg.landing_wire import Notification
 from kvfence.disagg.messages import (
     Abort,
     AbortAck,
@@ -47,8 +49,8 @@ from kvfence.disagg.messages import (
 )
 from kvfence.disagg.nixl_transport import OneSidedAgent
 from kvfence.disagg.outputs import to_wire
-from kvfence.disagg.seal import TAG_BYTES, new_key, open_page
-from kvfence.disagg.worker import Worker
+from kvfence.disagg.seal import TAG_BYTES, new_key, open_into
+from kvfence.disagg.worker import Worker, log
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
 from kvfence.grammar.compiler import GrammarCompiler, GrammarError, RequestGrammar
@@ -57,20 +59,10 @@ from kvfence.trail.reasons import CHECKSUM_MISMATCH, INCOMPLETE_HANDOFF, STALE_W
 from kvfence.units import cdiv
 
 TRANSFER_TIMEOUT_S = 30.0  # a transfer with no progress this long is aborted
+QUARANTINE_S = 10.0  # an aborted transfer whose prefill has not acknowledged by then is fenced off
+PEER_FENCE_S = 60.0  # how long a prefill whose quarantine expired is refused
 SERVER_BUSY = "server_busy"
 NIXL_POLL_S = 0.001  # the longest wait on the socket while a one-sided grant is live (see `wait_s`)
-
-
-@dataclass
-class Inbound:
-    router: str
-    prefill: str
-    last_progress: float
-    started: bool = False  # the assigned prefill sent a page or `complete`: the transfer has begun
-    grant: list[tuple[int, int]] = field(default_factory=list)  # the (page, generation) targets granted
-    key: bytes = b""  # one-sided: what its sealed pages open with
-    landed: bool = False  # one-sided: the WRITE's notification came (its bytes are in the landing slots)
-    complete: Complete | None = None  # one-sided: `complete` came before the notification
 
 
 class DecodeWorker(Worker):
@@ -86,18 +78,24 @@ class DecodeWorker(Worker):
     ) -> None:
         super().__init__(engine, connector)
         self.agent = agent  # its landing area, one slot per pool page, is what prefill workers WRITE into
+        # Where a sealed page is copied and opened: reused, so no page-sized buffer is allocated per page.
+        slot_bytes = agent.area.shape[1] if agent is not None else 0
+        self._sealed = np.empty(slot_bytes, dtype=np.uint8)
+        self._plain = np.empty(max(0, slot_bytes - TAG_BYTES), dtype=np.uint8)
         self.announced: set[tuple[str, int]] = set()  # (prefill, our agent's incarnation) told of it
         self.inbound: dict[
             str, Inbound
         ] = {}  # requests whose KV is on the way, or whose abort awaits a drain
         self.routers: dict[str, str] = {}  # request id -> router to stream outputs to
-        self.transfer_timeout_s = transfer_timeout_s
+        self.transfer_timeout_s, self.quarantine_s = transfer_timeout_s, QUARANTINE_S
         # Pages one tenant may hold while waiting for KV. By default half the pool (so one tenant's
         # reservations cannot take all of it), but never less than one request at the window holds.
         self.max_reserved_pages = max_reserved_pages or max(
             self._pages_for(engine.max_model_len), engine.pool.num_pages // 2
         )
         self.down_peers: set[str] = set()  # prefill workers whose connection is lost
+        self.fenced: dict[str, float] = {}  # prefill -> until when it is refused (a quarantine it let expire)
+        self.expired: Counter[str] = Counter()  # quarantines that expired, by prefill
         self._grammars: GrammarCompiler | None = None  # made at the first reserve with a guide
         self.forks: dict[str, tuple[str, int]] = {}  # n > 1: fork id -> (its request, its index)
         self.open_forks: dict[str, int] = {}  # request -> its forks not finished yet
@@ -121,7 +119,7 @@ class DecodeWorker(Worker):
         if not self.is_peer(message.prefill, "prefill"):
             self.drop(sender, "bad_peer", f"reserve {request_id}: {message.prefill} is not a prefill worker")
             return
-        if message.prefill in self.down_peers:
+        if message.prefill in self.down_peers or self.fenced.get(message.prefill, 0.0) > time.monotonic():
             self._reject(sender, request_id, "prefill_unavailable", "The prefill worker is unreachable.")
             return
         if self._reserved_pages(message.tenant) + self._pages_for(len(prompt) - 1) > self.max_reserved_pages:
@@ -156,7 +154,7 @@ class DecodeWorker(Worker):
             grant = [(p, g) for p, g in targets]
             inbound = Inbound(sender, message.prefill, time.monotonic(), grant=grant)
             if self.agent is not None:  # the key goes to the assigned prefill alone, before any grant
-                inbound.key = new_key()
+                inbound.key, inbound.incarnation = new_key(), self.agent.incarnation
                 self.reply(message.prefill, SealKey(request_id=request_id, key=inbound.key.hex()))
             self.inbound[request_id] = inbound
         self.reply(sender, Reserved(request_id=request_id, targets=targets))
@@ -219,7 +217,7 @@ class DecodeWorker(Worker):
                 request_id, page, "no transfer in progress from this sender (late write after cancel)"
             )
             return
-        self.inbound[request_id].started = True
+        self.inbound[request_id].progress(time.monotonic())
         record, logical = request.record, message.logical
         if not 0 <= logical < len(record) or record.entry(logical) != (page, generation):
             self._refuse(request_id, page, "target is not in the request's record")
@@ -241,7 +239,7 @@ class DecodeWorker(Worker):
             self._abort(request_id, STALE_WRITE)
             return
         self._write(page, slots, message.payload)
-        self.inbound[request_id].last_progress = time.monotonic()
+        self.inbound[request_id].progress(time.monotonic())
         self.engine.events.emit(request_id, "page_received", page=page, generation=generation, slots=slots)
 
     def _authorized(self, tenant: int, page: int, generation: int) -> bool:
@@ -261,19 +259,23 @@ class DecodeWorker(Worker):
         ):
             return
         inbound = self.inbound[request_id]
-        inbound.started = True
+        inbound.progress(time.monotonic())
         if message.failed:
             self._abort(request_id, message.failed)
             return
-        if message.checksums is not None and message.pages and not inbound.landed:
-            inbound.complete = message  # DONE at prefill is not landed here: wait for the notification
+        if message.checksums is not None and message.pages and message.agent not in inbound.notifiers:
+            # DONE at prefill is not landed here: wait for the notification of the agent that wrote
+            inbound.complete = message
+            inbound.to(Phase.COMPLETING, time.monotonic())
             return
         self._complete(request_id, message)
 
     def _complete(self, request_id: str, message: Complete) -> None:
         """The transfer is over: open and copy in one-sided pages, check the handoff, resume."""
-        request = self.engine.requests[request_id]
+        request, inbound = self.engine.requests[request_id], self.inbound[request_id]
         tokens = request.num_tokens - 1
+        if foreign := len(inbound.notifiers - {message.agent}):  # forged: UCX authenticates no agent
+            self.rejected["foreign_notification"] += foreign
         if message.checksums is not None:
             reason = self._copy_in(request_id, message.checksums)
             if reason is not None:
@@ -316,14 +318,37 @@ class DecodeWorker(Worker):
             self._send_output(output)
 
     def tick(self, now: float) -> None:
-        for request_id in self.agent.notified() if self.agent is not None else []:
-            self._landed(request_id)
+        for note in self.agent.notified() if self.agent is not None else []:
+            self._landed(note)
         for request_id, inbound in list(self.inbound.items()):
-            request = self.engine.requests.get(request_id)
-            if request is not None and now - inbound.last_progress > self.transfer_timeout_s:
-                # Nothing ever came from the assigned prefill: its pages were never written into, and a
-                # reservation alone must not pin the pool (a prefill that never connects never acks).
-                self._abort(request_id, "transfer_timeout", release=not inbound.started)
+            if self.inbound.get(request_id) is not inbound:
+                continue  # ended by an earlier entry's expiry
+            if inbound.phase is Phase.QUARANTINED:
+                if inbound.overdue(now, self.transfer_timeout_s, self.quarantine_s):
+                    self._expire(inbound.prefill, now)
+            elif self.agent is not None and inbound.key and inbound.incarnation != self.agent.incarnation:
+                # The landing process its grant names is gone: whatever it received is not believed.
+                self._abort(request_id, "landing_restarted")
+            elif inbound.overdue(now, self.transfer_timeout_s, self.quarantine_s):
+                # A grant nothing can have written into (no page, no `complete`, no key sent) must not pin
+                # the pool: released. One that may have been written is quarantined, with its deadline.
+                self._abort(request_id, "transfer_timeout", release=not inbound.may_be_written)
+
+    def _expire(self, prefill: str, now: float) -> None:
+        """A prefill let a quarantine expire (it neither acknowledged the abort nor lost its link): every
+        transfer of it is drained or released (its pages come back under new generations, so a late page
+        names a generation no record holds, and a late one-sided WRITE lands in a slot that opens under no
+        key this worker will hold again), and it is refused for PEER_FENCE_S."""
+        self.expired[prefill] += 1
+        self.rejected["quarantine_expired"] += 1
+        self.fenced[prefill] = now + PEER_FENCE_S
+        log.warning("decode: prefill %s let a quarantine expire; fenced off %.0f s", prefill, PEER_FENCE_S)
+        for request_id, inbound in list(self.inbound.items()):
+            if inbound.prefill != prefill:
+                continue
+            if inbound.phase is not Phase.QUARANTINED:
+                self._abort(request_id, "prefill_fenced", release=True)
+            self._drain(request_id, "quarantine_expired")
 
     # ---- one-sided writes (NIXL) ------------------------------------------------------------------------
 
@@ -334,22 +359,24 @@ class DecodeWorker(Worker):
             return
         try:
             metadata = self.agent.metadata()
-        except LandingLost:  # it died and was restarted by that call: the new one's metadata
-            metadata = self.agent.metadata()
+        except LandingError:  # restarting: this prefill's pages go as ZeroMQ frames or fail closed
+            return
         area = self.agent.layout
         self.reply(prefill, KvAgent(area.base, area.slots, area.slot_bytes, metadata))
         self.announced.add((prefill, self.agent.incarnation))
 
-    def _landed(self, request_id: str) -> None:
+    def _landed(self, note: Notification) -> None:
         """A WRITE's notification: its bytes are in the landing slots (a claim: the pages must still open).
-        A `complete` that came first is handled now."""
-        inbound = self.inbound.get(request_id)
-        if inbound is None:
+        A `complete` that came first is handled now, if the notification is from the agent it names."""
+        inbound = self.inbound.get(note.request_id)
+        if inbound is None or inbound.phase is Phase.QUARANTINED:
             return  # a late or forged write: it reached landing slots only
-        inbound.landed = True
-        request = self.engine.requests.get(request_id)
-        if inbound.complete is not None and request is not None and request.status is Status.TRANSFERRING:
-            self._complete(request_id, inbound.complete)
+        inbound.notified_by(note.agent)
+        if inbound.phase is Phase.GRANTED:
+            inbound.progress(time.monotonic())
+        complete = inbound.complete
+        if complete is not None and complete.agent == note.agent:
+            self._complete(note.request_id, complete)
 
     def _copy_in(self, request_id: str, checksums: list[int]) -> str | None:
         """The one-sided handoff: every page covering the prompt opens from its landing slot under the
@@ -364,14 +391,17 @@ class DecodeWorker(Worker):
         for logical in range(min(needed, len(record), len(checksums))):
             page, generation = record.entry(logical)
             slots = self.engine.page_slots(tokens, logical)
-            sealed = self.agent.area[page, : slots * self.engine.pool.token_bytes + TAG_BYTES].tobytes()
+            plain_bytes = slots * self.engine.pool.token_bytes
+            # A copy first: the landing process may rewrite its area while the page is opened.
+            sealed, plain = self._sealed[: plain_bytes + TAG_BYTES], self._plain[:plain_bytes]
+            np.copyto(sealed, self.agent.area[page, : plain_bytes + TAG_BYTES])
             self.agent.area[page] = 0
-            plain = open_page(inbound.key, request_id, logical, page, generation, sealed)
+            opened = open_into(inbound.key, request_id, logical, page, generation, sealed, plain.data)
             if not self.isolation:
-                if plain is not None:
-                    self._write(page, slots, plain)
+                if opened:
+                    self._write(page, slots, plain.data)
                 continue
-            if plain is None:
+            if not opened:
                 torn = xxhash.xxh3_64_intdigest(sealed) != checksums[logical]
                 self._refuse(request_id, page, "torn or lost in transport" if torn else "does not open")
                 return CHECKSUM_MISMATCH
@@ -380,7 +410,7 @@ class DecodeWorker(Worker):
                     request_id, "write_refused", page=page, why="stale generation or owner"
                 )
                 return STALE_WRITE
-            self._write(page, slots, plain)
+            self._write(page, slots, plain.data)
             self.engine.events.emit(
                 request_id, "page_received", page=page, generation=generation, slots=slots, sealed=True
             )
@@ -432,6 +462,8 @@ class DecodeWorker(Worker):
                 self.inbound.pop(request_id, None)
             elif inbound.prefill in self.down_peers:  # nobody is left to send anything: fenced by its death
                 self._drain(request_id, "peer_down")
+            else:
+                inbound.to(Phase.QUARANTINED, time.monotonic())
         if output is not None:
             self._send_output(output)
 

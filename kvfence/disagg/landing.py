@@ -1,52 +1,68 @@
-"""The landing process: a worker's NIXL agent, out of the worker's process, sharing only its area.
+"""The landing process, seen from its worker: a worker's NIXL agent in another process, under another uid,
+sharing nothing with the worker but one sealed area, and believed in nothing it says.
 
 UCX authenticates nobody, and over TCP it checks neither who asks nor that an address lies in registered
-memory: a process that reaches an agent's listener can read and write that agent's whole address space,
-and crash it with a read of an unmapped address. So no agent lives in a worker. `LandingAgent` starts a
-separate process per worker that maps one shared area (decode: landing slots; prefill: send slots; a
-sealed page each, see kvfence/disagg/seal.py), registers it and answers the worker's calls over a pipe.
+memory: a process that reaches an agent's listener can read and write that agent's whole address space.
+So no agent lives in a worker, and the process it lives in is hostile from its first frame.
 
 Contract:
-- The only memory the two processes share is the area. A stray write through UCX hits the landing
-  process, never the engine; what it holds of tenants' KV is sealed (AES-GCM), so a read learns nothing.
-- The process drops root (to nobody) once its agent is up, and its UCX listens only on the interface of
-  the worker's own address (`UCX_NET_DEVICES`), not on every interface of the host. It stays dumpable, so
-  two landing processes of one host keep cross-memory attach (another `nobody` process could read it:
-  sealed areas only).
-- If it dies, the worker goes on serving: a call in flight fails (`poll` answers ERR, so the transfer
-  fails closed), and the process is started again over the same area, with the peers it had re-added
-  and a new `incarnation` (decode announces the new agent before its next grant).
-- `LandingAgent` answers the `OneSidedAgent` calls (kvfence/disagg/nixl_transport.py), so the workers
-  cannot tell it from an agent in their own process (which tests use).
+- The only memory the two processes share is the area (a memfd sealed against growing and shrinking, so
+  the landing process cannot make the worker's mapping fault). What it holds of tenants' KV is sealed
+  (AES-GCM, kvfence/disagg/seal.py): a read learns nothing, a write can only make a transfer fail.
+- Who it runs as, what it inherits, and what is observed of it: kvfence/disagg/landing_identity.py (a uid
+  of its own, not dumpable, an allow-listed environment, no core files). Its stdout and stderr go to a log
+  file of its own (mode 0600, `describe()["log"]`). Its UCX listens only on the named interface.
+- The pipe between them is a socket pair carrying kvfence/disagg/landing_wire.py's frames: every reply is
+  parsed, typed and range-checked before use. Every call has a deadline (`deadline_s`); a reply that is
+  late, malformed or out of turn, or a process that is gone, makes the process be killed and started
+  again (`LandingLost`): calls fail until the new one has answered START, which the worker's loop never
+  waits for. A WRITE posted by an earlier process polls ERR: it may or may not have landed, so its
+  transfer fails closed. `incarnation` counts the processes started; a worker fails every one-sided
+  transfer of an earlier one.
+- Only root can start one (`landing_identity.separation_refusal`); construction raises otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
+import logging
+import mmap
 import os
+import secrets
+import select
+import signal
 import socket
 import struct
 import subprocess
 import sys
-from multiprocessing import resource_tracker
-from multiprocessing.connection import Connection
-from multiprocessing.shared_memory import SharedMemory
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvfence.disagg.nixl_transport import AreaLayout, NixlAgent, Write
+from kvfence.disagg import landing_wire as wire
+from kvfence.disagg.landing_identity import landing_env, landing_uid, observe, separation_refusal
+from kvfence.disagg.landing_wire import Notification, Op, WireError, WriteCall
+from kvfence.disagg.nixl_transport import AreaLayout, Write
 from kvfence.disagg.seal import SEAL
 
-NOBODY = 65534
-_PR_SET_DUMPABLE = 4
+START_DEADLINE_S = 30.0  # a fresh interpreter importing NIXL and creating its agent (1-2 s here)
+CALL_DEADLINE_S = 1.0  # any other call: a landing process slower than this is treated as wedged
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
+log = logging.getLogger("kvfence.disagg")
 
-class LandingLost(RuntimeError):
-    """The landing process is gone (crashed or killed); it is being started again."""
+
+class LandingError(RuntimeError):
+    """A call to the landing process failed: it refused it, or it is lost (`LandingLost`)."""
+
+
+class LandingLost(LandingError):
+    """The landing process is gone, wedged, starting, or said something that does not parse: it is being
+    started again, and nothing it was doing is believed."""
 
 
 def interface_of(host: str) -> str | None:
@@ -67,180 +83,261 @@ def interface_of(host: str) -> str | None:
     return None
 
 
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped, t: traced), "exited" when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "exited"
+
+
+def _sealed_area(slots: int, slot_bytes: int) -> tuple[int, mmap.mmap]:
+    """A zeroed memfd of `slots * slot_bytes`, sealed so that no holder can grow or shrink it."""
+    fd = os.memfd_create("kvfence-landing-area", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, slots * slot_bytes)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd, mmap.mmap(fd, slots * slot_bytes)
+
+
 class LandingAgent:
     """A `OneSidedAgent` whose NIXL agent runs in a landing process over a shared [slots, slot_bytes] area."""
 
-    def __init__(self, name: str, slots: int, slot_bytes: int, interface: str | None) -> None:
-        self.name, self.interface = name, interface
-        self._shm = SharedMemory(create=True, size=slots * slot_bytes)
-        self.area = np.ndarray((slots, slot_bytes), dtype=np.uint8, buffer=self._shm.buf)
-        self.area[:] = 0
+    program: tuple[str, ...] = ("-m", "kvfence.disagg.landing_process")  # then FD SOCK SLOTS SLOT_BYTES UID
+
+    def __init__(
+        self,
+        name: str,
+        slots: int,
+        slot_bytes: int,
+        interface: str | None,
+        uid: int | None = None,
+        log_dir: Path | None = None,
+        deadline_s: float = CALL_DEADLINE_S,
+    ) -> None:
+        refusal = separation_refusal()
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        self.name, self.interface, self.deadline_s = name, interface, deadline_s
+        self.uid = landing_uid(uid, os.getpid())
+        self._fd, self._map = _sealed_area(slots, slot_bytes)
+        self.area = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, slot_bytes)
+        self.log_path = self._log_file(log_dir or Path(tempfile.gettempdir()) / "kvfence-landing")
         self._peers: dict[str, bytes] = {}  # re-added to a restarted process
-        self.incarnation = -1
-        self.restarts = 0
-        self._start()
+        self.incarnation, self.restarts = -1, 0
+        self.layout = AreaLayout(0, slots, slot_bytes)  # the landing process's own mapping, once started
+        self._spawn()
+        self._await_start()
 
-    def _start(self) -> None:
+    # ---- the process ---------------------------------------------------------------------------------------
+
+    def _log_file(self, directory: Path) -> Path:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return directory / f"{self.name}.log"
+
+    def _spawn(self) -> None:
         """A fresh interpreter (not a multiprocessing child: a worker may itself be a daemonic process),
-        talking over a socket pair; it ends when its end of the pair closes."""
+        over a socket pair and the area's fd; it ends when its end of the pair closes."""
+        self.agent_name = f"{self.name}-{secrets.token_hex(8)}"  # never in argv: sent in START
         ours, theirs = socket.socketpair()
-        env = {**os.environ, **({"UCX_NET_DEVICES": self.interface} if self.interface else {})}
         slots, slot_bytes = self.area.shape
-        argv = [sys.executable, "-m", "kvfence.disagg.landing", self.name, self._shm.name]
-        argv += [str(slots), str(slot_bytes), str(theirs.fileno())]
-        self._process = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=env)
-        theirs.close()
-        self._conn = Connection(ours.detach())
-        base, slots, slot_bytes = self._call("layout")
-        self.layout = AreaLayout(base, slots, slot_bytes)  # the area as the landing process maps it
-        for metadata in self._peers.values():
-            self._call("add_peer", metadata)
-        self.incarnation += 1
-
-    def _call(self, op: str, *args: Any) -> Any:
+        argv = [sys.executable, *self.program, str(self._fd), str(theirs.fileno())]
+        argv += [str(slots), str(slot_bytes), str(self.uid)]
+        env = landing_env({"UCX_NET_DEVICES": self.interface} if self.interface else {})
+        logfd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
-            self._conn.send((op, args))
-            status, value = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            self._restart()
-            raise LandingLost(f"the landing process of {self.name} died during {op}") from exc
-        if status != "ok":
-            raise RuntimeError(f"landing process: {op}: {value}")
-        return value
+            self._process = subprocess.Popen(
+                argv, pass_fds=(self._fd, theirs.fileno()), env=env, stdin=subprocess.DEVNULL,
+                stdout=logfd, stderr=logfd, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            os.close(logfd)
+            theirs.close()
+        self._sock, self._seq, self._up = ours, 0, False
+        self.incarnation += 1
+        self._started_at = time.monotonic()
+        self._send(Op.START, self.agent_name.encode())
 
-    def _restart(self) -> None:
-        self._conn.close()
-        self._stop(timeout_s=1)
+    def _await_start(self) -> None:
+        """At construction only (the worker is not serving yet): wait for the first process's START."""
+        while not self._ready():
+            if self._process.poll() is not None or time.monotonic() - self._started_at > START_DEADLINE_S:
+                self._kill()
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the landing process of {self.name} did not start; its log:\n{tail}")
+            select.select([self._sock], [], [], 0.05)
+
+    def _ready(self) -> bool:
+        """Whether the current process has answered START; never waits for it. Its answer (the area's
+        layout, nothing else) is checked, then the peers it had are re-added."""
+        if self._up:
+            return True
+        if not select.select([self._sock], [], [], 0)[0]:
+            if time.monotonic() - self._started_at > START_DEADLINE_S:
+                self._lost("did not start in time")
+            return False
+        slots, slot_bytes = self.area.shape
+        try:
+            base = wire.parse_layout(self._reply(Op.START), slots, slot_bytes)
+        except LandingError:
+            return False
+        self.layout, self._up = AreaLayout(base, slots, slot_bytes), True
+        for metadata in self._peers.values():
+            wire.parse_name(self._call(Op.ADD_PEER, metadata))
+        return True
+
+    def check(self) -> None:
+        """From the worker's loop, never waiting: a process that exited or was stopped is replaced now
+        (not at the next transfer, which would fail), and a starting one's START answer is taken."""
+        state = _state(self._process.pid) if self._process.poll() is None else "exited"
+        try:
+            if state in ("exited", "T", "t"):
+                self._lost(f"its state is {state}")
+            else:
+                self._ready()
+        except LandingError:
+            pass  # lost again: another is starting
+
+    def _lost(self, why: str) -> None:
+        """Kill the process (stopped, wedged or lying: it is not asked to leave) and start another."""
+        log.warning("landing process of %s (pid %s) lost: %s; starting another", self.name, self.pid, why)
+        self._kill()
         self.restarts += 1
-        self._start()
+        self._spawn()
+
+    def _kill(self) -> None:
+        self._sock.close()
+        with contextlib.suppress(ProcessLookupError):
+            self._process.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(self.deadline_s)
 
     @property
     def pid(self) -> int | None:
         return self._process.pid
 
-    def _stop(self, timeout_s: float) -> None:
+    # ---- the wire --------------------------------------------------------------------------------------
+
+    def _send(self, op: Op, body: bytes) -> None:
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
         try:
-            self._process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+            self._sock.settimeout(self.deadline_s)
+            self._sock.sendall(wire.frame(self._seq, op, body))
+        except OSError as exc:
+            self._lost(f"{op.name}: {exc}")
+            raise LandingLost(f"the landing process of {self.name} is lost") from exc
+
+    def _reply(self, op: Op) -> bytes:
+        """The reply to the call just sent, within the deadline; its header is checked before its body is
+        read."""
+        deadline = time.monotonic() + self.deadline_s
+        try:
+            status, length = wire.parse_header(self._recv_exact(wire.HEADER.size, deadline), self._seq, op)
+            body = self._recv_exact(length, deadline)
+        except (OSError, EOFError, WireError) as exc:
+            self._lost(f"{op.name}: {type(exc).__name__}: {exc}")
+            raise LandingLost(f"the landing process of {self.name} is lost") from exc
+        if status:
+            raise LandingError(f"landing process: {op.name}: {wire.parse_error(body)}")
+        return body
+
+    def _recv_exact(self, n: int, deadline: float) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("past the deadline")
+            self._sock.settimeout(remaining)
+            chunk = self._sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError("closed")
+            data += chunk
+        return bytes(data)
+
+    def _call(self, op: Op, body: bytes = b"") -> bytes:
+        if not self._ready():
+            raise LandingLost(f"the landing process of {self.name} is starting")
+        self._send(op, body)
+        return self._reply(op)
+
+    def _checked(self, op: Op, body: bytes, parse: Any) -> Any:
+        """A call whose reply `parse` must accept; one that does not is a lost landing process."""
+        reply = self._call(op, body)
+        try:
+            return parse(reply)
+        except WireError as exc:
+            self._lost(f"{op.name}: {exc}")
+            raise LandingLost(f"the landing process of {self.name} is lost") from exc
+
+    # ---- OneSidedAgent ---------------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        """What the data plane trusts, for the console and /v1/audit/info."""
+        """What the data plane trusts, for the console and /v1/audit/info: each condition read from /proc."""
+        conditions = observe(self.pid, self.uid) if self.pid else {}
         return {
             "agent": "landing process",
             "pid": self.pid,
-            "uid": self._call("uid"),
+            "uid": self.uid,
             "ucx_interface": self.interface or "every interface",
             "pool_registered": False,
             "seal": SEAL,
             "restarts": self.restarts,
+            "state": "serving" if self._up else "starting",
+            "log": str(self.log_path),
+            "conditions": {**conditions, "one_interface": self.interface is not None},
         }
 
     def metadata(self) -> bytes:
-        return bytes(self._call("metadata"))
+        return bytes(self._call(Op.METADATA))
 
     def add_peer(self, metadata: bytes) -> str:
-        name = str(self._call("add_peer", metadata))
+        if len(metadata) > wire.MAX_METADATA:
+            raise LandingError(f"a peer's metadata of {len(metadata)} bytes")
+        name = self._checked(Op.ADD_PEER, metadata, wire.parse_name)
         self._peers[name] = metadata
         return name
 
     def remove_peer(self, name: str) -> None:
         self._peers.pop(name, None)
-        self._call("remove_peer", name)
+        self._checked(Op.REMOVE_PEER, name.encode(), wire.parse_empty)
 
     def write(self, peer: str, remote: AreaLayout, pairs: list[tuple[int, int]], request_id: str) -> Write:
+        call = WriteCall(peer, (remote.base, remote.slots, remote.slot_bytes), pairs, request_id)
         try:
-            handle = self._call(
-                "write", peer, (remote.base, remote.slots, remote.slot_bytes), pairs, request_id
-            )
-        except LandingLost:
+            handle = self._checked(Op.WRITE, wire.write_request(call), wire.parse_handle)
+        except LandingError:
             return Write(peer, None, "ERR")
         return Write(peer, (self.incarnation, handle))
 
     def poll(self, write: Write) -> str:
-        """PROC, DONE or ERR; a write of a process that has since died is ERR: it may or may not have
-        landed, so its transfer fails closed."""
+        """PROC, DONE or ERR; a write of a process that has since been replaced is ERR: it may or may not
+        have landed, so its transfer fails closed."""
         if write.state == "PROC":
             incarnation, handle = write.handle
             try:
-                write.state = "ERR" if incarnation != self.incarnation else self._call("poll", handle)
-            except LandingLost:
+                if incarnation != self.incarnation:
+                    write.state = "ERR"
+                else:
+                    write.state = self._checked(Op.POLL, struct.pack(">I", handle), wire.parse_state)
+            except LandingError:
                 write.state = "ERR"
         return write.state
 
-    def notified(self) -> list[str]:
+    def notified(self) -> list[Notification]:
         try:
-            return [str(request_id) for request_id in self._call("notified")]
-        except LandingLost:
+            return self._checked(Op.NOTIFIED, b"", wire.parse_notified)
+        except LandingError:
             return []
 
     def close(self) -> None:
-        with contextlib.suppress(LandingLost, RuntimeError):
-            self._call("close")
-        self._conn.close()
-        self._stop(timeout_s=5)
-        del self.area  # the last view of the buffer, before it is closed
-        self._shm.close()
-        self._shm.unlink()
-
-
-def _serve(name: str, shm_name: str, shape: tuple[int, int], conn: Connection) -> None:
-    """The landing process: map the area, register it, drop root, then answer calls until told to close
-    or the worker is gone (its end of the pair closed)."""
-    shm = SharedMemory(shm_name)
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # the worker's to unlink
-    area = np.ndarray(shape, dtype=np.uint8, buffer=shm.buf)
-    agent = NixlAgent(name, area)
-    _drop_root()
-    writes: dict[int, Write] = {}
-    calls = {
-        "layout": lambda: (agent.layout.base, agent.layout.slots, agent.layout.slot_bytes),
-        "metadata": agent.metadata,
-        "add_peer": agent.add_peer,
-        "remove_peer": agent.remove_peer,
-        "write": lambda peer, remote, pairs, rid: _post(agent, writes, peer, AreaLayout(*remote), pairs, rid),
-        "poll": lambda handle: agent.poll(writes[handle]) if handle in writes else "ERR",
-        "notified": agent.notified,
-        "uid": os.geteuid,
-    }
-    while True:
+        if self._up:
+            with contextlib.suppress(LandingError):
+                self._checked(Op.CLOSE, b"", wire.parse_empty)
+        self._sock.close()
         try:
-            op, args = conn.recv()
-        except (EOFError, OSError):
-            break
-        if op == "close":
-            conn.send(("ok", None))
-            break
-        try:
-            conn.send(("ok", calls[op](*args)))
-        except Exception as exc:  # a bad call fails that call, never this process's loop
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    agent.close()
-
-
-def _post(
-    agent: NixlAgent, writes: dict[int, Write], peer: str, remote: AreaLayout, pairs: list, request_id: str
-) -> int:
-    write = agent.write(peer, remote, [(int(s), int(t)) for s, t in pairs], request_id)
-    handle = len(writes)
-    writes[handle] = write
-    return handle
-
-
-def _drop_root() -> None:
-    """Root is needed for nothing once the agent is up: a landing process taken over through UCX then
-    holds no privilege (it cannot read other processes' memory or files)."""
-    if os.geteuid() == 0:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-        # Changing uid makes a process undumpable, which also bars cross-memory attach (how UCX moves
-        # bytes between two processes of one host, 4x TCP's speed here) between two landing processes.
-        # They hold only sealed areas, so being reachable by another `nobody` process costs no secret.
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
-
-
-if __name__ == "__main__":  # started by LandingAgent: NAME SHM SLOTS SLOT_BYTES FD
-    _name, _shm, _slots, _slot_bytes, _fd = sys.argv[1:]
-    _serve(_name, _shm, (int(_slots), int(_slot_bytes)), Connection(int(_fd)))
+            self._process.wait(5)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        del self.area  # the last view of the mapping, before it is closed
+        with contextlib.suppress(BufferError):  # a caller still holds a view: unmapped when it goes
+            self._map.close()
+        os.close(self._fd)

@@ -3,9 +3,13 @@
 Workers are given by name (`keys.worker_names`: `prefill`, or `prefill-0`, `decode-1`... when a role has
 several); the name picks the role, the bind address and the keys of that worker.
 
-`--kv-transport` picks how pages move: `nixl` (one-sided NIXL WRITEs into the granted pages, the default
-where NIXL is installed and the pool is in host memory), `zmq` (page frames on the CURVE channel), `auto`
-the first that can run here. Either way every control message stays on the authenticated channel.
+`--kv-transport` picks how pages move (`KvPlane`): `nixl` (sealed one-sided NIXL WRITEs through a landing
+process, kvfence/disagg/landing.py), `zmq` (page frames on the CURVE channel), `auto` nixl where it can run
+as it must, else zmq. NIXL runs only where every condition of its separation holds: NIXL installed, the
+pool in host memory, this process root (the landing process gets a uid of its own), and UCX on one named
+interface (the bind address's, or `--kv-interface`; a wildcard bind names none). `nixl` is refused,
+saying which does not hold; `auto` says it and takes zmq. Either way every control message stays on the
+authenticated channel.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from kvfence.disagg.decode import DecodeWorker
 from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.keys import TransportKeys, role_of
 from kvfence.disagg.landing import LandingAgent, interface_of
+from kvfence.disagg.landing_identity import separation_refusal
 from kvfence.disagg.nixl_transport import area_shape, nixl_available
+from kvfence.disagg.plane import KvPlane
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.disagg.worker import Worker
 
@@ -34,20 +40,43 @@ WORKERS: dict[str, type[Worker]] = {"prefill": PrefillWorker, "decode": DecodeWo
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0  # how long a worker may take to stop after SIGTERM before it is killed
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:0"
+DEFAULT_PLANE = KvPlane()
 # Builds a worker's engine in the worker process: a module-level function (spawn pickles it by name).
 EngineFactory = Callable[[EngineConfig], HandoffEngine]
 
 
-def kv_agent(role: str, engine: HandoffEngine, kv_transport: str, bind: str) -> LandingAgent | None:
-    """This worker's one-sided transport: a landing process over its sealed area (never the pool), its UCX
-    listening on the interface of `bind` only; or None for ZeroMQ pages."""
-    host_pool = engine.pool.kv.device.type == "cpu"
-    if kv_transport == "zmq" or (kv_transport == "auto" and not (host_pool and nixl_available())):
-        return None
-    if not host_pool:
-        raise RuntimeError("--kv-transport nixl stages pages in host memory; use --device cpu or zmq")
+def nixl_refusal(engine: HandoffEngine, plane: KvPlane, bind: str) -> tuple[str | None, str | None]:
+    """(why NIXL cannot run here as it must, or None; the interface UCX would listen on)."""
     host = bind.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    return LandingAgent(f"kvfence-{role}-{os.getpid()}", *area_shape(engine.pool), interface_of(host))
+    interface = plane.interface or interface_of(host)
+    if not nixl_available():
+        return "NIXL is not installed (pip install nixl-cu12)", interface
+    if engine.pool.kv.device.type != "cpu":
+        return "it stages pages in host memory; use --device cpu", interface
+    if plane.interface is not None and plane.interface not in dict(socket.if_nameindex()).values():
+        return f"--kv-interface {plane.interface}: no such interface", interface
+    if interface is None:
+        return (
+            f"{bind} is a wildcard or held by no interface, and UCX would listen on every interface: "
+            "name one with --kv-interface"
+        ), interface
+    return separation_refusal(), interface
+
+
+def kv_agent(name: str, engine: HandoffEngine, plane: KvPlane, bind: str) -> LandingAgent | None:
+    """This worker's one-sided transport: a landing process over its sealed area (never the pool), its UCX
+    listening on one interface; or None for ZeroMQ pages. `nixl` where it cannot run as it must: refused
+    (RuntimeError saying why); `auto`: None, and why is printed."""
+    if plane.transport == "zmq":
+        return None
+    refusal, interface = nixl_refusal(engine, plane, bind)
+    if refusal is not None and plane.transport == "nixl":
+        raise RuntimeError(f"--kv-transport nixl: {refusal}")
+    if refusal is not None:
+        print(f"[{name}] KV pages go as ZeroMQ frames, not NIXL: {refusal}", flush=True)
+        return None
+    name = f"kvfence-{role_of(name)}-{os.getpid()}"
+    return LandingAgent(name, *area_shape(engine.pool), interface, plane.landing_uid)
 
 
 def run_worker(
@@ -56,7 +85,7 @@ def run_worker(
     bind: str,
     ready: Connection | None = None,
     keys: TransportKeys | None = None,
-    kv_transport: str = "auto",
+    plane: KvPlane = DEFAULT_PLANE,
     build: EngineFactory | None = None,
 ) -> None:
     """Load the engine of worker `name` (its role, or a name `worker_names` made; `build` instead of the
@@ -70,7 +99,7 @@ def run_worker(
         _exit_with_parent()
     log = lambda line: print(f"[{name}] {line}", flush=True)  # noqa: E731
     engine = build(config) if build else load_engine(config, log=log, engine_cls=HandoffEngine)
-    agent = kv_agent(role, engine, kv_transport, bind)
+    agent = kv_agent(name, engine, plane, bind)
     worker = WORKERS[role](engine, ZmqConnector(bind, keys), agent=agent)  # type: ignore[call-arg]
     security = "CURVE, allow-listed peers" if keys else "INSECURE (no keys: any local process may send)"
     pages = f"sealed one-sided NIXL writes ({agent.describe()})" if agent else "ZeroMQ frames"
@@ -97,7 +126,7 @@ def spawn_workers(
     specs: list[tuple[str, EngineConfig]],
     bind: str | dict[str, str] = LOOPBACK_ANY_PORT,
     keys: dict[str, TransportKeys] | None = None,
-    kv_transport: str = "auto",
+    plane: KvPlane = DEFAULT_PLANE,
     build: EngineFactory | None = None,
 ) -> list[tuple[mp.Process, str]]:
     """Workers (name, config) in fresh processes (spawned: nothing inherited from this one), loading in
@@ -110,7 +139,7 @@ def spawn_workers(
         receiver, sender = context.Pipe(duplex=False)
         process = context.Process(
             target=run_worker,
-            args=(name, config, address, sender, own_keys, kv_transport, build),
+            args=(name, config, address, sender, own_keys, plane, build),
             name=f"kvfence-{name}",
             daemon=True,
         )
@@ -140,10 +169,10 @@ class LocalWorkers:
         binds: dict[str, str],
         keys: dict[str, TransportKeys] | None,
         poll_s: float = 1.0,
-        kv_transport: str = "auto",
+        plane: KvPlane = DEFAULT_PLANE,
     ) -> None:
         self.specs, self.binds, self.keys, self.poll_s = dict(specs), binds, keys, poll_s
-        self.kv_transport = kv_transport
+        self.plane = plane
         self.processes: dict[str, mp.Process] = {}
         self.restarts = 0
         self._stopping = threading.Event()
@@ -168,7 +197,7 @@ class LocalWorkers:
     def _spawn(self, names: list[str]) -> list[tuple[mp.Process, str]]:
         keys = {name: self.keys[name] for name in names} if self.keys else None
         specs = [(name, self.specs[name]) for name in names]
-        return spawn_workers(specs, self.binds, keys, self.kv_transport)
+        return spawn_workers(specs, self.binds, keys, self.plane)
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):

@@ -181,6 +181,8 @@ class Complete(Msg):
     # One-sided (NIXL) transfers: xxh3_64 of each sealed page as prefill staged it, one per page written.
     # Decode tells a torn or lost WRITE by these; what decides is whether each page opens under its key.
     checksums: list[int] | None = None
+    # One-sided: the NIXL agent that posted the WRITE; decode believes only that agent's notification.
+    agent: str = ""
 
 
 @dataclass(frozen=True)

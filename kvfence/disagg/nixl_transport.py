@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvfence.cache.pool import KVPool
+from kvfence.disagg.landing_wire import Notification
 from kvfence.disagg.seal import SEAL, TAG_BYTES
 
 NOTIFY_PREFIX = b"kvf:"  # a WRITE's notification: the prefix, then the request id
@@ -113,6 +114,7 @@ class OneSidedAgent(Protocol):
     area: np.ndarray  # [slots, slot_bytes]: landing (decode) or send (prefill) slots, one per pool page
     layout: AreaLayout
     incarnation: int  # changes when the agent is replaced (a restarted landing process): announce again
+    agent_name: str  # what its WRITEs' notifications name as their sender
 
     def metadata(self) -> bytes: ...
     def add_peer(self, metadata: bytes) -> str: ...
@@ -121,7 +123,8 @@ class OneSidedAgent(Protocol):
         self, peer: str, remote: AreaLayout, pairs: list[tuple[int, int]], request_id: str
     ) -> Write: ...
     def poll(self, write: Write) -> str: ...
-    def notified(self) -> list[str]: ...
+    def notified(self) -> list[Notification]: ...
+    def check(self) -> None: ...
     def close(self) -> None: ...
     def describe(self) -> dict[str, Any]: ...
 
@@ -134,7 +137,7 @@ class NixlAgent:
         if api is None:
             raise RuntimeError("NIXL is not installed (pip install nixl-cu12); use --kv-transport zmq")
         assert area.ndim == 2 and area.dtype == np.uint8 and area.flags.c_contiguous
-        self.name = name
+        self.name = self.agent_name = name
         self.incarnation = 0
         self.area = area  # kept alive: NIXL holds raw addresses into it
         self.layout = AreaLayout(area.ctypes.data, area.shape[0], area.shape[1])
@@ -181,17 +184,23 @@ class NixlAgent:
     def describe(self) -> dict[str, Any]:
         return {"agent": "in process", "pool_registered": False, "seal": SEAL}
 
-    def notified(self) -> list[str]:
-        """Advance UCX (over TCP a peer's WRITE lands only while this side polls) and return the request
-        ids named by the notifications that came. A notification follows its WRITE's bytes on the same
-        connection, so it says when they have landed; nothing else is believed of it (a forged one makes
-        a page be opened early, and it does not open)."""
-        ids = []
-        for messages in self._agent.get_new_notifs().values():
+    def notified(self) -> list[Notification]:
+        """Advance UCX (over TCP a peer's WRITE lands only while this side polls) and return the
+        notifications that came, each with the agent that claims to have sent it. A notification follows
+        its WRITE's bytes on the same connection, so it says when they have landed; nothing else is
+        believed of it (UCX authenticates no agent: a forged one makes a page be opened early, and it does
+        not open)."""
+        notes = []
+        for agent, messages in self._agent.get_new_notifs().items():
+            sender = agent.decode("ascii", "replace") if isinstance(agent, bytes) else str(agent)
             for message in messages:
                 if message.startswith(NOTIFY_PREFIX):
-                    ids.append(message[len(NOTIFY_PREFIX) :].decode("utf-8", "replace"))
-        return ids
+                    rid = message[len(NOTIFY_PREFIX) :].decode("utf-8", "replace")
+                    notes.append(Notification(sender, rid))
+        return notes
+
+    def check(self) -> None:
+        """Nothing to watch: the agent lives in this process."""
 
     def close(self) -> None:
         """Release in order (handles, then the registration) so nothing is torn down under UCX at exit."""

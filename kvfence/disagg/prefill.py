@@ -30,6 +30,7 @@ import xxhash
 
 from kvfence.disagg.connector import Connector, LinkEvent
 from kvfence.disagg.handoff import HandoffEngine
+from kvfence.disagg.landing import LandingError
 from kvfence.disagg.messages import (
     Abort,
     AbortAck,
@@ -42,7 +43,7 @@ from kvfence.disagg.messages import (
     SealKey,
 )
 from kvfence.disagg.nixl_transport import AreaLayout, OneSidedAgent, Write
-from kvfence.disagg.seal import KEY_BYTES, seal_page
+from kvfence.disagg.seal import KEY_BYTES, TAG_BYTES, seal_into
 from kvfence.disagg.worker import Worker
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
@@ -143,8 +144,9 @@ class PrefillWorker(Worker):
                 self.awaiting_key[transfer.request_id] = transfer
                 self._post_when_keyed(transfer.request_id)
             elif output.status is Status.TRANSFERRING:  # decode has no NIXL agent (or not yet): ZeroMQ
-                self._send_pages(transfer)
-                self.engine.finish_transfer(output.request_id)
+                if not self._unreadable(transfer):
+                    self._send_pages(transfer)
+                    self.engine.finish_transfer(output.request_id)
             elif output.finished:  # aborted here (fence): decode must not wait for pages
                 failed = output.finish_reason or "aborted"
                 self.reply(transfer.decode, Complete(output.request_id, pages=0, tokens=0, failed=failed))
@@ -168,6 +170,18 @@ class PrefillWorker(Worker):
         """A real crash: the process dies with the transfer half done."""
         self.engine.events.emit(request_id, "fault_injected", fault="worker_crash_mid_transfer")
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _unreadable(self, transfer: Transfer) -> bool:
+        """Before any page is read to be sent: the request's pages must still be its own, current and
+        written as far as it computed (the fence's read check). If not, the request is aborted here and
+        decode told the transfer failed: no page leaves."""
+        request = self.engine.requests[transfer.request_id]
+        reason = self.engine.fence.check_record(request.record, request.num_computed_tokens)
+        if reason is None:
+            return False
+        self.engine.abort(transfer.request_id, reason)
+        self.reply(transfer.decode, Complete(transfer.request_id, pages=0, tokens=0, failed=reason))
+        return True
 
     def _send_pages(self, transfer: Transfer) -> None:
         pool, plan = self.engine.pool, self._plan(transfer)
@@ -204,9 +218,12 @@ class PrefillWorker(Worker):
             why = "no NIXL agent here" if self.agent is None else "its landing slots differ from ours"
             self.drop(sender, "bad_kv_agent", why)
             return
-        if sender in self.decode_agents:  # a restarted landing process: a new agent under the same name
-            self.agent.remove_peer(self.decode_agents.pop(sender)[0])
-        self.decode_agents[sender] = (self.agent.add_peer(message.payload), layout)
+        try:
+            if sender in self.decode_agents:  # a restarted landing process: a new agent
+                self.agent.remove_peer(self.decode_agents.pop(sender)[0])
+            self.decode_agents[sender] = (self.agent.add_peer(message.payload), layout)
+        except LandingError as exc:  # its pages go as ZeroMQ frames until it announces again
+            self.drop(sender, "bad_kv_agent", str(exc))
 
     def on_seal_key(self, sender: str, message: SealKey) -> None:
         """The key decode will open this request's pages with; kept per (request, decode), so only the
@@ -233,7 +250,9 @@ class PrefillWorker(Worker):
         if len(self.free_slots) < len(request.record):
             return  # `tick` tries again as WRITEs finish
         del self.awaiting_key[request_id]
-        self._post(transfer, self.keys.pop((request_id, transfer.decode)))
+        key = self.keys.pop((request_id, transfer.decode))
+        if not self._unreadable(transfer):
+            self._post(transfer, key)
 
     def _post(self, transfer: Transfer, key: bytes) -> None:
         """Seal each page's written slots into its send slot, then WRITE those slots into the granted
@@ -244,13 +263,12 @@ class PrefillWorker(Worker):
         checksums = []
         for logical, (source, (page, generation)) in enumerate(plan.pages):
             plain = pool.page_bytes(source, self.engine.page_slots(transfer.num_tokens, logical))
-            sealed = seal_page(key, transfer.request_id, logical, page, generation, plain)
-            slot = slots[logical]
-            area[slot, : len(sealed)] = memoryview(sealed)
-            area[slot, len(sealed) :] = 0
-            checksums.append(xxhash.xxh3_64_intdigest(sealed))
+            slot, sealed = slots[logical], len(plain) + TAG_BYTES
+            seal_into(key, transfer.request_id, logical, page, generation, plain, area[slot, :sealed].data)
+            area[slot, sealed:] = 0
+            checksums.append(xxhash.xxh3_64_intdigest(area[slot, :sealed]))
             if logical == plan.corrupt:  # a torn write: the first half of the sealed page arrives as zeros
-                area[slot, : len(sealed) // 2] = 0
+                area[slot, : sealed // 2] = 0
         pairs = [(slots[i], page) for i, (_, (page, _)) in enumerate(plan.pages) if i != plan.lost]
         if plan.crash_at is not None:
             pairs = pairs[: plan.crash_at]
@@ -278,7 +296,8 @@ class PrefillWorker(Worker):
             # `pages`: how many the WRITE carried (0: none, so decode waits for no notification)
             tokens, pages = (transfer.num_tokens, posted.pages_written) if not failed else (0, 0)
             checksums = posted.checksums if not failed else None
-            self.reply(transfer.decode, Complete(request_id, pages, tokens, failed, checksums))
+            agent = self.agent.agent_name if self.agent is not None else ""
+            self.reply(transfer.decode, Complete(request_id, pages, tokens, failed, checksums, agent))
             self.engine.events.emit(request_id, "transfer_complete", pages=len(posted.checksums), nixl=state)
             self.engine.finish_transfer(request_id)
 

@@ -144,7 +144,7 @@ def pins(info: dict[str, Any]) -> tuple[dict[str, Any], Problems]:
 
 def _pin_problem(key: Any, value: Any, kept: int) -> str | None:
     try:
-        _size({key: value}, 2)  # the pins' dict, then one level (`transport`)
+        _size({key: value}, 3)  # the pins' dict, `transport`, then its `conditions`
     except _Unbounded as exc:
         return str(exc)
     if isinstance(value, list | dict) and len(value) > MAX_PINS:

@@ -8,7 +8,9 @@ Contract:
 - The associated data binds a sealed page to (request, logical page, target page, generation): a page
   sealed for one slot cannot be replayed into another request, another position or another generation.
 - A key seals each logical page once, so the nonce is the logical index (unique per key, as GCM needs).
-- `open_page` answers the plaintext or None; nothing of a page that does not open may enter a pool.
+- `open_into` says whether a page opens (its plaintext then in a scratch buffer); nothing of a page that
+  does not open may enter a pool. Both sides work in buffers they own (no fresh page-sized allocation per
+  page: each one cost page faults that took more time than the cipher).
 """
 
 from __future__ import annotations
@@ -36,18 +38,23 @@ def _associated(request_id: str, logical: int, page: int, generation: int) -> by
     return struct.pack(">QQQ", logical, page, generation) + request_id.encode()
 
 
-def seal_page(key: bytes, request_id: str, logical: int, page: int, generation: int, plain: bytes) -> bytes:
-    """`plain` (the page's written slots) encrypted and tagged for that one (request, page) slot."""
-    return AESGCM(key).encrypt(_nonce(logical), plain, _associated(request_id, logical, page, generation))
+def seal_into(
+    key: bytes, request_id: str, logical: int, page: int, generation: int, plain: bytes, out: memoryview
+) -> None:
+    """`plain` (the page's written slots) encrypted and tagged for that one (request, page) slot, written
+    into `out`, exactly `len(plain) + TAG_BYTES` bytes (a send slot: no sealed copy is allocated)."""
+    AESGCM(key).encrypt_into(_nonce(logical), plain, _associated(request_id, logical, page, generation), out)
 
 
-def open_page(
-    key: bytes, request_id: str, logical: int, page: int, generation: int, sealed: bytes
-) -> bytes | None:
-    """The plaintext, or None when the bytes were not sealed with `key` for exactly this slot."""
+def open_into(
+    key: bytes, request_id: str, logical: int, page: int, generation: int, sealed: bytes, out: memoryview
+) -> bool:
+    """Whether `sealed` was sealed with `key` for exactly this slot; its plaintext is then in `out`, exactly
+    `len(sealed) - TAG_BYTES` bytes. When it is not, `out` may hold garbage that must not be used."""
     try:
-        return AESGCM(key).decrypt(
-            _nonce(logical), sealed, _associated(request_id, logical, page, generation)
+        AESGCM(key).decrypt_into(
+            _nonce(logical), sealed, _associated(request_id, logical, page, generation), out
         )
     except InvalidTag:
-        return None
+        return False
+    return True

@@ -73,6 +73,8 @@ class Worker:
             received = self.connector.recv(0.0)
         if self.engine.has_unfinished():
             self.after_step(self.engine.safe_step())
+        if self.agent is not None:
+            self.agent.check()
         self.tick(time.monotonic())
 
     def handle(self, item: Received | LinkEvent) -> None:
@@ -146,9 +148,22 @@ class Worker:
         secure = self.connector.secure
         if self.agent is None:  # pages as ZeroMQ frames, on the CURVE channel itself
             return {"kind": "zeromq", "kv": "zmq", "authenticated": secure, "data_plane_sealed": secure}
-        plane = self.agent.describe()  # one-sided: what UCX reaches, and how what it carries is sealed
-        sealed = plane.get("agent") == "landing process" and not plane.get("pool_registered")
-        return {"kind": "zeromq", "kv": "nixl", "authenticated": secure, "data_plane_sealed": sealed, **plane}
+        # One-sided: what UCX reaches, and how what it carries is sealed. Sealed only when every condition
+        # holds, each observed now (a landing process that was replaced, or made itself dumpable, shows).
+        plane = self.agent.describe()
+        conditions = {
+            "landing_process": plane.get("agent") == "landing process" and not plane.get("pool_registered"),
+            **plane.get("conditions", {}),
+            "curve": secure,
+        }
+        return {
+            "kind": "zeromq",
+            "kv": "nixl",
+            "authenticated": secure,
+            "data_plane_sealed": all(conditions.values()),
+            **plane,
+            "conditions": conditions,
+        }
 
     def on_stats(self, sender: str, message: Stats) -> None:
         stats = EngineStats.read(self.engine, self.rejected + self.connector.rejected)

@@ -298,7 +298,7 @@ class LLMEngine:
         ("forked"), dropping its own references: the shared pages live on while any fork holds them."""
         failed = (result.aborted.get(child.request_id) for child in parent.forks)
         reason = next((r for r in failed if r is not None), None)
-        reason = reason or self.fence.check_fork(parent.record, parent.num_computed_tokens)
+        reason = reason or self.fence.check_record(parent.record, parent.num_computed_tokens)
         if reason is not None:
             output = self.abort(parent.request_id, reason)
             return [output] if output is not None else []

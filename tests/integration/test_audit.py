@@ -122,6 +122,22 @@ def server_info(**decode: Any) -> dict[str, Any]:
     return {"mode": "disaggregated", "transport": transport, "pools": pools}
 
 
+LANDING_CONDITIONS = ("landing_process", "separate_uid", "not_dumpable", "one_interface", "curve")
+
+
+def nixl_transport(failing: str | None = None) -> dict[str, Any]:
+    """A one-sided worker's transport as it reports it, every condition held but `failing`."""
+    conditions = {name: name != failing for name in LANDING_CONDITIONS}
+    sealed = all(conditions.values())
+    return {
+        "kind": "zeromq",
+        "authenticated": True,
+        "kv": "nixl",
+        "data_plane_sealed": sealed,
+        "conditions": conditions,
+    }
+
+
 @pytest.mark.parametrize(
     ("decode", "problem"),
     [
@@ -141,10 +157,15 @@ def server_info(**decode: Any) -> dict[str, Any]:
             },
             "data plane not sealed",
         ),
-        (
+        (  # sealed, but saying nothing of how: not believed
             {"transport": {"kind": "zeromq", "authenticated": True, "kv": "nixl", "data_plane_sealed": True}},
-            None,
+            "data plane not sealed: conditions not reported",
         ),
+        ({"transport": nixl_transport()}, None),
+        *[
+            ({"transport": nixl_transport(condition)}, f"data plane not sealed: {condition}")
+            for condition in LANDING_CONDITIONS
+        ],
     ],
 )
 def test_pinned_versions_from_the_server_need_one_known_model_and_code(

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import openai
@@ -19,6 +23,7 @@ import pytest
 from conftest import real_engine
 
 from kvfence.config import EngineConfig
+from kvfence.disagg.nixl_transport import nixl_available
 from kvfence.grammar.compiler import GrammarCompiler
 from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.server import metric
@@ -234,10 +239,15 @@ def test_audit_info_names_both_pools(fenced: Cluster, smollm2: GGUFModel) -> Non
             True,
             True,
         )
-        if transport["kv"] == "nixl":  # UCX lives in an unprivileged landing process, on loopback only
+        if transport["kv"] == "nixl":  # UCX lives in a landing process of its own uid, on loopback only
             assert transport["agent"] == "landing process" and transport["pool_registered"] is False
             assert transport["ucx_interface"] == "lo" and transport["seal"] == "aes-256-gcm"
-            assert os.geteuid() != 0 or transport["uid"] == 65534
+            assert transport["uid"] not in (0, 65534, os.geteuid())
+            assert transport["conditions"] == dict.fromkeys(
+                ("landing_process", "separate_uid", "not_dumpable", "one_interface", "curve"), True
+            )
+    landing_uids = [pool["transport"]["uid"] for pool in pools.values() if pool["transport"]["kv"] == "nixl"]
+    assert len(set(landing_uids)) == len(landing_uids)  # no two landing processes share a uid
 
 
 def test_metrics_keep_the_pools_apart(fenced: Cluster) -> None:
@@ -299,3 +309,66 @@ def test_incident_leaks_with_isolation_off(smollm2: GGUFModel) -> None:
     assert engine.tokenizer is not None
     solo = engine.generate([chat_ids(engine.tokenizer, LONG_PROMPT)], SamplingParams(max_tokens=16))[0]
     assert b.parse().choices[0].message.content != solo.output_text
+
+
+def landing_pid(cluster: Cluster, role: str) -> int | None:
+    """The worker's landing process, as the OS shows it (a child running the landing module)."""
+    worker = cluster.workers[role].pid
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text().rpartition(")")[2].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == worker and b"kvfence.disagg.landing_process" in cmdline and stat[0] not in "TZ":
+            return int(entry.name)
+    return None
+
+
+def ask(cluster: Cluster, key: str, question: str) -> str:
+    """The answer, or the error's class: every request ends one way or the other (a hang fails the test
+    by the client's own timeout)."""
+    try:
+        reply = (
+            client(cluster, key)
+            .with_options(timeout=120)
+            .chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=8, temperature=0
+            )
+        )
+    except openai.APIError as exc:
+        return type(exc).__name__
+    return reply.choices[0].message.content or ""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not nixl_available(), reason="no landing process: not root or no NIXL"
+)
+@pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_stopped_or_killed_landing_process_fails_closed_and_answers_resume(
+    fenced: Cluster, role: str, how: signal.Signals
+) -> None:
+    """Any uid-65534 process could once stop a landing process and leave every tenant without an answer.
+    Under two tenants' traffic, the landing process is stopped or killed: every request ends (an answer or
+    an error), the worker replaces its landing process, and both tenants' answers resume, the same as
+    before. Nothing of it stays quarantined."""
+    questions = {"key-a": "What is the capital of France?", "key-b": "Name a large ocean."}
+    before = {key: ask(fenced, key, q) for key, q in questions.items()}
+    victim = landing_pid(fenced, role)
+    assert victim is not None
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(ask, fenced, key, q) for key, q in [*questions.items()] * 2]
+        os.kill(victim, how)
+        ended = [future.result() for future in running]
+    assert len(ended) == 4  # every request came back
+    while landing_pid(fenced, role) in (None, victim):
+        time.sleep(0.1)  # its replacement starts (a fresh interpreter)
+    # The worker takes the new process's START between steps: a request sent meanwhile may still fail.
+    after = {
+        key: next(a for a in (ask(fenced, key, q) for _ in range(5)) if "Error" not in a)
+        for key, q in questions.items()
+    }
+    assert after == before
+    stats = fenced.worker_stats("decode")
+    assert stats.pages_by_state["quarantined"] == 0

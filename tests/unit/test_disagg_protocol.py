@@ -8,6 +8,7 @@ request with its reason, while the victim request that follows produces its solo
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,10 +19,21 @@ import xxhash
 from conftest import make_engine
 
 from kvfence.cache.pool import KVPool, PageState
-from kvfence.disagg.connector import LinkEvent, MemoryHub, Received
-from kvfence.disagg.decode import DecodeWorker
+from kvfence.disagg.connector import LinkEvent, MemoryConnector, MemoryHub, Received
+from kvfence.disagg.decode import QUARANTINE_S, DecodeWorker
 from kvfence.disagg.handoff import HandoffEngine
-from kvfence.disagg.messages import Abort, AbortAck, Bounds, Msg, Output, Prefill, Reserve, decode, encode
+from kvfence.disagg.messages import (
+    Abort,
+    AbortAck,
+    Bounds,
+    Msg,
+    Output,
+    Page,
+    Prefill,
+    Reserve,
+    decode,
+    encode,
+)
 from kvfence.disagg.nixl_transport import OneSidedAgent
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.engine.stats import EngineStats
@@ -470,3 +482,48 @@ def test_a_page_carries_only_its_written_slots(tiny: Transformer) -> None:
     assert not (tail == 123.0).any(), "a slot nobody wrote this generation crossed the process"
     pipe.run()
     assert pipe.results["r1"] == Result(solo(tiny, PROMPTS[22], max_tokens=2), "finished", "length")
+
+
+def rogue_pins(pipe: Pipeline, rogue: MemoryConnector, request_ids: list[str]) -> list[int]:
+    """A prefill with a valid key takes each request, sends one page that does not match its checksum
+    (decode aborts it and quarantines its pages) and never acknowledges the abort. The pages it pins."""
+    pinned = []
+    for request_id in request_ids:
+        params = SamplingParams(max_tokens=2, ignore_eos=True).__dict__
+        pipe.router.send(DECODE, Reserve(request_id, f"tenant-{request_id}", PROMPTS[22], params, "rogue"))
+        pipe.deliver(DECODE)
+        (page, generation), *_ = entries = targets(pipe.reply(request_id))
+        slots = pipe.decode.engine.page_slots(21, 0)
+        payload = bytes(slots * pipe.decode.engine.pool.token_bytes)
+        rogue.send(DECODE, Page(request_id, 0, page, generation, xxhash.xxh3_64_intdigest(b"x"), payload))
+        pipe.deliver(DECODE)
+        pinned += [p for p, _ in entries]
+    return pinned
+
+
+def test_a_prefill_that_never_acknowledges_cannot_hold_decodes_pool(tiny: Transformer) -> None:
+    """Its quarantines pin decode's pages (another tenant is refused: no free pages) until the quarantine
+    deadline: then they are drained under the reason `quarantine_expired`, the rogue is counted and fenced
+    off (a reserve naming it answers 503), and the other tenant, through the honest prefill, gets its solo
+    tokens. Before the deadline nothing is released: the abort-ack rule still holds."""
+    pipe = Pipeline(tiny, decode_pages=14)
+    rogue = pipe.hub.connector("rogue", "prefill")
+    pinned = rogue_pins(pipe, rogue, ["r1", "r2"])
+    pool = pipe.decode.engine.pool
+    assert (pool.state[pinned] == PageState.QUARANTINED).all() and len(pipe.hub.mailboxes["rogue"]) == 2
+    assert pipe.reserve("b0", "tenant-b", PROMPTS[22]).code == "server_busy"  # type: ignore[attr-defined]
+    pipe.decode.tick(time.monotonic())  # not yet due
+    assert (pool.state[pinned] == PageState.QUARANTINED).all()
+    pipe.decode.tick(time.monotonic() + QUARANTINE_S + 1)
+    assert (pool.state[pinned] == PageState.FREE).all()
+    for request_id in ("r1", "r2"):
+        assert lifecycle(pipe, request_id)[-4:] == ["aborted", "quarantined", "drained", "released"]
+        assert pipe.decode.engine.events.for_request(request_id)[-2]["how"] == "quarantine_expired"
+    assert pipe.decode.expired["rogue"] == 1 and pipe.decode.rejected["quarantine_expired"] == 1
+    params = SamplingParams(max_tokens=2).__dict__
+    pipe.router.send(DECODE, Reserve("r3", "tenant-a", PROMPTS[6], params, "rogue"))
+    pipe.deliver(DECODE)
+    assert pipe.reply("r3").code == "prefill_unavailable"  # type: ignore[attr-defined]
+    pipe.submit("b1", "tenant-b", PROMPTS[22])
+    pipe.run()
+    assert pipe.results["b1"] == Result(solo(tiny, PROMPTS[22]), "finished", "length")

@@ -1,26 +1,37 @@
-"""The landing process: UCX out of the worker's process, on the worker's own interface, without root.
+"""The landing process: UCX out of the worker's process, under a uid of its own, on one interface, and
+believed in nothing it says.
 
-UCX authenticates nobody and over TCP checks no address against registered memory, so the worker must
-share nothing with UCX but its sealed area. Each protection is shown against its absence: an agent with
-no interface named listens beyond loopback, an agent in the worker's process maps UCX into it.
+UCX authenticates nobody and over TCP checks no address against registered memory, so whoever reaches
+it controls the landing process. Each protection is shown against its absence: an agent with no
+interface named listens beyond loopback, an agent in the worker's process maps UCX into it, a dumpable
+process of the same uid gives its secrets away, a reply that is a pickle would have run code.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvfence.disagg.landing import NOBODY, LandingAgent, interface_of
+from kvfence.disagg import landing_identity
+from kvfence.disagg.landing import LandingAgent, LandingLost, interface_of
+from kvfence.disagg.landing_identity import NOBODY, separation_refusal
 from kvfence.disagg.nixl_transport import AreaLayout, NixlAgent, new_area, nixl_available
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed: no landing process")
+pytestmark = [
+    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed: no landing process"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="a landing process needs root to get a uid of its own"),
+]
 WAIT_S = 10.0
+HOSTILE = Path(__file__).parent / "hostile_landing.py"
 
 
 def listeners(pid: int) -> set[str]:
@@ -37,9 +48,24 @@ def wait_written(src: NixlAgent | LandingAgent, dst: LandingAgent, write: object
     return state
 
 
+def uids(pid: int) -> list[int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    found = re.search(r"^Uid:\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)", status, flags=re.MULTILINE)
+    assert found
+    return [int(uid) for uid in found.groups()]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def test_ucx_listens_only_on_the_workers_interface() -> None:
     """Named `lo` (the interface of 127.0.0.1), the landing process listens there alone; with none named,
-    UCX listens on every interface the host has (what a loopback deployment exposed before)."""
+    UCX listens on every interface the host has (what the worker refuses to start: see test_launch)."""
     fenced, open_ = (
         LandingAgent("fenced", 4, 64, interface_of("127.0.0.1")),
         LandingAgent("open", 4, 64, None),
@@ -49,20 +75,117 @@ def test_ucx_listens_only_on_the_workers_interface() -> None:
         assert listeners(fenced.pid) == {"127.0.0.1"}
         wide = listeners(open_.pid)
         assert wide and wide != {"127.0.0.1"}, wide
+        assert open_.describe()["conditions"]["one_interface"] is False
     finally:
         fenced.close()
         open_.close()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="runs as root only where it was started as root")
-def test_the_landing_process_drops_root() -> None:
-    agent = LandingAgent("unprivileged", 4, 64, "lo")
+def test_the_landing_process_runs_under_a_uid_of_its_own_and_inherits_no_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every uid of the process is its own (not root, nobody or the worker's), two workers' landing
+    processes do not share one, /proc says it is not dumpable, and its environment holds the UCX setting
+    it needs and none of the worker's secrets."""
+    monkeypatch.setenv("KVFENCE_ADMIN_KEY", "admin-secret-123")
+    monkeypatch.setenv("KVFENCE_API_KEYS", "key-a tenant-a")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-should-not-leak")
+    first, second = LandingAgent("first", 4, 64, "lo"), LandingAgent("second", 4, 64, "lo", uid=0x4B570001)
     try:
-        status = open(f"/proc/{agent.pid}/status").read()  # noqa: SIM115
-        uids = re.search(r"^Uid:\s+(\d+)\s+(\d+)", status, flags=re.MULTILINE)
-        assert uids and (int(uids.group(1)), int(uids.group(2))) == (NOBODY, NOBODY)
-        assert agent.describe()["uid"] == NOBODY
+        assert first.pid is not None and second.pid is not None
+        assert uids(first.pid) == [first.uid] * 4 and first.uid not in (0, NOBODY, os.geteuid())
+        assert uids(second.pid) == [0x4B570001] * 4
+        assert first.describe()["conditions"] == {
+            "separate_uid": True,
+            "not_dumpable": True,
+            "one_interface": True,
+        }
+        environ = Path(f"/proc/{first.pid}/environ").read_bytes()  # as root: the landing process cannot
+        assert b"UCX_NET_DEVICES=lo" in environ
+        for secret in (b"admin-secret-123", b"key-a", b"sk-should-not-leak", b"KVFENCE_"):
+            assert secret not in environ
+        assert Path(f"/proc/{first.pid}/environ").stat().st_uid == 0  # the kernel's mark of not dumpable
+        assert first.log_path.stat().st_mode & 0o077 == 0
     finally:
+        first.close()
+        second.close()
+
+
+def test_a_landing_uid_that_is_not_its_own_is_refused() -> None:
+    for uid in (0, NOBODY, os.geteuid()):
+        with pytest.raises(ValueError, match="a uid of its own"):
+            LandingAgent("shared", 4, 64, "lo", uid=uid)
+
+
+def test_without_root_no_landing_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that is not root has no other uid to give it: refused, saying why and what to use."""
+    monkeypatch.setattr(landing_identity.os, "geteuid", lambda: 1000)
+    refusal = separation_refusal()
+    assert refusal is not None and "--kv-transport zmq" in refusal
+    with pytest.raises(RuntimeError, match="not root"):
+        LandingAgent("unprivileged", 4, 64, "lo")
+
+
+ATTACK = """
+import ctypes, errno, os, sys
+uid, target, fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+libc = ctypes.CDLL(None, use_errno=True)
+os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
+got = []
+pidfd = libc.syscall(434, target, 0)  # pidfd_open
+if pidfd >= 0 and libc.syscall(438, pidfd, fd, 0) >= 0:  # pidfd_getfd: the landing's end of the pipe
+    got.append("pidfd_getfd")
+if libc.ptrace(16, target, 0, 0) == 0:  # PTRACE_ATTACH
+    got.append("ptrace"); libc.ptrace(17, target, 0, 0)
+for name in ("mem", "environ"):  # opening /proc/PID/mem is the check (offset 0 is never mapped)
+    try:
+        with open(f"/proc/{target}/{name}", "rb") as opened:
+            name == "environ" and opened.read(1)
+        got.append(name)
+    except OSError:
+        pass
+print(",".join(got) or "refused")
+"""
+
+VICTIM = """
+import ctypes, os, socket, sys, time
+uid = int(sys.argv[1])
+held = socket.socketpair()
+os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
+ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # dumpable again: what the landing process used to do
+print(held[0].fileno(), flush=True)
+time.sleep(60)
+"""
+
+
+def attack(uid: int, pid: int, fd: int) -> str:
+    """What a keyless process as `uid` gets of process `pid`: pidfd_getfd, ptrace, mem, environ."""
+    run = subprocess.run(
+        [sys.executable, "-c", ATTACK, str(uid), str(pid), str(fd)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.strip()
+
+
+def test_no_process_but_root_reaches_a_landing_process() -> None:
+    """As nobody and as the landing process's own uid, a keyless process gets none of pidfd_getfd, ptrace,
+    /proc/PID/mem or /proc/PID/environ on a landing process; the same process as that uid reads the
+    environment of a dumpable process of that uid (the landing process before: the attack worked)."""
+    agent = LandingAgent("target", 4, 64, "lo")
+    victim = subprocess.Popen(
+        [sys.executable, "-c", VICTIM, str(agent.uid)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert victim.stdout is not None
+        victim_fd = int(victim.stdout.readline())
+        assert attack(agent.uid, victim.pid, victim_fd) == "pidfd_getfd,ptrace,mem,environ"
+        assert agent.pid is not None
+        socket_fd = int(Path(f"/proc/{agent.pid}/cmdline").read_bytes().split(b"\0")[-5])  # public argv
+        for uid in (NOBODY, agent.uid):
+            assert attack(uid, agent.pid, socket_fd) == "refused"
+    finally:
+        victim.kill()
+        victim.wait()
         agent.close()
 
 
@@ -93,24 +216,85 @@ def test_the_worker_process_maps_no_ucx() -> None:
     assert before.stdout.split()[-1:] == ["ucx"], before.stderr[-2000:]
 
 
-def test_a_dead_landing_process_fails_its_write_and_is_restarted() -> None:
-    """Killed with a WRITE in flight: that WRITE is ERR (its transfer fails closed), the worker's side goes
-    on, and the next call runs in a new landing process over the same area, peers re-added."""
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_dead_or_stopped_landing_process_fails_its_write_and_is_replaced(how: signal.Signals) -> None:
+    """Killed or stopped with a WRITE in flight: that WRITE is ERR (its transfer fails closed) once the
+    call's deadline passes, the process is killed, and a new one serves the same area with its peers
+    re-added; calls made while it starts fail at once instead of waiting for it."""
     sender, receiver = LandingAgent("sender", 4, 64, "lo"), LandingAgent("receiver", 4, 64, "lo")
     try:
         sender.area[:] = 9
         peer = sender.add_peer(receiver.metadata())
         write = sender.write(peer, receiver.layout, [(0, 1)], "r1")
-        assert sender.pid is not None
-        os.kill(sender.pid, 9)
+        old = sender.pid
+        assert old is not None
+        os.kill(old, how)
         assert wait_written(sender, receiver, write) == "ERR"
-        assert (sender.restarts, sender.incarnation) == (1, 1)
-        again = sender.write(peer, receiver.layout, [(1, 2)], "r2")  # the re-added peer, the same area
-        assert wait_written(sender, receiver, again) == "DONE"
-        assert (receiver.area[2] == 9).all()
+        assert (sender.restarts, sender.incarnation) == (1, 1) and gone(old)
+        deadline = time.monotonic() + WAIT_S
+        while (again := sender.write(peer, receiver.layout, [(1, 2)], "r2")).state == "ERR":
+            assert time.monotonic() < deadline, "no new landing process"  # starting: refused at once
+        assert wait_written(sender, receiver, again) == "DONE"  # the re-added peer, the same area
+        assert (receiver.area[2] == 9).all() and sender.pid != old
     finally:
         sender.close()
         receiver.close()
+
+
+class HostileLanding(LandingAgent):
+    """The real LandingAgent over tests/unit/hostile_landing.py in the mode given."""
+
+    def __init__(self, mode: str) -> None:
+        self.program = (str(HOSTILE), mode)
+        super().__init__(f"hostile-{mode}", 4, 64, "lo", deadline_s=0.5)
+
+
+@pytest.mark.parametrize(
+    "mode", ["pickle", "wrong_seq", "oversized", "trailing", "bad_state", "bad_notification", "silent"]
+)
+def test_a_hostile_landing_process_cannot_run_code_block_or_be_believed(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every call is answered the way the mode says: a pickle whose loading would run a command, a reply
+    to another call, a length of 1 GiB, trailing bytes, a transfer state out of range, a notification
+    naming an agent no wire allows, or nothing at all. Each time: the command never ran, nothing was
+    believed (the WRITE is ERR, no notification), and the process was killed and another started."""
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("UCX_TEST_MARKER", str(marker))
+    agent = HostileLanding(mode)
+    try:
+        first = agent.pid
+        write = agent.write("peer", AreaLayout(0x20000, 4, 64), [(0, 1)], "r1")
+        state = agent.poll(write)
+        notes = agent.notified()
+        # bad_notification answers WRITE and POLL honestly: only its notifications are not believed.
+        assert state == ("DONE" if mode == "bad_notification" else "ERR")
+        assert notes == [] and agent.restarts >= 1
+        assert first is not None and gone(first)
+        assert not marker.exists()
+    finally:
+        agent.close()
+    # The same frames, read by what the worker used to use (multiprocessing.Connection.recv: a pickle),
+    # would have run the command: the danger is real.
+    if mode == "pickle":
+        from hostile_landing import Payload
+
+        pickle.loads(pickle.dumps(Payload()))
+        assert marker.exists()
+
+
+def test_a_call_to_a_starting_landing_process_fails_at_once() -> None:
+    """While a replacement starts, calls raise LandingLost instead of waiting for it."""
+    agent = LandingAgent("starting", 4, 64, "lo")
+    try:
+        assert agent.pid is not None
+        os.kill(agent.pid, signal.SIGKILL)
+        with pytest.raises(LandingLost):
+            agent.metadata()  # finds it dead: killed, another started
+        with pytest.raises(LandingLost, match="starting"):
+            agent.metadata()  # the new one has not answered START yet (imports take a second)
+    finally:
+        agent.close()
 
 
 def test_a_forged_write_reaches_no_worker_memory() -> None:
@@ -145,3 +329,18 @@ def test_a_forged_write_reaches_no_worker_memory() -> None:
     finally:
         rogue.close()
         victim.close()
+
+
+def test_the_area_cannot_be_resized_by_the_landing_process() -> None:
+    """The area is a sealed memfd: truncating it (which would make the worker's reads fault) is refused
+    to any holder of the descriptor."""
+    agent = LandingAgent("sealed", 4, 64, "lo")
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(agent._fd, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(agent._fd, 1 << 20)
+        agent.area[:] = 1  # still mapped, still its size
+        assert int(agent.area.sum()) == 4 * 64
+    finally:
+        agent.close()

@@ -1,0 +1,92 @@
+"""Who a landing process runs as, what it inherits, and what its worker observes of it from outside.
+
+The landing process is reachable through UCX, so it is treated as hostile from its first frame. Contract:
+- It runs under a uid of its own: never root, never its worker's uid, never the shared `nobody`. By
+  default `LANDING_UID_BASE + the worker's pid` (unique among the workers alive on the host, so no two
+  landing processes share one: one taken over through UCX cannot reach another); `--landing-uid` picks
+  one per deployment. Its gid is the same number and it has no supplementary groups.
+- It is not dumpable: no process but root may ptrace it, take its file descriptors (`pidfd_getfd`) or
+  read its memory or environment (`/proc/PID/mem`, `/proc/PID/environ`).
+- It inherits an allow-listed environment (`landing_env`): locale, paths and UCX/NIXL tuning, no
+  `KVFENCE_*` variable and nothing else a worker holds (API keys, the admin key). UCX's cross-memory
+  attach is off unless `UCX_TLS` says otherwise (it needs a dumpable peer).
+- Only root can start one: a worker that is not root has no other uid to give it, so `--kv-transport
+  nixl` is refused there (`separation_refusal`) and `auto` takes the sealed ZeroMQ transport.
+- `observe` reads each condition from /proc, never from what the landing process says.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+
+NOBODY = 65534
+LANDING_UID_BASE = 0x4B560000  # "KV": far above the uids of people and packages; + a pid (< 2^22)
+_PR_SET_DUMPABLE, _PR_GET_DUMPABLE = 4, 3
+ENV_NAMES = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "LD_LIBRARY_PATH")
+ENV_PREFIXES = ("UCX_", "NIXL_")
+# What one landing process may use of the host: no core files (they would hold its memory), a bounded log.
+LIMITS = {resource.RLIMIT_CORE: 0, resource.RLIMIT_FSIZE: 64 << 20}
+
+
+def separation_refusal() -> str | None:
+    """Why a landing process cannot run under a uid of its own here, or None when it can."""
+    if os.geteuid() != 0:
+        return (
+            f"this server runs as uid {os.geteuid()}, not root, so it cannot run its NIXL landing process "
+            "under a uid of its own (UCX lets anyone who reaches it read and write that process; as this "
+            "server's uid it could read the server's memory and key files). Start as root, or use "
+            "--kv-transport zmq (pages sealed on the CURVE channel)"
+        )
+    return None
+
+
+def landing_uid(requested: int | None, worker_pid: int) -> int:
+    """The uid a worker's landing process runs under: `requested`, else one of its own for this worker."""
+    uid = requested if requested is not None else LANDING_UID_BASE + worker_pid
+    if uid in (0, NOBODY, os.geteuid()) or not 0 < uid < 2**31:
+        raise ValueError(f"landing uid {uid}: must be a uid of its own (not root, nobody or the server's)")
+    return uid
+
+
+def landing_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment a landing process starts with: the allow-list above, then `extra`."""
+    kept = {
+        name: value
+        for name, value in os.environ.items()
+        if name in ENV_NAMES or name.startswith(ENV_PREFIXES)
+    }
+    # Cross-memory attach needs ptrace rights over the peer, which a process that is not dumpable grants
+    # to nobody: UCX would pick it between two landing processes of one host and retry it forever.
+    return {"UCX_TLS": "^cma", **kept, **extra}
+
+
+def drop_privileges(uid: int) -> None:
+    """In the landing process, before its agent exists: limits, then the uid (every one of the four) and
+    gid of its own, no groups, not dumpable. Raises if any of it did not hold."""
+    for limit, value in LIMITS.items():
+        resource.setrlimit(limit, (value, value))
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    # Changing uid already clears it (fs.suid_dumpable is 0 by default); say so whatever the sysctl.
+    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    if os.getresuid() != (uid, uid, uid) or os.getgroups() or libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0):
+        raise RuntimeError("the landing process did not drop its privileges")
+
+
+def observe(pid: int, uid: int) -> dict[str, bool]:
+    """What holds of landing process `pid` as /proc shows it: every uid is `uid` and `uid` is its own
+    (`separate_uid`); its /proc entries belong to root, which the kernel does for a process that is not
+    dumpable (`not_dumpable`; the directory itself keeps the process's uid). A process that is gone
+    holds nothing."""
+    try:
+        status = open(f"/proc/{pid}/status").read()  # noqa: SIM115
+        owner = os.stat(f"/proc/{pid}/environ").st_uid
+    except OSError:
+        return {"separate_uid": False, "not_dumpable": False}
+    uids = next((line.split()[1:] for line in status.splitlines() if line.startswith("Uid:")), [])
+    separate = uids == [str(uid)] * 4 and uid not in (0, NOBODY, os.geteuid())
+    return {"separate_uid": separate, "not_dumpable": separate and owner == 0}

@@ -1,0 +1,13 @@
+"""How a worker moves KV pages, as its command line says (`--kv-transport`, `--kv-interface`,
+`--landing-uid`): read by kvfence/disagg/launch.py, which decides what can run (nothing here is checked)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KvPlane:
+    transport: str = "auto"  # auto, nixl or zmq
+    interface: str | None = None  # UCX's one interface; None: the one holding the bind address
+    landing_uid: int | None = None  # None: a uid of its own per worker (landing_identity.landing_uid)
