@@ -318,6 +318,11 @@ class DecodeWorker(Worker):
             self._send_output(output)
 
     def tick(self, now: float) -> None:
+        if self.agent is not None and self.agent.serving:
+            # A replaced landing process: every prefill that knew the old one learns the new one now,
+            # not at its next grant (until then its WRITEs go to a process that is gone, and fail).
+            for prefill in {p for p, n in self.announced if n != self.agent.incarnation} - self.down_peers:
+                self._announce(prefill)
         for note in self.agent.notified() if self.agent is not None else []:
             self._landed(note)
         for request_id, inbound in list(self.inbound.items()):

@@ -212,6 +212,11 @@ class LandingAgent:
             self._process.wait(self.deadline_s)
 
     @property
+    def serving(self) -> bool:
+        """Whether the current process has answered START (calls can succeed); never waits."""
+        return self._up
+
+    @property
     def pid(self) -> int | None:
         return self._process.pid
 

@@ -125,6 +125,8 @@ class OneSidedAgent(Protocol):
     def poll(self, write: Write) -> str: ...
     def notified(self) -> list[Notification]: ...
     def check(self) -> None: ...
+    @property
+    def serving(self) -> bool: ...
     def close(self) -> None: ...
     def describe(self) -> dict[str, Any]: ...
 
@@ -201,6 +203,10 @@ class NixlAgent:
 
     def check(self) -> None:
         """Nothing to watch: the agent lives in this process."""
+
+    @property
+    def serving(self) -> bool:
+        return True
 
     def close(self) -> None:
         """Release in order (handles, then the registration) so nothing is torn down under UCX at exit."""

@@ -140,7 +140,10 @@ class PrefillWorker(Worker):
             transfer = self.transfers.pop(output.request_id, None)
             if transfer is None:
                 continue
-            if output.status is Status.TRANSFERRING and transfer.decode in self.decode_agents:
+            one_sided = (
+                self.agent is not None and self.agent.serving and transfer.decode in self.decode_agents
+            )
+            if output.status is Status.TRANSFERRING and one_sided:
                 self.awaiting_key[transfer.request_id] = transfer
                 self._post_when_keyed(transfer.request_id)
             elif output.status is Status.TRANSFERRING:  # decode has no NIXL agent (or not yet): ZeroMQ
