@@ -83,6 +83,7 @@ class DecodeWorker(Worker):
         self._sealed = np.empty(slot_bytes, dtype=np.uint8)
         self._plain = np.empty(max(0, slot_bytes - TAG_BYTES), dtype=np.uint8)
         self.announced: set[tuple[str, int]] = set()  # (prefill, our agent's incarnation) told of it
+        self.withdrawn: set[str] = set()  # prefills told to forget our replaced agent, not yet of the new
         self.inbound: dict[
             str, Inbound
         ] = {}  # requests whose KV is on the way, or whose abort awaits a drain
@@ -318,11 +319,8 @@ class DecodeWorker(Worker):
             self._send_output(output)
 
     def tick(self, now: float) -> None:
-        if self.agent is not None and self.agent.serving:
-            # A replaced landing process: every prefill that knew the old one learns the new one now,
-            # not at its next grant (until then its WRITEs go to a process that is gone, and fail).
-            for prefill in {p for p, n in self.announced if n != self.agent.incarnation} - self.down_peers:
-                self._announce(prefill)
+        if self.agent is not None:
+            self._reannounce()
         for note in self.agent.notified() if self.agent is not None else []:
             self._landed(note)
         for request_id, inbound in list(self.inbound.items()):
@@ -338,6 +336,22 @@ class DecodeWorker(Worker):
                 # A grant nothing can have written into (no page, no `complete`, no key sent) must not pin
                 # the pool: released. One that may have been written is quarantined, with its deadline.
                 self._abort(request_id, "transfer_timeout", release=not inbound.may_be_written)
+
+    def _reannounce(self) -> None:
+        """A replaced landing process: every prefill that knew the old one is told to forget it at once
+        (ZeroMQ frames meanwhile: WRITEs to a process that is gone would fail), then learns the new one
+        as soon as it serves, not at its next grant."""
+        assert self.agent is not None
+        stale = {p for p, n in self.announced if n != self.agent.incarnation}
+        self.announced = {(p, n) for p, n in self.announced if p not in stale}
+        if not self.agent.serving:
+            for prefill in stale - self.withdrawn:
+                self.reply(prefill, KvAgent(0, 0, 0, b""))
+            self.withdrawn |= stale
+            return
+        for prefill in (stale | self.withdrawn) - self.down_peers:
+            self._announce(prefill)
+        self.withdrawn.clear()
 
     def _expire(self, prefill: str, now: float) -> None:
         """A prefill let a quarantine expire (it neither acknowledged the abort nor lost its link): every

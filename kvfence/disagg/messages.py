@@ -188,7 +188,9 @@ class Complete(Msg):
 @dataclass(frozen=True)
 class KvAgent(Msg):
     """decode -> prefill, on the authenticated channel only: how to WRITE into decode's landing area with
-    NIXL (never its pool). Granting happens per request (`targets`); this only says where the area lies."""
+    NIXL (never its pool). Granting happens per request (`targets`); this only says where the area lies.
+    With no metadata: decode's landing process is being replaced, so forget its agent (ZeroMQ frames
+    until the next one is announced)."""
 
     KIND: ClassVar[str] = "kv_agent"
     base: int

@@ -21,6 +21,7 @@ failed (never earlier, never on a timer). A transfer whose key has not come yet 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections import OrderedDict
@@ -212,10 +213,20 @@ class PrefillWorker(Worker):
         """A decode worker's link went down: a restarted one has a new NIXL agent, which it announces
         before its first grant; until then its pages go as ZeroMQ frames, never to the old agent."""
         if not event.up:
-            self.decode_agents.pop(event.peer, None)
+            self._forget_agent(event.peer)
+
+    def _forget_agent(self, decode: str) -> None:
+        """Its pages go as ZeroMQ frames until it announces an agent again."""
+        if (known := self.decode_agents.pop(decode, None)) is not None and self.agent is not None:
+            with contextlib.suppress(LandingError):
+                self.agent.remove_peer(known[0])
 
     def on_kv_agent(self, sender: str, message: KvAgent) -> None:
-        """A decode worker says where its landing area lies (authenticated: only a decode key can send it)."""
+        """A decode worker says where its landing area lies (authenticated: only a decode key can send it),
+        or, with no metadata, that it has none right now."""
+        if not message.payload:
+            self._forget_agent(sender)
+            return
         layout = AreaLayout(message.base, message.slots, message.slot_bytes)
         if self.agent is None or not self.agent.layout.compatible(layout):
             why = "no NIXL agent here" if self.agent is None else "its landing slots differ from ours"
