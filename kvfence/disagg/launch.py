@@ -40,6 +40,7 @@ WORKERS: dict[str, type[Worker]] = {"prefill": PrefillWorker, "decode": DecodeWo
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0  # how long a worker may take to stop after SIGTERM before it is killed
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:0"
+MAX_ADDRESS_BYTES = 256  # a worker's bound address, as it announces it
 DEFAULT_PLANE = KvPlane()
 # Builds a worker's engine in the worker process: a module-level function (spawn pickles it by name).
 EngineFactory = Callable[[EngineConfig], HandoffEngine]
@@ -105,7 +106,7 @@ def run_worker(
     pages = f"sealed one-sided NIXL writes ({agent.describe()})" if agent else "ZeroMQ frames"
     print(f"[{name}] listening on {worker.connector.address} ({security}); KV pages: {pages}", flush=True)
     if ready is not None:
-        ready.send(worker.connector.address)
+        ready.send_bytes(worker.connector.address.encode())
         ready.close()
     worker.serve_forever()
 
@@ -152,9 +153,13 @@ def spawn_workers(
             process.kill()
             raise RuntimeError(f"the {name} worker did not start within {START_TIMEOUT_S:.0f}s")
         try:
-            workers.append((process, receiver.recv()))
+            # Bytes, never a pickle: the worker's process is reachable from the fabric.
+            workers.append((process, receiver.recv_bytes(MAX_ADDRESS_BYTES).decode()))
         except EOFError:
             raise RuntimeError(f"the {name} worker exited while starting (see its output)") from None
+        except (OSError, UnicodeDecodeError):  # longer than an address, or not text
+            process.kill()
+            raise RuntimeError(f"the {name} worker announced no address") from None
     return workers
 
 
