@@ -400,10 +400,19 @@ class Router:
 
     def _end_stream(self, request_id: str, reason: str) -> None:
         """End a request's stream from the I/O thread (`_give_up`), if its caller is still there."""
+        if self._live_stream(request_id):
+            self._deliver(request_id, self._give_up(request_id, reason))
+
+    def _live_stream(self, request_id: str) -> bool:
+        """Whether the request's caller is still there to be handed a message."""
         target = self._streams.get(request_id)
-        if target is None or target[0].is_closed():
-            return
-        target[0].call_soon_threadsafe(target[1].put_nowait, self._give_up(request_id, reason))
+        return target is not None and not target[0].is_closed()
+
+    def _deliver(self, request_id: str, message: Msg) -> None:
+        """Hand a message to the request's stream from the I/O thread, if its caller is still there."""
+        if self._live_stream(request_id):
+            loop, stream = self._streams[request_id]
+            loop.call_soon_threadsafe(stream.put_nowait, message)
 
     def _dispatch_safely(self, item: Received | LinkEvent) -> None:
         """No frame may end the one I/O thread: whatever a handler raises is logged and counted."""
@@ -446,9 +455,7 @@ class Router:
         if item.sender not in self._senders(message.KIND, self.placement.routes.get(request_id)):
             self._drop(item.sender, "not_assigned", f"{message.KIND} from a worker not assigned to it")
             return
-        target = self._streams.get(request_id)
-        if target is not None and not target[0].is_closed():
-            target[0].call_soon_threadsafe(target[1].put_nowait, message)
+        self._deliver(request_id, message)
 
     def _senders(self, kind: str, route: Route | None) -> set[str]:
         """Who may send a request's message of `kind`: the worker of that role in its pair; for a request
@@ -510,10 +517,5 @@ class Router:
         """A decode worker is gone: every request it held ends with an error, none hangs; the other
         workers' requests go on."""
         for request_id, route in list(self.placement.routes.items()):
-            target = self._streams.get(request_id)
-            if route.decode != decode or target is None:
-                continue
-            loop, stream = target
-            lost = aborted(request_id, reason)
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(stream.put_nowait, lost)
+            if route.decode == decode:
+                self._deliver(request_id, aborted(request_id, reason))
