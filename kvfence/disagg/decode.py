@@ -6,7 +6,8 @@ With isolation on (the default):
   corrupt or misdirected page aborts its request;
 - `complete` is never trusted: decode starts only when `written` covers every prompt token on every page;
 - a request aborted while its transfer may be in flight keeps its pages QUARANTINED until the prefill
-  worker's abort-ack (or the loss of its connection) proves nothing more can land in them; a reservation
+  worker's abort-ack (or the loss of its connection) proves nothing more can land in them, or until
+  QUARANTINE_S passes: then they are drained and that prefill is refused for PEER_FENCE_S; a reservation
   the assigned prefill never wrote into (no page, no `complete` from it) is released when it times out,
   so a reservation alone can never pin the pool;
 - only the router that reserved a request may abort it, and only the prefill worker it assigned may
@@ -84,15 +85,14 @@ class DecodeWorker(Worker):
         self._plain = np.empty(max(0, slot_bytes - TAG_BYTES), dtype=np.uint8)
         self.announced: set[tuple[str, int]] = set()  # (prefill, our agent's incarnation) told of it
         self.withdrawn: set[str] = set()  # prefills told to forget our replaced agent, not yet of the new
-        self.inbound: dict[
-            str, Inbound
-        ] = {}  # requests whose KV is on the way, or whose abort awaits a drain
+        # Requests whose KV is on the way, or whose abort awaits a drain.
+        self.inbound: dict[str, Inbound] = {}
         self.routers: dict[str, str] = {}  # request id -> router to stream outputs to
         self.transfer_timeout_s, self.quarantine_s = transfer_timeout_s, QUARANTINE_S
         # Pages one tenant may hold while waiting for KV. By default half the pool (so one tenant's
         # reservations cannot take all of it), but never less than one request at the window holds.
         self.max_reserved_pages = max_reserved_pages or max(
-            self._pages_for(engine.max_model_len), engine.pool.num_pages // 2
+            cdiv(engine.max_model_len, engine.pool.page_size), engine.pool.num_pages // 2
         )
         self.down_peers: set[str] = set()  # prefill workers whose connection is lost
         self.fenced: dict[str, float] = {}  # prefill -> until when it is refused (a quarantine it let expire)
@@ -123,7 +123,8 @@ class DecodeWorker(Worker):
         if message.prefill in self.down_peers or self.fenced.get(message.prefill, 0.0) > time.monotonic():
             self._reject(sender, request_id, "prefill_unavailable", "The prefill worker is unreachable.")
             return
-        if self._reserved_pages(message.tenant) + self._pages_for(len(prompt) - 1) > self.max_reserved_pages:
+        wanted = cdiv(len(prompt) - 1, self.engine.pool.page_size)
+        if self._reserved_pages(message.tenant) + wanted > self.max_reserved_pages:
             self._reject(sender, request_id, SERVER_BUSY, "This tenant holds too many decode pages waiting.")
             return
         try:
@@ -148,9 +149,8 @@ class DecodeWorker(Worker):
         if len(prompt) == 1:  # no KV to transfer: the decode side computes the only token itself
             self.engine.resume(request_id)
         else:
-            self.connector.connect(
-                message.prefill
-            )  # watched now, so its loss is noticed even before an abort
+            # Watched now, so its loss is noticed even before an abort.
+            self.connector.connect(message.prefill)
             self._announce(message.prefill)
             grant = [(p, g) for p, g in targets]
             inbound = Inbound(sender, message.prefill, time.monotonic(), grant=grant)
@@ -183,9 +183,6 @@ class DecodeWorker(Worker):
     def _reserved_pages(self, tenant: str) -> int:
         requests = (self.engine.requests.get(rid) for rid in self.inbound)
         return sum(len(r.record) for r in requests if r is not None and r.tenant == tenant)
-
-    def _pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.engine.pool.page_size)
 
     def on_abort(self, sender: str, message: Abort) -> None:
         """The router gave up (client gone, timeout) or prefill refused the request. Only the router that
@@ -323,19 +320,17 @@ class DecodeWorker(Worker):
             self._reannounce()
         for note in self.agent.notified() if self.agent is not None else []:
             self._landed(note)
+        incarnation = self.agent.incarnation if self.agent is not None else None
         for request_id, inbound in list(self.inbound.items()):
             if self.inbound.get(request_id) is not inbound:
                 continue  # ended by an earlier entry's expiry
-            if inbound.phase is Phase.QUARANTINED:
-                if inbound.overdue(now, self.transfer_timeout_s, self.quarantine_s):
-                    self._expire(inbound.prefill, now)
-            elif self.agent is not None and inbound.key and inbound.incarnation != self.agent.incarnation:
-                # The landing process its grant names is gone: whatever it received is not believed.
-                self._abort(request_id, "landing_restarted")
-            elif inbound.overdue(now, self.transfer_timeout_s, self.quarantine_s):
+            due = inbound.due(now, self.transfer_timeout_s, self.quarantine_s, incarnation)
+            if due == "quarantine_expired":
+                self._expire(inbound.prefill, now)
+            elif due is not None:
                 # A grant nothing can have written into (no page, no `complete`, no key sent) must not pin
                 # the pool: released. One that may have been written is quarantined, with its deadline.
-                self._abort(request_id, "transfer_timeout", release=not inbound.may_be_written)
+                self._abort(request_id, due, release=not inbound.may_be_written)
 
     def _reannounce(self) -> None:
         """A replaced landing process: every prefill that knew the old one is told to forget it at once

@@ -10,8 +10,9 @@ Contract:
 - A transfer leaves the table in one of three ways, owned by the decode worker: resumed (RECEIVING or
   COMPLETING, after the handoff check), released (GRANTED and nothing can have been written into it), or
   drained (QUARANTINED: the prefill's abort-ack, the loss of its link, or the quarantine deadline).
-- `overdue`: a live phase that made no progress for `timeout_s`, or a quarantine older than
-  `quarantine_s`. Nothing waits on a peer without a deadline, so no peer can hold pages forever.
+- `due`: what its deadlines say is owed now: a quarantine older than `quarantine_s` expires, a one-sided
+  grant naming a landing process since replaced is void, a live phase without progress for `timeout_s`
+  times out. Nothing waits on a peer without a deadline, so no peer can hold pages forever.
 - A one-sided grant may be written from the moment its key is sent, before any message arrives
   (`may_be_written`): its timeout quarantines, never releases.
 """
@@ -77,6 +78,11 @@ class Inbound:
     def may_be_written(self) -> bool:
         return self.phase is not Phase.GRANTED or bool(self.key)
 
-    def overdue(self, now: float, timeout_s: float, quarantine_s: float) -> bool:
-        limit = quarantine_s if self.phase is Phase.QUARANTINED else timeout_s
-        return now - self.since > limit
+    def due(self, now: float, timeout_s: float, quarantine_s: float, incarnation: int | None) -> str | None:
+        """`quarantine_expired`, `landing_restarted` (`incarnation`: the landing process serving now, None
+        without one), `transfer_timeout`, or None."""
+        if self.phase is Phase.QUARANTINED:
+            return "quarantine_expired" if now - self.since > quarantine_s else None
+        if self.key and incarnation is not None and incarnation != self.incarnation:
+            return "landing_restarted"
+        return "transfer_timeout" if now - self.since > timeout_s else None

@@ -232,9 +232,8 @@ class PrefillWorker(Worker):
             why = "no NIXL agent here" if self.agent is None else "its landing slots differ from ours"
             self.drop(sender, "bad_kv_agent", why)
             return
+        self._forget_agent(sender)  # a restarted landing process: a new agent
         try:
-            if sender in self.decode_agents:  # a restarted landing process: a new agent
-                self.agent.remove_peer(self.decode_agents.pop(sender)[0])
             self.decode_agents[sender] = (self.agent.add_peer(message.payload), layout)
         except LandingError as exc:  # its pages go as ZeroMQ frames until it announces again
             self.drop(sender, "bad_kv_agent", str(exc))
