@@ -69,25 +69,31 @@ def test_writes_refused_for_another_reason_do_not_take_a_slot() -> None:
     assert verdict.tolist() == [False, True]
 
 
+def with_writes(
+    reads: StepLayout, rows: list[int], pages: list[int], offsets: list[int], positions: list[int]
+) -> StepLayout:
+    """`reads` plus writes (row, page at generation 1, slot offset, token position), one per entry."""
+    return StepLayout.of(
+        starts=reads.starts,
+        tenants=reads.tenants,
+        num_cached=reads.num_cached,
+        pages=reads.pages,
+        generations=reads.generations,
+        write_rows=np.array(rows),
+        write_pages=np.array(pages),
+        write_generations=np.ones(len(rows), dtype=np.int64),
+        write_offsets=np.array(offsets),
+        write_positions=np.array(positions),
+    )
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["c", "numpy"])
 def test_the_fence_aborts_a_row_whose_write_skips_a_slot(native: bool) -> None:
     """Row 0 reads its page's one written slot and writes slot 2 (slot 1 skipped): the read check passes
     it (slot 1 is not read), only the write rule catches it. Row 1 appends in place and stays clean."""
     pool = pool_with(written=[1, 1], holders=[1, 1])
     records = [MappingRecord(0, [0], [1]), MappingRecord(0, [1], [1])]
-    reads = StepLayout.reads_only(records, [1, 1])
-    layout = StepLayout.of(
-        starts=reads.starts,
-        tenants=reads.tenants,
-        num_cached=reads.num_cached,
-        pages=reads.pages,
-        generations=reads.generations,
-        write_rows=np.array([0, 1]),
-        write_pages=np.array([0, 1]),
-        write_generations=np.ones(2, dtype=np.int64),
-        write_offsets=np.array([2, 1]),
-        write_positions=np.array([1, 1]),
-    )
+    layout = with_writes(StepLayout.reads_only(records, [1, 1]), [0, 1], [0, 1], [2, 1], [1, 1])
     fence = Fence(pool, native_check=native)
     assert (fence._native is not None) == native
     assert fence.validate_step(layout) == {0: STALE_WRITE}
@@ -138,18 +144,8 @@ def test_the_fence_aborts_a_chunk_that_rewrites_a_shared_prefix_page() -> None:
     pool = pool_with(written=[PAGE_SIZE, PAGE_SIZE, 1], holders=[2, 1, 1])
     records = [MappingRecord(0, [0, 1], [1, 1]), MappingRecord(0, [0, 2], [1, 1])]
     reads = StepLayout.reads_only(records, [0, PAGE_SIZE + 1])
-    layout = StepLayout.of(
-        starts=reads.starts,
-        tenants=reads.tenants,
-        num_cached=reads.num_cached,
-        pages=reads.pages,
-        generations=reads.generations,
-        write_rows=np.array([0, 0, 0, 0, 1]),
-        write_pages=np.array([0, 0, 0, 0, 2]),
-        write_generations=np.ones(5, dtype=np.int64),
-        write_offsets=np.array([0, 1, 2, 3, 1]),
-        write_positions=np.array([0, 1, 2, 3, PAGE_SIZE + 1]),
-    )
+    positions = [0, 1, 2, 3, PAGE_SIZE + 1]
+    layout = with_writes(reads, [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 1, 2, 3, 1], positions)
     assert Fence(pool).validate_step(layout) == {0: STALE_WRITE}
 
 
