@@ -133,7 +133,7 @@ class DecodeWorker(Worker):
                 raise AdmissionError("invalid_request_error", "n > 1 is not supported with structured output")
             request = self.engine.reserve(prompt, message.sampling(), message.tenant, request_id, message.n)
         except AdmissionError as refusal:
-            self.reply(sender, Rejected(request_id=request_id, code=refusal.code, message=str(refusal)))
+            self.reply(sender, Rejected.of(request_id, refusal))
             return
         if request is None:
             self._reject(

@@ -16,10 +16,13 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvfence.grammar.compiler import Guide
 from kvfence.sampling import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:  # the engine (torch) stays out of the wire's imports
+    from kvfence.engine.engine import AdmissionError
 
 MAX_ID_CHARS = 256  # request ids, tenants, tokens, codes, reasons, peer addresses
 MAX_TEXT_CHARS = 1 << 16  # error messages and one step's output text
@@ -135,13 +138,23 @@ class Reserved(Msg):
     targets: list[list[int]]  # [page, generation] per logical page
 
 
+REFUSAL_STATUSES = frozenset({400, 409, 429, 503})  # AdmissionError's statuses
+
+
 @dataclass(frozen=True)
 class Rejected(Msg):
+    """A worker refused a request; `status` is the HTTP status the client gets, one of REFUSAL_STATUSES
+    (a worker's key may be stolen: it cannot make a refusal a 200 or a 5xx of its choosing)."""
+
     KIND: ClassVar[str] = "rejected"
     request_id: str
     code: str
     message: str
     status: int = 400
+
+    @classmethod
+    def of(cls, request_id: str, refusal: AdmissionError) -> Rejected:
+        return cls(request_id, refusal.code, str(refusal), refusal.status)
 
 
 @dataclass(frozen=True)
@@ -439,6 +452,8 @@ def _check_meaning(message: Msg, bounds: Bounds) -> None:
             raise BadMessage("bad_field", f"{message.KIND}.{name}: token id outside the vocabulary")
     if isinstance(message, Output):
         _check_logprobs(message, bounds)
+    if isinstance(message, Rejected) and message.status not in REFUSAL_STATUSES:
+        raise BadMessage("bad_field", f"rejected.status: {message.status} is not a refusal's status")
     targets = getattr(message, "targets", None)
     if targets is not None and any(len(t) != 2 for t in targets):
         raise BadMessage("bad_field", f"{message.KIND}.targets: not (page, generation) pairs")

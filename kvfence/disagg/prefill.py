@@ -126,7 +126,7 @@ class PrefillWorker(Worker):
             self.engine.add_prefill(prompt[:-1], message.tenant, request_id)
         except AdmissionError as refusal:
             if not self.faults.fire("placeholder_transfer"):
-                self.reply(sender, Rejected(request_id=request_id, code=refusal.code, message=str(refusal)))
+                self.reply(sender, Rejected.of(request_id, refusal))
                 return
             # The incident: the over-long prompt is swapped for a one-token placeholder and the transfer
             # of that single page is then reported complete.

@@ -428,6 +428,7 @@ def test_a_reserve_or_prefill_under_a_live_id_is_rejected_and_the_live_request_f
     prefilled = pipe.start_prefill("r1", "B", PROMPTS[6], [[0, 1], [1, 1]])
     for reply in (reserved, prefilled):
         assert reply.KIND == "rejected" and getattr(reply, "code") == "duplicate_request_id"  # noqa: B009
+        assert getattr(reply, "status") == 409  # noqa: B009 - as the single node answers it
     assert workers_state(pipe, "r1") == before and all(x is not None for x in before)
     pipe.run()
     assert pipe.results["r1"] == Result(solo(tiny, PROMPTS[13]), "finished", "length")

@@ -260,6 +260,10 @@ def output(**overrides: Any) -> dict[str, Any]:
         (reserve(guide={"kind": "regex", "spec": "a+", "extra": 1}), "bad_field"),
         (reserve(n=0), "bad_field"),  # no choice at all
         (reserve(n=1000), "bad_field"),  # more choices than OpenAI allows
+        *[  # a refusal that would be a success, or a status the worker chose: never a refusal's
+            ({"kind": "rejected", "request_id": "r", "code": "x", "message": "m", "status": s}, "bad_field")
+            for s in (200, 500, 302)
+        ],
     ],
 )
 def test_out_of_bounds_fields_are_refused(fields: dict[str, Any], reason: str) -> None:
