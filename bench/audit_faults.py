@@ -34,6 +34,7 @@ from kvfence.audit.cli import add_arguments, run
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.cluster import cluster
+from kvfence.harness.key_files import audit_key_args
 from kvfence.harness.tables import print_table
 from kvfence.harness.workers import Spawned
 from kvfence.model.gguf import GGUFModel
@@ -104,8 +105,7 @@ def audit(url: str, admin: bool) -> dict[str, Any]:
         add_arguments(parser)
         report_file = Path(tmp, "report.json")
         argv = ["--url", url, "--black-box", "--json", str(report_file)]
-        argv += [arg for key in KEYS for arg in ("--api-key", key)]
-        argv += ["--admin-key", ADMIN] if admin else []
+        argv += audit_key_args(Path(tmp), KEYS, ADMIN if admin else None)
         status = run(parser.parse_args(argv))
         report = json.loads(report_file.read_text(encoding="utf-8"))
     replay = next(c for c in report["checks"] if c["name"] == "replay")["evidence"][0]

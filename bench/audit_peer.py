@@ -25,6 +25,7 @@ from common import add_llama_server_options, write_json
 
 from kvfence.audit.cli import add_arguments, run
 from kvfence.cli_options import model_file
+from kvfence.harness.key_files import audit_key_args
 from kvfence.harness.peers import llama_server, llama_server_binary
 from kvfence.harness.tables import print_table
 from kvfence.pins import default_model_path
@@ -38,7 +39,7 @@ def audit(url: str) -> dict[str, Any]:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         out = Path(tmp, "report.json")
-        argv = ["--url", url, "--black-box", "--json", str(out), *(a for k in KEYS for a in ("--api-key", k))]
+        argv = ["--url", url, "--black-box", "--json", str(out), *audit_key_args(Path(tmp), KEYS)]
         status = run(parser.parse_args(argv))
         report = json.loads(out.read_text(encoding="utf-8"))
     checks = {c["name"]: c for c in report["checks"]}

@@ -21,7 +21,6 @@ import math
 import os
 import resource
 import socket
-import stat
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,15 +29,12 @@ from typing import Any, NoReturn, TypeVar
 
 from kvfence.config import DTYPE_BYTES, CapacityError, EngineConfig, capacity_report, check_window
 from kvfence.sampling import SamplingDefaults
+from kvfence.startup import StartupError, one_key, read_secret_file, reason
 from kvfence.trail.faults import FAULTS, parse_fault_spec
 from kvfence.units import parse_size
 
 SPARE_FILES = 64  # file descriptors beyond the connection cap: the model, logs, ZeroMQ sockets
 T = TypeVar("T")
-
-
-class StartupError(Exception):
-    """A bad start-up option; the message is one line naming the option and how to fix it."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -114,12 +110,6 @@ def fault_spec(spec: str) -> tuple[str, float]:
     return name, rate
 
 
-def _reason(exc: BaseException) -> str:
-    """An exception as a short phrase on one line."""
-    text = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
-    return " ".join(text.split())
-
-
 # ---- the model file: its GGUF header, read fast --------------------------------------------------------
 
 
@@ -151,7 +141,7 @@ def check_model(path: Path | None) -> ModelShape:
         try:
             path = default_model_path()
         except FileNotFoundError as exc:
-            raise StartupError(f"--model: {_reason(exc)} (or give --model PATH)") from exc
+            raise StartupError(f"--model: {reason(exc)} (or give --model PATH)") from exc
     option = f"--model {path}"
     if not path.exists():
         raise StartupError(f"{option}: no such file; give the path of a GGUF file")
@@ -161,7 +151,7 @@ def check_model(path: Path | None) -> ModelShape:
         return model_shape(GGUFFile(path, arrays=False).metadata)
     except (OSError, ValueError, struct.error, ZeroDivisionError, OverflowError) as exc:
         raise StartupError(
-            f"{option}: not a usable GGUF file ({_reason(exc)}); "
+            f"{option}: not a usable GGUF file ({reason(exc)}); "
             "give a GGUF file (architecture llama, qwen2, qwen3 or gemma3)"
         ) from exc
 
@@ -178,9 +168,7 @@ def check_device(device: str) -> None:
     try:
         parsed = torch.device(device)
     except RuntimeError as exc:
-        raise StartupError(
-            f"--device {device}: not a torch device ({_reason(exc)}); use cpu or cuda"
-        ) from exc
+        raise StartupError(f"--device {device}: not a torch device ({reason(exc)}); use cpu or cuda") from exc
     if parsed.type == "cuda" and (parsed.index or 0) >= (
         torch.cuda.device_count() if torch.cuda.is_available() else 0
     ):
@@ -220,35 +208,6 @@ def parse_api_keys(text: str) -> dict[str, str]:
     return keys
 
 
-def read_secret_file(path: Path, option: str) -> str:
-    """The text of a file that holds keys, refused (StartupError) unless it is a regular file to which no
-    group or other user has any access (the rule ssh applies to a private key). The mode is read from the
-    open file, so the file checked is the file read; O_NONBLOCK: a FIFO given by mistake cannot hang the
-    start before it is refused."""
-    source = f"{option} {path}"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise StartupError(f"{source}: cannot read it ({_reason(exc)})") from exc
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise StartupError(f"{source}: not a regular file; give the file that holds the key")
-        if mode & 0o077:
-            raise StartupError(
-                f"{source}: its mode {stat.S_IMODE(mode):04o} gives other users access to the key; "
-                f"chmod 600 {path}"
-            )
-        with os.fdopen(fd, "rb", closefd=False) as file:
-            data = file.read()
-    finally:
-        os.close(fd)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise StartupError(f"{source}: not UTF-8 text ({_reason(exc)})") from exc
-
-
 def load_api_keys(path: Path | None) -> dict[str, str] | None:
     """From --api-keys FILE (`read_secret_file`), else from $KVFENCE_API_KEYS, else None (auth off)."""
     if path is not None:
@@ -273,13 +232,7 @@ def load_admin_key(path: Path | None) -> tuple[str | None, str]:
     if path is None:
         return os.environ.get("KVFENCE_ADMIN_KEY") or None, "$KVFENCE_ADMIN_KEY"
     source = f"--admin-key-file {path}"
-    text = read_secret_file(path, "--admin-key-file")
-    key = text[:-1] if text.endswith("\n") else text
-    if not key:
-        raise StartupError(f"{source}: it holds no key; write the key on its one line")
-    if any(char.isspace() for char in key):
-        raise StartupError(f"{source}: the key has whitespace in it; write the key alone on one line")
-    return key, source
+    return one_key(read_secret_file(path, "--admin-key-file"), source), source
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -289,7 +242,7 @@ def bind_http(host: str, port: int) -> socket.socket:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
         raise StartupError(
-            f"--host {host}: cannot resolve it ({_reason(exc)}); give an address, e.g. 127.0.0.1"
+            f"--host {host}: cannot resolve it ({reason(exc)}); give an address, e.g. 127.0.0.1"
         ) from exc
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -304,7 +257,7 @@ def bind_http(host: str, port: int) -> socket.socket:
             fix = "permission denied (a port below 1024 needs privileges); choose another --port"
             raise StartupError(f"--port {port}: {fix}") from exc
         raise StartupError(
-            f"--host {host}: cannot bind port {port} there ({_reason(exc)}); give an address of this machine"
+            f"--host {host}: cannot bind port {port} there ({reason(exc)}); give an address of this machine"
         ) from exc
     return sock
 
@@ -372,7 +325,7 @@ def check_http(args: argparse.Namespace) -> Front:
         try:
             args.audit_log.open("a", encoding="utf-8").close()
         except OSError as exc:
-            raise StartupError(f"--audit-log {args.audit_log}: cannot append to it ({_reason(exc)})") from exc
+            raise StartupError(f"--audit-log {args.audit_log}: cannot append to it ({reason(exc)})") from exc
     sampling = check_sampling(args)
     check_open_files(args.max_connections)
     sock = bind_http(args.host, args.port)
@@ -401,7 +354,7 @@ def check_sampling(args: argparse.Namespace) -> SamplingDefaults:
         return SamplingDefaults.resolve(GGUFFile(path, arrays=False).metadata, overrides)
     except (OSError, ValueError, struct.error) as exc:
         raise StartupError(
-            f"--model {path}: its general.sampling.* settings are unusable ({_reason(exc)}); "
+            f"--model {path}: its general.sampling.* settings are unusable ({reason(exc)}); "
             "give --default-temperature and --default-top-p"
         ) from exc
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, NoReturn
 
 from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 from kvfence.cli_checks import (
@@ -25,6 +24,7 @@ from kvfence.cli_checks import (
 )
 from kvfence.config import ACTIVATION_DTYPES, DECODE_ATTENTION, DECODE_MATMUL, KV_CACHE_DTYPES, EngineConfig
 from kvfence.disagg.plane import KvPlane
+from kvfence.startup import SecretOnCommandLine
 from kvfence.trail.faults import FAULTS
 from kvfence.units import format_size
 
@@ -202,19 +202,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_running_per_tenant=args.max_running_per_tenant,
         max_pages_per_tenant=args.max_pages_per_tenant,
     )
-
-
-class SecretOnCommandLine(argparse.Action):
-    """The retired `--admin-key KEY`, refused with what replaces it: a command line is readable by every
-    local user (/proc/PID/cmdline). Its value is never repeated."""
-
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: str | None = None
-    ) -> NoReturn:
-        parser.error(
-            f"{option_string} is refused: every local user can read a command line; write the key alone in "
-            "a file only you can read (chmod 600) and pass --admin-key-file FILE, or set $KVFENCE_ADMIN_KEY"
-        )
 
 
 def add_http_options(parser: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,7 +66,9 @@ from kvfence.audit.report import (
     verdict_line,
 )
 from kvfence.audit.result import CheckResult
+from kvfence.startup import SecretOnCommandLine, StartupError, one_key, read_secret_file
 
+API_KEYS_ENV = "KVFENCE_AUDIT_API_KEYS"
 NAMING_TIMEOUT_S = 2.0  # the changed replay answers finished long ago: their trails are settled or absent
 
 
@@ -73,17 +76,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `kvfence audit` options."""
     parser.add_argument("--url", required=True, help="server base URL (loopback or private test address)")
     parser.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        metavar="KEY",
-        help="a tenant's key (repeat: at least two tenants; no default)",
+        "--api-key-file",
+        type=Path,
+        metavar="FILE",
+        help="tenants' keys, one per line (at least two tenants; '#' starts a comment), in a file only you "
+        f"can read (chmod 600) (default: ${API_KEYS_ENV}, whitespace-separated)",
     )
     parser.add_argument(
-        "--admin-key",
-        help="the server's admin key (reads audit trails; with --black-box: only its pins and the trails of "
-        "changed answers)",
+        "--admin-key-file",
+        type=Path,
+        metavar="FILE",
+        help="the server's admin key, alone on one line, in a file only you can read (reads audit trails; "
+        "with --black-box: only its pins and the trails of changed answers) (default: $KVFENCE_ADMIN_KEY)",
     )
+    for retired in ("--api-key", "--admin-key"):  # a command line is readable by every local user
+        parser.add_argument(
+            retired, nargs="?", action=SecretOnCommandLine, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     parser.add_argument("--model", help="model id (default: the first one /v1/models lists)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the full report as JSON")
     parser.add_argument(
@@ -117,7 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the audit; its exit status (the module docstring)."""
     url = str(args.url).rstrip("/").removesuffix("/v1")
-    keys = tuple(args.api_key)
+    try:
+        keys, args.admin_key = tenant_keys(args.api_key_file), admin_key(args.admin_key_file)  # resolved
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     problem = _usage_problem(url, keys, args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -138,11 +151,27 @@ def run(args: argparse.Namespace) -> int:
     return report.exit_status
 
 
+def tenant_keys(path: Path | None) -> tuple[str, ...]:
+    """The tenants' keys: from `path` (a key file: `read_secret_file`), else from $KVFENCE_AUDIT_API_KEYS."""
+    if path is None:
+        return tuple(os.environ.get(API_KEYS_ENV, "").split())
+    lines = read_secret_file(path, "--api-key-file").splitlines()
+    return tuple(key for line in lines if (key := line.partition("#")[0].strip()))
+
+
+def admin_key(path: Path | None) -> str | None:
+    if path is None:
+        return os.environ.get("KVFENCE_ADMIN_KEY") or None
+    return one_key(read_secret_file(path, "--admin-key-file"), f"--admin-key-file {path}")
+
+
 def _usage_problem(url: str, keys: tuple[str, ...], args: argparse.Namespace) -> str | None:
     if len(keys) < 2:
-        return "give --api-key at least twice (two tenants) for the tenant checks"
+        return f"give two tenants' keys (--api-key-file or ${API_KEYS_ENV}) for the tenant checks"
     if not args.black_box and not args.admin_key:
-        return "--admin-key is needed to read audit trails (or use --black-box)"
+        return (
+            "the admin key (--admin-key-file or $KVFENCE_ADMIN_KEY) reads audit trails (or use --black-box)"
+        )
     try:
         check_test_address(url)
     except ValueError as exc:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from kvfence.harness.key_files import write_key_file
+
 ENV = "KVFENCE_LLAMA_SERVER"
 BUILD_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "peers" / "build-llama-server.sh"
 CACHED = Path.home() / ".cache/kvfence-peers/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
@@ -67,9 +69,7 @@ def llama_server(
         command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
         command += ["-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(context)]
         if api_keys:
-            keys = Path(tmp, "keys")
-            keys.write_text("\n".join(api_keys) + "\n", encoding="utf-8")
-            command += ["--api-key-file", str(keys)]
+            command += ["--api-key-file", str(write_key_file(Path(tmp, "keys"), api_keys))]
         process = subprocess.Popen([*command, *extra], stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"

@@ -22,10 +22,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvfence.api.server import build_app
-from kvfence.audit.cli import add_arguments, run
+from kvfence.audit.cli import add_arguments, admin_key, run, tenant_keys
 from kvfence.audit.client import check_test_address
 from kvfence.audit.pinned import check_pinned
 from kvfence.engine.async_engine import AsyncEngine
+from kvfence.harness.key_files import audit_key_args, write_key_file
 from kvfence.model.gguf import GGUFModel
 from kvfence.pins import file_sha256
 
@@ -49,7 +50,7 @@ def audit(url: str, out: Path, *extra: str) -> tuple[int, dict[str, Any]]:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     report = out / "report.json"
-    argv = ["--url", url, "--api-key", "key-a", "--api-key", "key-b", "--json", str(report), *extra]
+    argv = ["--url", url, *audit_key_args(out, ["key-a", "key-b"]), "--json", str(report), *extra]
     status = run(parser.parse_args(argv))
     return status, json.loads(report.read_text(encoding="utf-8"))
 
@@ -71,7 +72,13 @@ def test_audit_passes_against_a_healthy_kvfence(smollm2: GGUFModel, tmp_path: Pa
     page = tmp_path / "report.html"
     with serving(build_app(engine, MODEL, KEYS, ADMIN)) as url:
         status, report = audit(
-            url, tmp_path, "--admin-key", ADMIN, "--html", str(page), "--server-flags", "x"
+            url,
+            tmp_path,
+            *audit_key_args(tmp_path, admin_key=ADMIN),
+            "--html",
+            str(page),
+            "--server-flags",
+            "x",
         )
     assert status == 0, {c["name"]: c["details"] for c in report["checks"] if c["status"] != "PASS"}
     assert statuses(report) == dict.fromkeys(PROBES + ACCEPTANCE, "PASS")
@@ -100,7 +107,8 @@ def test_audit_fails_complete_handoff_when_the_fence_is_off_and_a_fault_fires(
     faults = {"read_beyond_written": 1.0}
     engine = AsyncEngine(real_engine(smollm2, isolation=False, faults=faults, **SMALL))
     with serving(build_app(engine, MODEL, KEYS, ADMIN)) as url:
-        status, report = audit(url, tmp_path, "--admin-key", ADMIN, "--expect-fault", "read_beyond_written")
+        admin = audit_key_args(tmp_path, admin_key=ADMIN)
+        status, report = audit(url, tmp_path, *admin, "--expect-fault", "read_beyond_written")
     assert status == 1
     results = statuses(report)
     assert results["complete_handoff"] == "FAIL"
@@ -397,7 +405,7 @@ def test_the_near_tie_oracle_explains_a_flip_at_a_near_tie_and_fails_one_at_a_wi
 def test_replay_fails_a_server_that_declares_batch_invariance_and_changes(tmp_path: Path) -> None:
     """The same server pinning batch invariance: every changed answer fails the audit, named by its id,
     whether the pin is read from the model card (a tenant's view) or /v1/audit/info (the admin's)."""
-    for admin in ([], ["--admin-key", STAND_IN_ADMIN]):
+    for admin in ([], audit_key_args(tmp_path, admin_key=STAND_IN_ADMIN)):
         with serving(stand_in(leaky=False, load_sensitive=True, declares=True)) as url:
             status, report = audit(url, tmp_path, "--black-box", *admin)
         assert report["target"]["batch_invariant_declared"] is True
@@ -414,8 +422,37 @@ def test_probes_refuse_public_addresses_and_a_single_tenant(tmp_path: Path) -> N
     check_test_address("http://127.0.0.1:8000")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert run(parser.parse_args(["--url", "http://127.0.0.1:9", "--api-key", "k", "--black-box"])) == 2
-    assert (
-        run(parser.parse_args(["--url", "http://8.8.8.8", "--api-key", "a", "--api-key", "b", "--black-box"]))
-        == 2
+    (tmp_path / "two").mkdir()
+    one, two = audit_key_args(tmp_path, ["k"]), audit_key_args(tmp_path / "two", ["a", "b"])
+    assert run(parser.parse_args(["--url", "http://127.0.0.1:9", *one, "--black-box"])) == 2
+    assert run(parser.parse_args(["--url", "http://8.8.8.8", *two, "--black-box"])) == 2
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--admin-key"])
+def test_the_audit_takes_no_key_on_its_command_line(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every local user reads a command line: the old flags are refused, naming the file that replaces
+    them, and the key is not repeated."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--url", "http://127.0.0.1:9", flag, "sk-secret-123"])
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{flag}-file FILE" in error and "sk-secret-123" not in error
+
+
+def test_the_audits_key_files_must_be_private_and_the_environment_is_a_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = audit_key_args(tmp_path, ["key-a", "key-b"])
+    (tmp_path / "audit-api-keys").chmod(0o644)
+    assert run(parser.parse_args(["--url", "http://127.0.0.1:9", *args, "--black-box"])) == 2
+    assert "chmod 600" in capsys.readouterr().err
+    assert tenant_keys(write_key_file(tmp_path / "k", ["# tenants", "key-a", "", "key-b  # b"])) == (
+        "key-a",
+        "key-b",
     )
+    monkeypatch.setenv("KVFENCE_AUDIT_API_KEYS", "key-c key-d")
+    monkeypatch.setenv("KVFENCE_ADMIN_KEY", "admin-e")
+    assert (tenant_keys(None), admin_key(None)) == (("key-c", "key-d"), "admin-e")

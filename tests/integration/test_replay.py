@@ -32,6 +32,7 @@ from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.info import engine_info
 from kvfence.harness.cluster import cluster
+from kvfence.harness.key_files import audit_key_args
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.model.transformer import Transformer
@@ -150,11 +151,11 @@ def test_decode_rows_are_bitwise_batch_invariant_where_pinned(smollm2: GGUFModel
 
 
 def audit(url: str, out: Path) -> tuple[int, dict[str, Any]]:
-    """`kvfence audit --black-box --admin-key ...` (the admin key reads only the pin and changed trails)."""
+    """`kvfence audit --black-box` with the admin key (it reads only the pin and changed trails)."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     report = out / "report.json"
-    argv = ["--url", url, "--api-key", "key-a", "--api-key", "key-b", "--black-box", "--admin-key", ADMIN]
+    argv = ["--url", url, *audit_key_args(out, ["key-a", "key-b"], ADMIN), "--black-box"]
     status = run(parser.parse_args([*argv, "--json", str(report)]))
     return status, json.loads(report.read_text(encoding="utf-8"))
 
