@@ -39,8 +39,10 @@ class HandoffEngine(LLMEngine):
         return []
 
     def finish_transfer(self, request_id: str) -> None:
-        """The prefill side sent every page: its copy of the KV is no longer needed."""
-        self._finish(self.requests[request_id], Status.FINISHED, "transferred")
+        """The prefill side sent every page: its copy of the KV is no longer needed (a request that ended
+        meanwhile, e.g. a send of it dropped, is gone already)."""
+        if (request := self.requests.get(request_id)) is not None:
+            self._finish(request, Status.FINISHED, "transferred")
 
     def reserve(
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str, n: int = 1

@@ -148,8 +148,7 @@ class PrefillWorker(Worker):
                 self.awaiting_key[transfer.request_id] = transfer
                 self._post_when_keyed(transfer.request_id)
             elif output.status is Status.TRANSFERRING:  # decode has no NIXL agent (or not yet): ZeroMQ
-                if not self._unreadable(transfer):
-                    self._send_pages(transfer)
+                if not self._unreadable(transfer) and self._send_pages(transfer):
                     self.engine.finish_transfer(output.request_id)
             elif output.finished:  # aborted here (fence): decode must not wait for pages
                 failed = output.finish_reason or "aborted"
@@ -187,7 +186,10 @@ class PrefillWorker(Worker):
         self.reply(transfer.decode, Complete(transfer.request_id, pages=0, tokens=0, failed=reason))
         return True
 
-    def _send_pages(self, transfer: Transfer) -> None:
+    def _send_pages(self, transfer: Transfer) -> bool:
+        """Every page as a frame, then `complete`; whether all went out. At the first page the connector
+        drops, the request has been failed (`reply`) and no other page is read: decode is told the
+        transfer failed (if that too is dropped, decode's transfer deadline ends it)."""
         pool, plan = self.engine.pool, self._plan(transfer)
         for logical, (source, (page, generation)) in enumerate(plan.pages):
             if logical == plan.crash_at:
@@ -198,14 +200,15 @@ class PrefillWorker(Worker):
                 payload = bytes(len(payload) // 2) + payload[len(payload) // 2 :]
             if logical == plan.lost:
                 continue  # the transport drops it; the sender still believes it went out
-            self.reply(
-                transfer.decode, Page(transfer.request_id, logical, page, generation, checksum, payload)
-            )
-        self.reply(
-            transfer.decode,
-            Complete(transfer.request_id, pages=len(transfer.targets), tokens=transfer.num_tokens),
-        )
+            page_frame = Page(transfer.request_id, logical, page, generation, checksum, payload)
+            if not self.reply(transfer.decode, page_frame):
+                self.reply(transfer.decode, Complete(transfer.request_id, 0, 0, failed="send_blocked"))
+                return False
+        complete = Complete(transfer.request_id, pages=len(transfer.targets), tokens=transfer.num_tokens)
+        if not self.reply(transfer.decode, complete):
+            return False
         self.engine.events.emit(transfer.request_id, "transfer_complete", pages=len(plan.pages))
+        return True
 
     # ---- one-sided writes (NIXL) ------------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ class Worker:
         # answers with a proper refusal.
         self.bounds = Bounds(engine.model.config.context_length, engine.model.config.vocab_size)
         self.rejected: Counter[str] = Counter()  # frames dropped after receipt, by reason
+        self._failing: set[str] = set()  # requests being failed because a message of theirs was dropped
 
     def serve_forever(self) -> None:
         while not self.stopped.is_set():
@@ -120,8 +121,20 @@ class Worker:
     def tick(self, now: float) -> None:
         """Role hook: time-driven work (transfer deadlines)."""
 
-    def reply(self, peer: str, message: Msg) -> None:
-        self.connector.send(peer, message)
+    def reply(self, peer: str, message: Msg) -> bool:
+        """Send, never blocking. A message the connector dropped (its peer takes no frames: counted as
+        `send_blocked`) fails the request it is for at once (`fail_request`), not at a peer's deadline;
+        once per request, however many of its messages that failure drops in turn. Whether it was sent."""
+        if self.connector.send(peer, message):
+            return True
+        request_id = getattr(message, "request_id", None)
+        if isinstance(request_id, str) and request_id not in self._failing:
+            self._failing.add(request_id)
+            try:
+                self.fail_request(request_id, "send_blocked")
+            finally:
+                self._failing.discard(request_id)
+        return False
 
     def on_link(self, event: LinkEvent) -> None:
         """Role hook: this worker's own connection to a peer came up or went down."""

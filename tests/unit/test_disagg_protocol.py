@@ -528,3 +528,59 @@ def test_a_prefill_that_never_acknowledges_cannot_hold_decodes_pool(tiny: Transf
     pipe.submit("b1", "tenant-b", PROMPTS[22])
     pipe.run()
     assert pipe.results["b1"] == Result(solo(tiny, PROMPTS[22]), "finished", "length")
+
+
+def dropping(connector: MemoryConnector, drop: Callable[[Msg], bool]) -> list[Msg]:
+    """Make `connector` drop the messages `drop` picks, as a ZmqConnector does when its peer takes no
+    frames (send returns False); returns what it dropped."""
+    dropped: list[Msg] = []
+    send = connector.send
+
+    def maybe(peer: str, message: Msg) -> bool:
+        if drop(message):
+            dropped.append(message)
+            return False
+        return send(peer, message)
+
+    connector.send = maybe  # type: ignore[method-assign]
+    return dropped
+
+
+def test_a_page_the_connector_drops_fails_its_request_at_once(tiny: Transformer) -> None:
+    """Prefill's second page of r1 cannot be queued: no later page of it is read or sent, prefill aborts
+    it (send_blocked) and frees its pages, decode is told the transfer failed and answers the router an
+    abort at once (no waiting for the transfer deadline); r2 after it gets its solo tokens."""
+    pipe = Pipeline(tiny)
+    dropped = dropping(
+        pipe.prefill.connector,
+        lambda m: isinstance(m, Page) and m.request_id == "r1" and m.logical == 1,  # type: ignore[arg-type]
+    )
+    pipe.submit("r1", "A", PROMPTS[22])
+    pipe.run()
+    assert [m.logical for m in dropped] == [1]  # type: ignore[attr-defined]
+    kinds = pipe.prefill.engine.events.kinds("r1")
+    assert "transfer_complete" not in kinds and kinds[-2:] == ["aborted", "released"]
+    assert pipe.prefill.engine.events.for_request("r1")[-2]["reason"] == "send_blocked"
+    assert pipe.results["r1"].status == "aborted" and pipe.results["r1"].reason == "send_blocked"
+    assert pipe.decode.engine.events.kinds("r1").count("page_received") == 1
+    for worker in (pipe.prefill, pipe.decode):
+        assert worker.engine.allocator.num_free_pages == worker.engine.pool.num_pages
+    pipe.submit("r2", "B", PROMPTS[13])
+    pipe.run()
+    assert pipe.results["r2"] == Result(solo(tiny, PROMPTS[13]), "finished", "length")
+
+
+def test_an_output_the_connector_drops_ends_its_request_on_decode(tiny: Transformer) -> None:
+    """The router's link is full: decode aborts the request whose output it could not queue (its pages
+    released now, not when the router's timeout asks), once, though the abort's own output is dropped
+    too; another request's outputs go on."""
+    pipe = Pipeline(tiny)
+    dropped = dropping(pipe.decode.connector, lambda m: isinstance(m, Output) and m.request_id == "r1")
+    pipe.submit("r1", "A", PROMPTS[13])
+    pipe.submit("r2", "B", PROMPTS[6])
+    pipe.run()
+    assert [m.status for m in dropped] == ["running", "aborted"]  # type: ignore[attr-defined]
+    assert pipe.decode.engine.events.kinds("r1")[-2:] == ["aborted", "released"]
+    assert pipe.decode.engine.events.for_request("r1")[-2]["reason"] == "send_blocked"
+    assert pipe.results["r2"] == Result(solo(tiny, PROMPTS[6]), "finished", "length")
+    assert pipe.decode.engine.allocator.num_free_pages == pipe.decode.engine.pool.num_pages
