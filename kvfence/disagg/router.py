@@ -308,9 +308,25 @@ class Router:
             "transport": {"kind": "zeromq", "authenticated": self._keys is not None},
             "max_model_len": self.max_model_len,
             "router": code_info(),
-            "pools": {name: worker.info for name, worker in self.workers.items()},
+            "pools": {name: self._current_pins(name, worker.info) for name, worker in self.workers.items()},
             "pools_note": POOLS_NOTE,
         }
+
+    def _current_pins(self, name: str, adopted: dict[str, Any]) -> dict[str, Any]:
+        """A worker's pins as it states them now (blocking): what its transport trusts changes when it
+        replaces a landing process, and /v1/audit/info must not show a process that is gone. A fresh
+        hello's pins, bounded as any hello's (what it drops was counted when the hello was adopted);
+        the hello's own numbers stay those the router acts on. A lost or silent worker: the pins of the
+        hello it was adopted with."""
+        address = self.addresses[name]
+        if address in self.placement.down:
+            return adopted
+        try:
+            hello = self._ask(address, lambda t: Hello(token=t), HelloReply)
+        except TimeoutError:
+            return adopted
+        shown, _ = replies.pins({k: v for k, v in hello.info.items() if k not in replies.HELLO_PINS})
+        return {**shown, **{k: adopted[k] for k in replies.HELLO_PINS}}
 
     def stats(self) -> dict[str, EngineStats]:
         """Each reachable worker's pool (a lost one, or one whose answer is dropped, has no series until

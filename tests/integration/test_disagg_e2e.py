@@ -325,6 +325,11 @@ def landing_pid(cluster: Cluster, role: str) -> int | None:
     return None
 
 
+def transport_of(cluster: Cluster, role: str) -> dict:
+    info = httpx.get(f"{cluster.url}/v1/audit/info", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    return info["pools"][role]["transport"]
+
+
 def ask(cluster: Cluster, key: str, question: str) -> str:
     """The answer, or the error's class: every request ends one way or the other (a hang fails the test
     by the client's own timeout)."""
@@ -365,7 +370,7 @@ def test_a_stopped_or_killed_landing_process_fails_closed_and_answers_resume(
     """Any uid-65534 process could once stop a landing process and leave every tenant without an answer.
     Under two tenants' traffic, the landing process is stopped or killed: every request ends (an answer or
     an error), the worker replaces its landing process, and both tenants' answers resume, the same as
-    before. Nothing of it stays quarantined."""
+    before; /v1/audit/info names the new process. Nothing of it stays quarantined."""
     questions = {"key-a": "What is the capital of France?", "key-b": "Name a large ocean."}
     before = {key: ask(fenced, key, q) for key, q in questions.items()}
     victim = landing_pid(fenced, role)
@@ -378,5 +383,9 @@ def test_a_stopped_or_killed_landing_process_fails_closed_and_answers_resume(
     while landing_pid(fenced, role) in (None, victim):
         time.sleep(0.1)  # its replacement starts (a fresh interpreter)
     assert after(fenced, questions) == before
+    while (transport := transport_of(fenced, role))["state"] != "serving":
+        time.sleep(0.1)  # pages went as ZeroMQ frames meanwhile: the new process takes a second to start
+    assert transport["pid"] == landing_pid(fenced, role)  # the process serving now, not the one at start
+    assert transport["restarts"] >= 1 and transport["data_plane_sealed"] is True
     stats = fenced.worker_stats("decode")
     assert stats.pages_by_state["quarantined"] == 0

@@ -240,6 +240,25 @@ def test_forged_and_oversized_pins_are_dropped_and_shown_as_the_workers_claim() 
         assert router.rejected["bad_reply"] == 2 + dropped_extras
 
 
+def test_audit_info_shows_each_workers_pins_as_it_states_them_now() -> None:
+    """A worker replaced its landing process after start: /v1/audit/info shows what it says now (its
+    transport, asked afresh), not its first hello; the numbers the router acts on stay its own, a pin
+    beyond bounds is still dropped, and a lost worker shows the pins of the hello it was adopted with."""
+    decode = StandIn("decode")
+    with serving([StandIn("prefill")], [decode]) as (router, client):
+        first = client.get("/v1/audit/info", headers=ADMIN).json()["pools"]["decode"]
+        assert first["transport"] == {"kind": "zeromq", "authenticated": False}
+        now = {"kind": "zeromq", "kv": "nixl", "pid": 2, "restarts": 1, "data_plane_sealed": False}
+        decode.hello = honest_hello("decode", capacity_tokens=10**9)
+        decode.hello["info"] |= {"transport": now, "model_sha256": "0" * 5000}
+        pins = client.get("/v1/audit/info", headers=ADMIN).json()["pools"]["decode"]
+        assert pins["transport"] == now and pins["capacity_tokens"] == 256
+        assert "model_sha256" not in pins
+        decode.stop()
+        router.placement.down.add(decode.address)
+        assert client.get("/v1/audit/info", headers=ADMIN).json()["pools"]["decode"] == first
+
+
 def test_the_first_link_up_read_after_start_asks_no_second_hello() -> None:
     """The I/O thread reads frames before monitor events, so a link's first `up` can come after start()
     has its hello: asking again would count each dropped pin twice. Only a link that was down is asked."""
