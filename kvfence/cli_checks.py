@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from kvfence.config import DTYPE_BYTES, CapacityError, EngineConfig, capacity_report, check_window
+from kvfence.config import (
+    DTYPE_BYTES,
+    UNBLOCKED_GGML_TYPES,
+    CapacityError,
+    EngineConfig,
+    capacity_report,
+    check_window,
+)
 from kvfence.sampling import SamplingDefaults
 from kvfence.startup import StartupError, one_key, read_secret_file, reason
 from kvfence.trail.faults import FAULTS, parse_fault_spec
@@ -121,15 +128,17 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     context_length: int
+    block_quantized: bool  # any weight stored in a block format (what picks the fast path by default)
 
 
-def model_shape(metadata: dict[str, object]) -> ModelShape:
-    """The shape as the model's architecture reads its header (ValueError for one kvfence does not serve)."""
+def model_shape(metadata: dict[str, object], tensor_kinds: set[int]) -> ModelShape:
+    """The shape as the model's architecture reads its header (ValueError for one kvfence does not serve),
+    and whether any of `tensor_kinds` (ggml type ids) is a block format."""
     from kvfence.model.archs import architecture
     from kvfence.model.archs.base import Header
 
     architecture(metadata.get("general.architecture"))  # a one-line refusal naming the supported ones
-    return ModelShape(*Header(metadata, {}).kv_shape())
+    return ModelShape(*Header(metadata, {}).kv_shape(), bool(tensor_kinds - UNBLOCKED_GGML_TYPES))
 
 
 def check_model(path: Path | None) -> ModelShape:
@@ -148,7 +157,8 @@ def check_model(path: Path | None) -> ModelShape:
     if not path.is_file():
         raise StartupError(f"{option}: not a file; give the path of a GGUF file")
     try:
-        return model_shape(GGUFFile(path, arrays=False).metadata)
+        header = GGUFFile(path, arrays=False)
+        return model_shape(header.metadata, {tensor.kind for tensor in header.tensors})
     except (OSError, ValueError, struct.error, ZeroDivisionError, OverflowError) as exc:
         raise StartupError(
             f"{option}: not a usable GGUF file ({reason(exc)}); "
@@ -181,7 +191,8 @@ def check_engine(config: EngineConfig) -> None:
     check_device(config.device)
     shape = check_model(config.model)
     try:
-        check_window(capacity_report(config, shape, DTYPE_BYTES[config.kv_dtype]), shape.context_length)
+        kv_bytes = DTYPE_BYTES[config.expected_kv_dtype(shape.block_quantized)]
+        check_window(capacity_report(config, shape, kv_bytes), shape.context_length)
     except CapacityError as exc:
         raise StartupError(str(exc)) from exc
 

@@ -108,8 +108,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         default=defaults.activation_dtype,
         help="int8: the kernel multiplies the weights of every block format by rows "
         "quantized to int8 per 32 values with integer dot products, as llama.cpp does (faster; logits move "
-        "by the rounding); "
-        "float32: exact float products (default: %(default)s)",
+        "by the rounding); float32: exact float products, and (with --kv-cache-dtype auto) a pool of the "
+        "model's dtype: the exact path; auto: int8 where the quantized kernel runs (a block-quantized GGUF "
+        "on CPU), float32 elsewhere (default: %(default)s)",
     )
     g.add_argument(
         "--kv-cache-dtype",
@@ -118,7 +119,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="float16: the KV pool holds K and V as float16 under a float32 model (as llama.cpp's default "
         "cache), rounded as they are written: half the bytes a decode step reads and twice the tokens a "
         "pool of --kv-cache-memory holds; logits move by the rounding (CPU only); "
-        "auto: the model's --dtype (default: %(default)s)",
+        "auto: float16 where the activations are int8, the model's --dtype elsewhere (default: %(default)s)",
     )
     g.add_argument(
         "--trace-pages",

@@ -15,11 +15,16 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can run (C on CPU, Triton on CUDA)
 DECODE_MATMUL = ("auto", "kernel", "dense")  # auto: the kernel where it can run (float32 on CPU, quantized)
 # What the packed kernel multiplies codes in groups of 32 by: the float32 rows (exact weights and products),
-# or the rows quantized to int8 per 32 values, as llama.cpp does (integer dot products, ~4x less work).
-ACTIVATION_DTYPES = ("float32", "int8")
-# What the KV pool holds: the model's dtype (auto), or float16 under a float32 model (half the bytes each
-# decode step reads, twice the tokens a pool holds; llama.cpp's default cache type; CPU only).
+# or the rows quantized to int8 per 32 values, as llama.cpp does (integer dot products, ~4x less work);
+# auto: int8 wherever the packed kernel runs (a block-quantized GGUF on CPU), float32 elsewhere.
+ACTIVATION_DTYPES = ("auto", "float32", "int8")
+# What the KV pool holds: float16 under a float32 model (half the bytes each decode step reads, twice the
+# tokens a pool holds; llama.cpp's default cache type; CPU only), or the model's own dtype. auto: float16
+# where the activations are int8 (the fast path, what llama.cpp computes), the model's dtype elsewhere: so
+# `--activation-dtype float32` alone gives the exact float32 path.
 KV_CACHE_DTYPES = ("auto", "float16")
+# The GGUF storage types that are not block formats (ggml type ids): F32, F16, BF16.
+UNBLOCKED_GGML_TYPES = frozenset({0, 1, 30})
 
 
 @dataclass
@@ -41,7 +46,7 @@ class EngineConfig:
     num_threads: int | None = None
     decode_attention: str = "auto"  # auto | kernel | sdpa (see DECODE_ATTENTION)
     decode_matmul: str = "auto"  # auto | kernel | dense (see DECODE_MATMUL)
-    activation_dtype: str = "float32"  # float32 | int8 (see ACTIVATION_DTYPES)
+    activation_dtype: str = "auto"  # auto | float32 | int8 (see ACTIVATION_DTYPES)
     kv_cache_dtype: str = "auto"  # auto | float16 (see KV_CACHE_DTYPES)
     # Decode steps replayed from captured CUDA graphs where the model runs on CUDA (engine/graphs.py); the
     # pool gets a scratch page for their padding rows (on CPU that page alone: the graph tests' stand-in).
@@ -60,11 +65,25 @@ class EngineConfig:
             raise ValueError("page_size, max_num_seqs and max_num_batched_tokens must be positive")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, not {self.kv_cache_dtype!r}")
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(
+                f"activation_dtype must be one of {ACTIVATION_DTYPES}, not {self.activation_dtype!r}"
+            )
 
-    @property
-    def kv_dtype(self) -> str:
-        """The pool's element type by name: `dtype` where kv_cache_dtype is auto."""
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+    def expected_kv_dtype(self, block_quantized: bool) -> str:
+        """The pool's element type by name as this config will resolve it for a model whose GGUF holds block-
+        quantized weights or not, before the model loads (the start-up check sizes the pool with it; the
+        engine resolves it again from the loaded model, `builder.pool_dtype`, and checks again)."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        fast = (
+            block_quantized
+            and self.device in ("cpu", "auto")
+            and self.dtype == "float32"
+            and self.decode_matmul != "dense"
+            and self.activation_dtype != "float32"
+        )
+        return "float16" if fast else self.dtype
 
 
 @dataclass(frozen=True)

@@ -225,12 +225,14 @@ def hf_smollm2(smollm2: GGUFModel) -> torch.nn.Module:
     return model.eval()
 
 
-def real_engine(gguf: GGUFModel, **overrides: object) -> LLMEngine:
+def real_engine(gguf: GGUFModel, activation_dtype: str = "float32", **overrides: object) -> LLMEngine:
+    """An engine over real weights, on the exact float32 path unless `activation_dtype` says otherwise:
+    the golden tests compare it with transformers' float32 (serving's default is the int8 fast path)."""
     settings: dict[str, object] = {"num_pages": 256, "max_model_len": 2048}
     settings.update(overrides)
     engine = LLMEngine(
         EngineConfig(**settings),
-        Transformer.from_gguf(gguf),  # type: ignore[arg-type]
+        Transformer.from_gguf(gguf, activation_dtype=activation_dtype),  # type: ignore[arg-type]
         Tokenizer.from_gguf(gguf),
         log=lambda _: None,
     )

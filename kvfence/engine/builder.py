@@ -54,6 +54,7 @@ def check_start(
         ("matmul", model.decode_matmul, model.decode_matmul_note),
     ):
         log(f"decode {part}: {path}" + ("" if path == "kernel" else f" ({note})"))
+    log(numerics_line(model, kv_dtype))
     check_window(capacity, model.config.context_length)  # CapacityError, naming a --max-model-len that works
     if not config.isolation:
         log(
@@ -63,11 +64,23 @@ def check_start(
     return capacity
 
 
+def numerics_line(model: Transformer, kv_dtype: torch.dtype) -> str:
+    """The start-up line that says which arithmetic serves: the fast path (llama.cpp's: int8 activations
+    and a float16 pool) or the exact one, and the option that gives the other."""
+    name = str(kv_dtype).removeprefix("torch.")
+    what = f"{model.activation_dtype} activations, {name} KV cache"
+    if model.activation_dtype == "int8":
+        return f"numerics: fast ({what}; --activation-dtype float32 for the exact float32 path)"
+    return f"numerics: {what}"
+
+
 def pool_dtype(config: EngineConfig, model: Transformer) -> torch.dtype:
-    """What the pool holds: the model's dtype, or float16 under a CPU model (`--kv-cache-dtype`). Elsewhere a
-    narrower pool is refused: the device's attention kernel and graphs read the model's own dtype."""
+    """What the pool holds: float16 under a CPU float32 model where asked (`--kv-cache-dtype float16`) or
+    where the activations are int8 (auto: the fast path), the model's dtype otherwise. Elsewhere a narrower
+    pool is refused: the device's attention kernel and graphs read the model's own dtype."""
     if config.kv_cache_dtype == "auto":
-        return model.dtype
+        fast = model.activation_dtype == "int8" and model.device.type == "cpu"
+        return torch.float16 if fast and model.dtype == torch.float32 else model.dtype
     dtype = getattr(torch, config.kv_cache_dtype)
     if dtype != model.dtype and model.device.type != "cpu":
         raise ValueError(

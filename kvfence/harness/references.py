@@ -32,11 +32,19 @@ class Reference:
     gaps: list[float]  # top-2 logit gap of each sampled step
 
 
+# What every engine compared with a reference computes: the exact path. Batching and chunking move its
+# logits by float rounding alone, which `compare` allows at near-ties; int8 activations (the serving
+# default) turn such rounding into a quantum of a row's scale, and a flip could not be told from a leak.
+EXACT = "float32"
+
+
 def reference_engine(gguf: GGUFModel, window: int) -> LLMEngine:
-    """A separate cold engine: no prefix cache, no faults, a pool for a few windows."""
+    """A separate cold engine: no prefix cache, no faults, a pool for a few windows, the exact path."""
     pages = cdiv(window, 16) * 8
-    config = EngineConfig(num_pages=pages, max_model_len=window, enable_prefix_caching=False)
-    model = Transformer.from_gguf(gguf)
+    config = EngineConfig(
+        num_pages=pages, max_model_len=window, enable_prefix_caching=False, activation_dtype=EXACT
+    )
+    model = Transformer.from_gguf(gguf, activation_dtype=EXACT)
     return LLMEngine(config, model, Tokenizer.from_gguf(gguf), log=lambda _: None)
 
 

@@ -36,7 +36,7 @@ from kvfence.harness.judge import (
 )
 from kvfence.harness.ledger import FaultLedger
 from kvfence.harness.load import MODEL, Job, Outcome, Shape, Tenant, drive, make_jobs, make_tenants
-from kvfence.harness.references import Reference, compute_references, reference_engine
+from kvfence.harness.references import EXACT, Reference, compute_references, reference_engine
 from kvfence.harness.server import metric
 from kvfence.harness.workers import Spawned
 from kvfence.model.gguf import GGUFModel
@@ -82,8 +82,11 @@ def scaled(rates: dict[str, float], scale: float) -> dict[str, float]:
 
 
 def serving_engine(gguf: GGUFModel, window: int, num_pages: int, faults: dict[str, float]) -> LLMEngine:
-    config = EngineConfig(num_pages=num_pages, max_model_len=window, faults=faults, max_num_seqs=64)
-    return LLMEngine(config, Transformer.from_gguf(gguf), Tokenizer.from_gguf(gguf), log=lambda _: None)
+    config = EngineConfig(
+        num_pages=num_pages, max_model_len=window, faults=faults, max_num_seqs=64, activation_dtype=EXACT
+    )
+    model = Transformer.from_gguf(gguf, activation_dtype=EXACT)
+    return LLMEngine(config, model, Tokenizer.from_gguf(gguf), log=lambda _: None)
 
 
 def tenant_keys(tenants: list[Tenant]) -> dict[str, str]:
@@ -176,11 +179,13 @@ async def _single_node_drain(base: str, engine: AsyncEngine, timeout_s: float = 
 
 
 def disagg_configs(plan: Plan) -> tuple[EngineConfig, EngineConfig]:
-    """Both pools hold the window (so only the window refuses), one torch thread per worker."""
+    """Both pools hold the window (so only the window refuses), one torch thread per worker, the exact
+    path (their completions are compared with references)."""
     prefill = EngineConfig(
         num_pages=plan.num_pages,
         max_model_len=plan.window,
         num_threads=1,
+        activation_dtype=EXACT,
         faults=scaled(PREFILL_FAULT_RATES, plan.fault_scale),
     )
     decode = replace(

@@ -123,7 +123,8 @@ class Transformer:
     `decode_matmul="dense"`, every matmul runs on BLAS over dense weights. `activation_dtype="int8"`: the
     kernel multiplies the codes of every block format by int8-quantized rows
     (csrc/packed_matmul.c's KVF_DOT); other weights, and every weight on the dense path, take float32 rows
-    whatever it says."""
+    whatever it says. "auto" resolves to "int8" where the packed kernel runs, "float32" elsewhere (the
+    resolved name is `activation_dtype`)."""
 
     def __init__(
         self,
@@ -132,12 +133,12 @@ class Transformer:
         decode_attention: str = "auto",
         quantized: Mapping[str, QuantizedWeight] | None = None,
         decode_matmul: str = "auto",
-        activation_dtype: str = "float32",
+        activation_dtype: str = "auto",
         progress: Callable[[str], None] | None = None,
     ) -> None:
         if activation_dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"activation dtype must be one of {ACTIVATION_DTYPES}, not {activation_dtype!r}")
-        self.config, self.activation_dtype = config, activation_dtype
+        self.config = config
         # How the weights are stored, as llama.cpp's load log counts them (tensors per type); the loader's
         # `GGUFModel.quantization` when built from a file, else the dtypes of the tensors given.
         self.quantization = _storage_counts(tensors, quantized or {})
@@ -156,6 +157,8 @@ class Transformer:
             if quantized
             else lambda: (None, "the weights are not stored quantized"),
         )
+        if activation_dtype == "auto":
+            activation_dtype = "int8" if self._packed_kernel is not None else "float32"
         binder = Binder(tensors, quantized, self._packed_kernel, dot=activation_dtype == "int8")
         self.lm_head, self.layers = _bind(binder, config.num_layers, progress)
         packed = [self.lm_head.packed] + [p.packed for layer in self.layers for p in layer.projections()]
@@ -166,6 +169,7 @@ class Transformer:
             binder = Binder(tensors, quantized, None)
             self.lm_head, self.layers = _bind(binder, config.num_layers, progress)
         self.decode_matmul = "kernel" if self._packed_kernel else "dense"
+        self.activation_dtype = activation_dtype
         self.embed = Embedding(binder, self.lm_head, config.tie_word_embeddings)
         self.norm = tensors["output_norm.weight"]
         self._act = _ACTIVATIONS[config.activation]
@@ -198,7 +202,7 @@ class Transformer:
         gguf: GGUFModel,
         decode_attention: str = "auto",
         decode_matmul: str = "auto",
-        activation_dtype: str = "float32",
+        activation_dtype: str = "auto",
         progress: Callable[[str], None] | None = None,
     ) -> Transformer:
         model = cls(

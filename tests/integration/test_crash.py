@@ -29,7 +29,7 @@ from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.cluster import Cluster, cluster
 from kvfence.harness.load import KEEPALIVE_S, MODEL, Job, Outcome, Tenant, run_job, tenant_prompt
-from kvfence.harness.references import compare, compute_references, reference_engine
+from kvfence.harness.references import EXACT, compare, compute_references, reference_engine
 from kvfence.harness.workers import Spawned, SpawnedWorker
 from kvfence.model.gguf import GGUFModel
 from kvfence.model.tokenizer import Tokenizer
@@ -38,7 +38,7 @@ from kvfence.units import cdiv
 pytestmark = pytest.mark.real_model
 
 WINDOW = 256
-PREFILL = EngineConfig(num_pages=64, max_model_len=WINDOW, num_threads=1)
+PREFILL = EngineConfig(num_pages=64, max_model_len=WINDOW, num_threads=1, activation_dtype=EXACT)  # as refs
 DECODE = replace(PREFILL, enable_prefix_caching=False)
 TENANT = Tenant("tenant-a", "key-a", "ZORBLAX-4471")
 ADMIN = "crash-admin"

@@ -26,6 +26,7 @@ from kvfence.config import EngineConfig
 from kvfence.disagg.nixl_transport import nixl_available
 from kvfence.grammar.compiler import GrammarCompiler
 from kvfence.harness.cluster import Cluster, cluster
+from kvfence.harness.references import EXACT
 from kvfence.harness.server import metric
 from kvfence.harness.workers import Spawned
 from kvfence.model.gguf import GGUFModel
@@ -39,10 +40,9 @@ ADMIN = "admin-key"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 MODEL = default_model_path().stem
 # The incident's shape, scaled down: prefill holds 512 tokens, the advertised window is 1024.
-PREFILL = EngineConfig(num_pages=32, max_model_len=512, num_threads=1)
-DECODE = EngineConfig(
-    num_pages=68, max_model_len=1024, num_threads=1, trace_pages=True, enable_prefix_caching=False
-)
+# The exact path: completions and logprobs are compared with an in-process engine (`real_engine`).
+PREFILL = EngineConfig(num_pages=32, max_model_len=512, num_threads=1, activation_dtype=EXACT)
+DECODE = replace(PREFILL, num_pages=68, max_model_len=1024, trace_pages=True, enable_prefix_caching=False)
 SECRET = (
     "Internal memo for tenant A only. The vault access code is 4471-ALPHA-RIVER and the launch date "
     "of project Heron is the ninth of March. "

@@ -457,13 +457,14 @@ def test_the_fast_header_read_agrees_with_gguf_py(tmp_path: Path) -> None:
     expected = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
     assert scalars == {k: v for k, v in expected.items() if not isinstance(v, list)}
     assert GGUFFile(path).metadata == expected
-    shape = model_shape(scalars)
+    shape = model_shape(scalars, {tensor.kind for tensor in GGUFFile(path, arrays=False).tensors})
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.context_length) == (
         config.num_layers,
         config.num_kv_heads,
         config.head_dim,
         config.context_length,
     )
+    assert not shape.block_quantized  # float32 tensors only: the pool is sized at the model's dtype
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:200])
     with pytest.raises(StartupError, match="not a usable GGUF file"):
@@ -506,7 +507,10 @@ def test_the_console_says_what_protects_the_server(files: dict[str, str]) -> Non
             "WARNING: fault armed: stale_mapping at rate 1.0",
             f"front door: a request head within {READ_TIMEOUT_S:g}s, a body stalled for {READ_TIMEOUT_S:g}s "
             "is cut, at most 1024 connections",
-            "KV pool: 64 pages x 16 tokens = 1024 tokens (45.0 MiB); context window: 1024 tokens",
+            # The defaults are the fast path: a float16 pool (half the float32 one's 45.0 MiB), said so.
+            "KV pool: 64 pages x 16 tokens = 1024 tokens (22.5 MiB); context window: 1024 tokens",
+            "numerics: fast (int8 activations, float16 KV cache; --activation-dtype float32 for the exact "
+            "float32 path)",
         ):
             assert line in said, proc.tail()
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401  # auth is on

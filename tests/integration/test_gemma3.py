@@ -93,7 +93,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], lis
 def test_greedy_completions_match_transformers(gemma: GGUFModel) -> None:
     assert gemma.config.architecture == "gemma3" and gemma.config.local_layers
     assert set(gemma.quantization) == {"F32", "Q5_0", "Q4_K", "Q8_0", "Q6_K"}
-    model = Transformer.from_gguf(gemma)
+    model = Transformer.from_gguf(gemma, activation_dtype="float32")
     assert model.decode_matmul == "kernel" and model.decode_attention == "kernel"
     tokenizer = Tokenizer.from_gguf(gemma)
     engine = LLMEngine(EngineConfig(num_pages=64, max_model_len=512), model, tokenizer, log=lambda _: None)

@@ -138,7 +138,7 @@ def test_greedy_tokens_and_logits_match_transformers(
     blocks = quant not in ("F32", "F16")
     assert bool(loaded.quantized) == blocks and (quant in loaded.quantization or quant == "Q4_K_M")
     heard: list[str] = []
-    model = Transformer.from_gguf(loaded, progress=heard.append)
+    model = Transformer.from_gguf(loaded, activation_dtype="float32", progress=heard.append)
     assert model.decode_matmul == ("kernel" if blocks else "dense") and model.decode_attention == "kernel"
     layers = loaded.config.num_layers
     assert heard[-1].startswith(f"{layers}/{layers} layers read and packed")

@@ -18,7 +18,7 @@ PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 def quantized_model(arch: str) -> Transformer:
     config = TINY_ARCHS[arch]
     tensors, codes = quantize(tiny_tensors(3, config))
-    return Transformer(config, tensors, quantized=codes)
+    return Transformer(config, tensors, quantized=codes, activation_dtype="float32")
 
 
 def run(model: Transformer, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
