@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import math
 import os
 import resource
@@ -32,6 +33,7 @@ from kvfence.config import (
     UNBLOCKED_GGML_TYPES,
     CapacityError,
     EngineConfig,
+    SpeculativeConfig,
     capacity_report,
     check_window,
 )
@@ -103,6 +105,20 @@ def size_bytes(text: str) -> int:
     if size < 1:
         raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
     return size
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config: vLLM's JSON object (argparse's error names what is wrong, never ignores it)."""
+    try:
+        values = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({reason(exc)})") from exc
+    if not isinstance(values, dict):
+        raise argparse.ArgumentTypeError('a JSON object, e.g. {"method": "ngram", ...}')
+    try:
+        return SpeculativeConfig.from_dict(values)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def fault_spec(spec: str) -> tuple[str, float]:

@@ -19,6 +19,7 @@ from kvfence.cli_checks import (
     positive_float,
     positive_int,
     size_bytes,
+    speculative_config,
     temperature,
     top_p,
 )
@@ -122,6 +123,16 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "auto: float16 where the activations are int8, the model's --dtype elsewhere (default: %(default)s)",
     )
     g.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        metavar="JSON",
+        help='speculative decoding as vLLM takes it, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\': draft '
+        "tokens from the request's own prompt and output, verified in one forward (greedy output is token "
+        "for token what decoding alone gives; sampled output keeps the model's distribution). Rows with "
+        "logprobs, a grammar or n > 1 sample one token a step (default: none)",
+    )
+    g.add_argument(
         "--trace-pages",
         action="store_true",
         help="audit which pages each request reads and whose data they hold (lab, audits)",
@@ -196,6 +207,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         decode_matmul=args.decode_matmul,
         activation_dtype=args.activation_dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative=args.speculative_config,
         decode_graphs=not args.enforce_eager,
         trace_pages=args.trace_pages,
         declare_batch_invariance=not args.hide_batch_invariance,

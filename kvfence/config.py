@@ -27,6 +27,56 @@ KV_CACHE_DTYPES = ("auto", "float16")
 UNBLOCKED_GGML_TYPES = frozenset({0, 1, 30})
 
 
+# vLLM's --speculative-config keys kvfence reads; any other key is refused by name, never ignored.
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # verify rows per request and step: beyond this a draft is mostly wasted work
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config`: `method` "ngram" (prompt lookup) proposes `num_speculative_tokens`
+    tokens a step from the request's own tokens, matching n-grams `prompt_lookup_min`..`prompt_lookup_max`
+    long (vLLM's defaults: one given, the other equals it; neither, both 5)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not implemented; implemented: "
+                + ", ".join(SPECULATIVE_METHODS)
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> SpeculativeConfig:
+        """The config vLLM's JSON object names (ValueError naming a key kvfence does not read, or a value
+        of the wrong type)."""
+        if "method" not in values or "num_speculative_tokens" not in values:
+            raise ValueError("a speculative config needs 'method' and 'num_speculative_tokens'")
+        method, ints = values["method"], {k: v for k, v in values.items() if k != "method"}
+        if method not in SPECULATIVE_METHODS:  # first: a draft model's keys are no use without one
+            cls(str(method), 1)  # its refusal, naming the methods implemented
+        unknown = sorted(set(values) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative config key(s) not supported: {', '.join(unknown)}")
+        for key, value in ints.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"speculative {key!r} must be an integer")
+        low, high = ints.get("prompt_lookup_min"), ints.get("prompt_lookup_max")
+        low = high if low is None else low
+        high = low if high is None else high
+        low, high = (5, 5) if low is None else (low, high)
+        return cls(str(method), int(ints["num_speculative_tokens"]), int(low), int(high))
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. `model` None means the packaged SmolLM2 GGUF."""
@@ -48,6 +98,7 @@ class EngineConfig:
     decode_matmul: str = "auto"  # auto | kernel | dense (see DECODE_MATMUL)
     activation_dtype: str = "auto"  # auto | float32 | int8 (see ACTIVATION_DTYPES)
     kv_cache_dtype: str = "auto"  # auto | float16 (see KV_CACHE_DTYPES)
+    speculative: SpeculativeConfig | None = None  # None: one token per request and step
     # Decode steps replayed from captured CUDA graphs where the model runs on CUDA (engine/graphs.py); the
     # pool gets a scratch page for their padding rows (on CPU that page alone: the graph tests' stand-in).
     decode_graphs: bool = False

@@ -68,6 +68,11 @@ class Request:
     forks: list[Request] = field(default_factory=list)
     index: int = 0  # the choice this sequence answers: its place among its parent's forks, else 0
     parent_id: str | None = None  # a fork's parent (its id stays in use while the fork runs)
+    # Speculative decoding: the tokens this step verifies after its last one (the scheduler's proposal, empty
+    # when it drafts none), and how many slots past its accepted tokens its last verification wrote and took
+    # back (they hold rejected drafts' KV until overwritten: nothing may read them).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_tail: int = 0
     # Prompt position -> that prompt token's logprobs (SamplingParams.prompt_logprobs), as steps compute them.
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 

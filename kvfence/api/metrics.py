@@ -132,6 +132,35 @@ _ENGINE_FAMILIES = (
     ),
     _Family(
         _COUNTER,
+        "kvfence_spec_decode_num_drafts",
+        "Speculative decoding: rows that verified at least one draft token",
+        lambda s: s.spec_drafts,
+        model_label=True,
+    ),
+    _Family(
+        _COUNTER,
+        "kvfence_spec_decode_num_draft_tokens",
+        "Speculative decoding: draft tokens verified",
+        lambda s: s.spec_draft_tokens,
+        model_label=True,
+    ),
+    _Family(
+        _COUNTER,
+        "kvfence_spec_decode_num_accepted_tokens",
+        "Speculative decoding: draft tokens accepted (usage counts only accepted and sampled tokens)",
+        lambda s: s.spec_accepted_tokens,
+        model_label=True,
+    ),
+    _Family(
+        _COUNTER,
+        "kvfence_spec_decode_num_accepted_tokens_per_pos",
+        "Speculative decoding: draft tokens accepted, by their position in the draft (0: the first)",
+        lambda s: {str(i): n for i, n in enumerate(s.spec_accepted_per_position)},
+        "position",
+        model_label=True,
+    ),
+    _Family(
+        _COUNTER,
         "kvfence_transport_rejected",
         "Frames between router and workers dropped before being acted on, by reason",
         lambda s: s.transport_rejected,
@@ -328,6 +357,10 @@ VLLM_NAMES = {
     "request_prefill_time_seconds": ["vllm:request_prefill_time_seconds"],
     "request_decode_time_seconds": ["vllm:request_decode_time_seconds"],
     "request_inference_time_seconds": ["vllm:request_inference_time_seconds"],
+    "spec_decode_num_drafts": ["vllm:spec_decode_num_drafts"],
+    "spec_decode_num_draft_tokens": ["vllm:spec_decode_num_draft_tokens"],
+    "spec_decode_num_accepted_tokens": ["vllm:spec_decode_num_accepted_tokens"],
+    "spec_decode_num_accepted_tokens_per_pos": ["vllm:spec_decode_num_accepted_tokens_per_pos"],
 }
 
 

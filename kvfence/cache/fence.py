@@ -25,6 +25,7 @@ from kvfence.cache.block_table import BlockTable
 from kvfence.cache.pool import KVPool, PageState
 from kvfence.model import native
 from kvfence.trail.reasons import (
+    DRAFT_ROLLBACK_REFUSED,
     FOREIGN_OWNER,
     INCOMPLETE_HANDOFF,
     STALE_GENERATION,
@@ -232,6 +233,23 @@ class Fence:
         if not self.enabled:
             return None
         return self._check_reads(StepLayout.reads_only([record], [num_tokens])).get(0)
+
+    def roll_back(self, record: MappingRecord, keep: int, end: int) -> str | None:
+        """Take back a request's unaccepted draft slots, tokens [keep, end) of its record (the step wrote up
+        to `end`, the request keeps `keep`): page by page through `KVPool.take_back`, which zeroes them and
+        moves `written` back, only for the record's tenant, only its own unshared tail. The violation when a
+        page refuses (the rest of the tail is left: the request is aborted), else None. With the fence off
+        nothing is taken back: the slots keep the drafts' KV (the lab's leak)."""
+        if not self.enabled or keep >= end:
+            return None
+        size = self.pool.page_size
+        for logical in range((end - 1) // size, keep // size - 1, -1):  # the tail's last page first
+            page, generation = record.entry(logical)
+            start = max(keep - logical * size, 0)
+            stop = min(end - logical * size, size)
+            if not self.pool.take_back(page, generation, record.tenant, start, stop):
+                return DRAFT_ROLLBACK_REFUSED
+        return None
 
     def _check_reads(self, layout: StepLayout) -> dict[int, str]:
         """Rows whose reads fail, as csrc/fence.c judges them: a page id outside [0, num_pages) fails

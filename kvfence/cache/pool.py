@@ -149,6 +149,29 @@ class KVPool:
         np.maximum.at(self.written, pages, offsets + 1)
         self.last_writer[pages] = self.owner[pages]
 
+    def take_back(self, page: int, generation: int, tenant: int, start: int, end: int) -> bool:
+        """Roll back slots [start, end) of `page`, the last it wrote (speculative decoding's rejected drafts):
+        only for `tenant` holding the page alone at `generation` (as a write must), only its written tail
+        (`written` is `end`), never below what it keeps (`start` >= 0). The slots are zeroed, so what was
+        written there can never be read again whoever asks, and `written` moves back to `start`, so the
+        next write appends there. False, nothing changed, when refused (counted as a refused write)."""
+        inside = 0 <= page < self.num_pages
+        allowed = (
+            inside
+            and 0 <= start < end <= self.page_size
+            and self.generation[page] == generation
+            and self.owner[page] == tenant
+            and self.state[page] == PageState.OWNED
+            and self.holders[page] <= 1
+            and self.written[page] == end
+        )
+        if not allowed:
+            self.refused_writes += 1
+            return False
+        self.kv[:, :, page, start:end] = 0
+        self.written[page] = start
+        return True
+
     def copy_page(self, src: int, dst: int, dst_generation: int, tenant: int, slots: int) -> bool:
         """Copy-on-write for a fork: the first `slots` slots of `src` (every layer, K and V) into `dst`, which
         must be `tenant`'s at `dst_generation` (a fenced write, invariant 2; False when refused). `written`

@@ -80,6 +80,8 @@ def _is_stat(hint: Any, value: Any) -> bool:
         return _is_count(value)
     if hint is float:
         return _is_number(value) and 0 <= value <= MAX_COUNT
+    if hint == list[int]:  # counts by position (speculative decoding's acceptance)
+        return isinstance(value, list) and len(value) <= MAX_LABELS and all(_is_count(v) for v in value)
     return (
         isinstance(value, dict)
         and len(value) <= MAX_LABELS

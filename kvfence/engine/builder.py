@@ -18,6 +18,7 @@ from kvfence.cache.manager import KVCacheManager
 from kvfence.cache.pool import KVPool
 from kvfence.cache.prefix import PrefixCache
 from kvfence.config import CapacityReport, EngineConfig, capacity_report, check_window
+from kvfence.engine.drafter import make_drafter
 from kvfence.engine.graphs import CudaGraphBackend, DecodeGraphRunner
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.scheduler import Scheduler, TenantLimits
@@ -119,8 +120,16 @@ def build_parts(
         config.max_pages_per_tenant,
         config.fair_scheduling,
     )
+    spec = config.speculative
     scheduler = Scheduler(
-        kv_cache, events, faults, config.max_num_seqs, config.max_num_batched_tokens, limits
+        kv_cache,
+        events,
+        faults,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        limits,
+        make_drafter(spec) if spec is not None else None,
+        spec.num_speculative_tokens if spec is not None else 0,
     )
     graphs = decode_graphs(config, model, pool, capacity.context_window)
     runner = ModelRunner(model, pool, fence, faults, graphs)

@@ -20,6 +20,7 @@ import torch
 
 from kvfence.config import EngineConfig
 from kvfence.engine.builder import build_parts
+from kvfence.engine.drafter import SpecStats
 from kvfence.engine.heap import map_large_buffers, return_freed_heap
 from kvfence.engine.output import OutputProcessor, RequestOutput
 from kvfence.engine.runner import StepResult
@@ -99,6 +100,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.integrity_aborts: Counter[str] = Counter()  # by reason, whatever path caught it
+        self.spec_stats = SpecStats()
 
     # ---- admission -------------------------------------------------------------------------------------
 
@@ -273,10 +275,17 @@ class LLMEngine:
             if request.request_id in result.aborted:
                 continue
             self._record_step(request, n)
-            request.num_computed_tokens += n
             token = result.sampled.get(request.request_id)
-            if token is not None:
-                outputs.append(self._append_token(request, token, result.logprobs.get(request.request_id)))
+            tokens = [] if token is None else [*result.accepted.get(request.request_id, ()), token]
+            if request.draft_token_ids and token is not None:
+                reason = self._settle_drafts(request, n, len(tokens) - 1)
+                if reason is not None:
+                    outputs.extend(o for o in [self.abort(request.request_id, reason)] if o is not None)
+                    continue
+                n = len(tokens)  # its last token and the drafts accepted: the KV it keeps
+            request.num_computed_tokens += n
+            if tokens:
+                outputs.append(self._append_tokens(request, tokens, result.logprobs.get(request.request_id)))
             if not request.is_finished:
                 self.kv_cache.publish_full_pages(
                     request, min(request.num_computed_tokens, request.num_tokens)
@@ -309,8 +318,8 @@ class LLMEngine:
             self.requests[child.request_id] = child
             self.outputs.start(child)
             outputs.append(
-                self._append_token(
-                    child, result.sampled[child.request_id], result.logprobs.get(child.request_id)
+                self._append_tokens(
+                    child, [result.sampled[child.request_id]], result.logprobs.get(child.request_id)
                 )
             )
         return outputs
@@ -340,19 +349,43 @@ class LLMEngine:
     def _record_step(self, request: Request, n: int) -> None:
         """Every prefill chunk and the first decode step are on the record. Later decode steps repeat the
         first with one more token; the finish event's token count sums them up, so the trail stays small."""
-        if n > 1 or len(request.output_token_ids) <= 1:
+        if n > 1 + len(request.draft_token_ids) or len(request.output_token_ids) <= 1:
             pages = list(request.record.pages[: cdiv(request.num_computed_tokens + n, self.pool.page_size)])
             if self.fence.enabled:
                 self.events.emit(request.request_id, "validated", pages=pages)
             self.events.emit(request.request_id, "step", tokens=n, position=request.num_computed_tokens)
 
-    def _append_token(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        reason = self.outputs.append(request, token)
-        if reason is not None:
-            self._finish(request, Status.FINISHED, reason)
+    def _append_tokens(
+        self, request: Request, tokens: list[int], logprobs: TokenLogprobs | None
+    ) -> RequestOutput:
+        """A step's tokens for one request, in order, until one ends it (the rest are dropped)."""
+        taken = []
+        for token in tokens:
+            taken.append(token)
+            reason = self.outputs.append(request, token)
+            if reason is not None:
+                self._finish(request, Status.FINISHED, reason)
+                break
         return RequestOutput.of(
-            request, [token], self.outputs.new_text(request), None if logprobs is None else [logprobs]
+            request, taken, self.outputs.new_text(request), None if logprobs is None else [logprobs]
         )
+
+    def _settle_drafts(self, request: Request, n: int, accepted: int) -> str | None:
+        """After a verification of n positions kept 1 + `accepted`: take back the rest of what it wrote (the
+        fence zeroes those slots and moves the pages' `written` back, the trail records it) and count it.
+        The fence's violation when the tail is not the request's own to take back, else None."""
+        drafted, keep = len(request.draft_token_ids), request.num_computed_tokens + 1 + accepted
+        end = request.num_computed_tokens + n
+        request.draft_token_ids, request.draft_tail = [], end - keep
+        self.spec_stats.count(drafted, accepted)
+        if keep == end:
+            return None
+        size = self.pool.page_size
+        pages = list(request.record.pages[keep // size : cdiv(end, size)])
+        self.events.emit(
+            request.request_id, "drafts_rolled_back", position=keep, slots=end - keep, pages=pages
+        )
+        return self.fence.roll_back(request.record, keep, end)
 
     # ---- offline use -----------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ attention never runs over a page the fence did not clear.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -43,6 +43,9 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for requests that asked for them
     # request id -> prompt position -> that prompt token's logprobs, for requests that asked for them
     prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = field(default_factory=dict)
+    # request id -> the drafts its verification accepted, in order, before its `sampled` token (rows that
+    # verified drafts only; the rest of their drafts were rejected and their KV must be taken back)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -73,6 +76,11 @@ class ModelRunner:
         layout = build_layout(requests, num_new, self.pool.page_size)
         if self.faults.fire("stale_write") and (page := _redirect_a_write(layout)) is not None:
             self.faults.record("stale_write", request_id=requests[0].request_id, page=page)
+        reach = _rejected_draft_reach(requests, num_new, layout, self.pool.page_size)
+        if reach is not None and self.faults.fire("read_rejected_draft"):
+            row, extra = reach
+            layout.num_cached[row] += extra  # its reads reach the slots; its writes stay where they were
+            self.faults.record("read_rejected_draft", request_id=requests[row].request_id, slots=extra)
         verdict = self.fence.validate_step(layout)
         aborted = {requests[row].request_id: reason for row, reason in verdict.items()}
         if verdict:
@@ -91,34 +99,38 @@ class ModelRunner:
         if self.logits_observer is not None:
             self.logits_observer(sampled_requests, logits)
         sampled_requests, logits = fork_rows(sampled_requests, logits)
-        params = [r.params for r in sampled_requests]
+        # One row per sampled position: a verifying request's every position, each sampled as if the drafts
+        # before it were its output already (its penalties and min_tokens see them).
+        rows = [(r, i) for r in sampled_requests for i in range(1 + len(r.draft_token_ids))]
+        params = [r.params for r, _ in rows]
         raw = raw_logprobs(logits, params)  # before the masks: logprobs report the model's own distribution
         # Structured output: disallowed tokens go to -inf before sampling, then each matcher takes its token.
-        grammars = [r.grammar for r in sampled_requests]
+        grammars = [r.grammar for r, _ in rows]
         grammar_failed = grammar_mask.apply_masks(logits, grammars)
-        hold_ends(logits, params, [len(r.output_token_ids) for r in sampled_requests], self.eos_ids)
+        hold_ends(logits, params, [len(r.output_token_ids) + i for r, i in rows], self.eos_ids)
         tokens = sample(
             logits,
             params,
-            [r.generator for r in sampled_requests],
-            [r.prompt_token_ids for r in sampled_requests],
-            [r.output_token_ids for r in sampled_requests],
+            [r.generator for r, _ in rows],
+            [r.prompt_token_ids for r, _ in rows],
+            [r.output_token_ids + r.draft_token_ids[:i] if i else r.output_token_ids for r, i in rows],
             self.noise,
             consume=True,  # read by no one after: the masks above already wrote into them
         )
         grammar_failed |= grammar_mask.advance(grammars, tokens)
-        sampled = {}
-        for row, (request, token) in enumerate(zip(sampled_requests, tokens, strict=True)):
-            if row in grammar_failed:
+        sampled, accepted = {}, {}
+        for row, request, picks in _per_request(rows, tokens):
+            taken = verified(request.draft_token_ids, picks)
+            if row + len(taken) in grammar_failed:
                 aborted[request.request_id] = grammar_mask.GRAMMAR_ERROR
-            elif token is None:
+            elif picks[len(taken)] is None:
                 aborted[request.request_id] = NON_FINITE_LOGITS
             else:
-                sampled[request.request_id] = token
-        logprobs = {
-            sampled_requests[row].request_id: lp for row, lp in token_logprobs(raw, tokens, params).items()
-        }
-        return StepResult(sampled, aborted, logprobs, prompt)
+                sampled[request.request_id] = picks[len(taken)]
+                if request.draft_token_ids:
+                    accepted[request.request_id] = taken
+        logprobs = {rows[row][0].request_id: lp for row, lp in token_logprobs(raw, tokens, params).items()}
+        return StepResult(sampled, aborted, logprobs, prompt, accepted)
 
     def _forward(
         self, requests: list[Request], num_new: list[int], layout: StepLayout
@@ -144,18 +156,24 @@ class ModelRunner:
         position) of each prompt token whose logprobs a request asked for: their logits rows come first."""
         device = self.model.device
         new = np.asarray(num_new, dtype=np.int64)
-        cached = layout.num_cached
+        cached = layout.num_cached  # what each row reads before its own tokens
         token_ends = np.cumsum(new)
+        first = layout.write_positions[token_ends - new]  # where each row's tokens go (its computed mark)
+        drafts = np.fromiter((len(r.draft_token_ids) for r in requests), np.int64, len(requests))
         input_ids = list(
             chain.from_iterable(
-                _token_slice(r, c, c + n) for r, c, n in zip(requests, cached.tolist(), num_new, strict=True)
+                _token_slice(r, f, f + n) for r, f, n in zip(requests, first.tolist(), num_new, strict=True)
             )
         )
-        is_decode = (new == 1) & (cached > 0)
-        sampled = (cached + new == [r.num_tokens for r in requests]) & ~np.array(
+        # A decode row is one token after its context, or that token and the drafts it verifies: each of
+        # its positions attends as a decode row of its own (the batch-invariant path), over the context up
+        # to it, so a verified position computes what decoding it alone would.
+        is_decode = (new == 1 + drafts) & (cached > 0)
+        sampled = (first + new == [r.num_tokens for r in requests] + drafts) & ~np.array(
             [r.prefill_only for r in requests], dtype=bool
         )
         decode = np.flatnonzero(is_decode)
+        entries, steps = _spans(decode, new[decode])  # each decode position: its row, its place in the row
         prompt_rows = _prompt_positions(requests, num_new, cached, token_ends)
         prefills = [
             PrefillSeq(
@@ -168,23 +186,76 @@ class ModelRunner:
             )
             for row in np.flatnonzero(~is_decode).tolist()
         ]
-        tables = _decode_tables(layout, decode, self.pool.zero_page)
+        tables = _decode_tables(layout, entries, self.pool.zero_page)
+        sample_rows = np.flatnonzero(sampled)
+        spans = 1 + drafts[sample_rows]  # the positions each sampled row is sampled at: its last 1 + drafts
+        sampled_at, place = _spans(sample_rows, spans)
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(layout.write_positions).to(device),
             slot_mapping=torch.from_numpy(layout.write_pages * self.pool.page_size + layout.write_offsets).to(
                 device
             ),
-            decode_rows=torch.from_numpy(token_ends[decode] - 1).to(device),
+            decode_rows=torch.from_numpy(token_ends[entries] - new[entries] + steps).to(device),
             decode_block_tables=torch.from_numpy(tables).to(device),
-            decode_context_lens=torch.from_numpy(cached[decode] + 1).to(device),
+            decode_context_lens=torch.from_numpy(cached[entries] + 1 + steps).to(device),
             prefills=prefills,
             logits_rows=torch.from_numpy(
-                np.concatenate([[row for row, _, _ in prompt_rows], token_ends[sampled] - 1]).astype(np.int64)
+                np.concatenate(
+                    [
+                        [row for row, _, _ in prompt_rows],
+                        token_ends[sampled_at] - np.repeat(spans, spans) + place,
+                    ]
+                ).astype(np.int64)
             ).to(device),
             zero_page=self.pool.zero_page,
         )
-        return inputs, np.flatnonzero(sampled).tolist(), [(r, position) for _, r, position in prompt_rows]
+        return inputs, sample_rows.tolist(), [(r, position) for _, r, position in prompt_rows]
+
+
+def _spans(rows: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each of `rows` repeated its width times, and the place of each repeat within its row (0, 1, ...)."""
+    repeated = np.repeat(rows, widths)
+    return repeated, np.arange(repeated.size) - np.repeat(np.cumsum(widths) - widths, widths)
+
+
+def verified(drafts: list[int], picks: list[int | None]) -> list[int]:
+    """The drafts accepted: the longest prefix the target picked itself, position by position (`picks[i]`
+    sampled after drafts[:i]). With one draft token proposed per position, sampling the target and comparing
+    is rejection sampling exactly: a draft is kept with the target's probability of it, and where it is
+    not, the pick is a draw from the target without it. The row's token is then `picks[len(accepted)]`."""
+    taken = 0
+    while taken < len(drafts) and picks[taken] == drafts[taken]:
+        taken += 1
+    return drafts[:taken]
+
+
+def _per_request(
+    rows: list[tuple[Request, int]], tokens: list[int | None]
+) -> Iterator[tuple[int, Request, list[int | None]]]:
+    """(first row, request, its picks) for each request of the sampled `rows` (a verifier spans several)."""
+    row = 0
+    while row < len(rows):
+        request = rows[row][0]
+        span = 1 + len(request.draft_token_ids)
+        yield row, request, tokens[row : row + span]
+        row += span
+
+
+def _rejected_draft_reach(
+    requests: list[Request], num_new: list[int], layout: StepLayout, page_size: int
+) -> tuple[int, int] | None:
+    """Fault `read_rejected_draft`'s target: the first row whose last verification took back more slots than
+    its next token overwrites, and how many of them its reads would reach within the pages the step maps
+    (as a verifier that counted its rejected drafts would read them). None when no row has such slots."""
+    for row, request in enumerate(requests):
+        if request.draft_tail < 2 or layout.num_cached[row] == 0:
+            continue
+        mapped = (layout.starts[row + 1] - layout.starts[row]) * page_size
+        extra = min(request.draft_tail - 1, int(mapped - layout.num_cached[row] - num_new[row]))
+        if extra > 0:
+            return row, extra
+    return None
 
 
 def _pure_decode(requests: list[Request], num_new: list[int], layout: StepLayout) -> np.ndarray | None:
@@ -232,8 +303,10 @@ def _prompt_logprobs(
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:
-    """Tokens [start, end) of prompt + output, without building the whole sequence."""
-    prompt = len(request.prompt_token_ids)
+    """Tokens [start, end) of prompt + output + this step's drafts, without building the whole sequence."""
+    prompt, done = len(request.prompt_token_ids), request.num_tokens
+    if end > done:  # a verifying row: its last sampled token, then its drafts
+        return _token_slice(request, start, done) + request.draft_token_ids[: end - done]
     if start >= prompt:
         return request.output_token_ids[start - prompt : end - prompt]
     return request.prompt_token_ids[start:end] + request.output_token_ids[: max(end - prompt, 0)]

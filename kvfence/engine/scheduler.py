@@ -8,6 +8,10 @@ most pages is preempted (its most recently admitted one): its pages are released
 its tokens later (recompute), so the pool running dry is never a crash, and the tenant over its share
 pays for it.
 
+With a drafter (speculative decoding), a decode row also carries the draft tokens it verifies this step
+(`Request.draft_token_ids`): as many as the step's budget, the request's output budget and the pages it
+holds plus the free ones allow (a guess never preempts anyone).
+
 `finish` is the one way a request leaves: it makes the terminal transition and releases the pages.
 `fork` turns a parent whose prompt is computed into its n running forks (parallel sampling).
 """
@@ -18,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvfence.cache.manager import KVCacheManager
+from kvfence.engine.drafter import Drafter
 from kvfence.engine.fairness import TenantQueues
 from kvfence.request import Request, Status
 from kvfence.trail.events import EventLog
@@ -49,8 +54,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         limits: TenantLimits = TenantLimits(),
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
+        self.drafter = drafter  # speculative decoding: None, one token per decode row
+        self.num_speculative_tokens = num_speculative_tokens
         self.events = events
         self.faults = faults
         self.page_size = kv_cache.page_size
@@ -81,10 +90,11 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            if not self._reserve(request, 1, batch.requests):
+            n = 1 + self._propose(request, budget - 1)
+            if not self._reserve(request, n, batch.requests):
                 preempted = True
                 continue
-            budget -= self._add(batch, request, 1)
+            budget -= self._add(batch, request, n)
         admitting = not preempted
         while budget > 0:  # prefill work, running chunks and admissions alike: least-served tenant first
             running = min(
@@ -113,6 +123,27 @@ class Scheduler:
                 continue
             budget -= self._add(batch, running, n)
         return batch
+
+    def _propose(self, request: Request, budget: int) -> int:
+        """Draft tokens for a decode row to verify this step (`request.draft_token_ids`): at most the
+        configured number, the step's `budget` and its output budget less the one token it always produces,
+        and no more than its own pages and the free ones hold (a guess never preempts anyone). None for a
+        request whose every token must be sampled alone: one with logprobs, a grammar or forks to start."""
+        request.draft_token_ids = []
+        if self.drafter is None or request.grammar is not None or request.forks or request.prefill_only:
+            return 0
+        if request.params.logprobs is not None:
+            return 0
+        held = (len(request.record) + self.kv_cache.num_free_pages) * self.page_size
+        k = min(
+            self.num_speculative_tokens,
+            budget,
+            request.params.max_tokens - len(request.output_token_ids) - 1,
+            held - request.num_computed_tokens - 1,
+        )
+        if k > 0:
+            request.draft_token_ids = self.drafter.propose(request.all_token_ids, k)
+        return len(request.draft_token_ids)
 
     def _next_admission(self) -> Request | None:
         if not len(self.waiting):

@@ -35,6 +35,12 @@ class EngineStats:
     # worker's requests whose KV is in transit are in neither. Defaults keep older positional callers.
     num_running: int = 0
     num_waiting: int = 0
+    # Speculative decoding (drafter.SpecStats): verifications, draft tokens verified and accepted, accepted
+    # by draft position.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def pages_held(self) -> int:
@@ -44,7 +50,7 @@ class EngineStats:
     @classmethod
     def read(cls, engine: LLMEngine, transport_rejected: Mapping[str, int] | None = None) -> EngineStats:
         counts = np.bincount(engine.pool.state, minlength=len(PageState))
-        fence = engine.fence.stats
+        fence, spec = engine.fence.stats, engine.spec_stats
         return cls(
             num_pages=engine.pool.num_pages,
             pages_free=engine.allocator.num_free_pages,
@@ -57,6 +63,10 @@ class EngineStats:
             transport_rejected=dict(transport_rejected or {}),
             num_running=len(engine.scheduler.running),
             num_waiting=len(engine.scheduler.waiting),
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )
 
     @classmethod

@@ -28,6 +28,7 @@ EVENT_KINDS = frozenset(
         "transfer_complete",
         "validated",
         "step",
+        "drafts_rolled_back",  # speculative decoding: unaccepted draft slots zeroed, `written` moved back
         "aborted",
         "quarantined",
         "drained",

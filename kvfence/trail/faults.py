@@ -19,6 +19,7 @@ FAULTS = frozenset(
         "read_beyond_written",
         "cross_tenant_prefix_hit",
         "stale_write",
+        "read_rejected_draft",
         # prefill/decode transfer
         "placeholder_transfer",
         "partial_transfer",

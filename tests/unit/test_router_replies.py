@@ -168,6 +168,8 @@ BAD_STATS = {
     "a label that is no code": {**HONEST_STATS, "transport_rejected": {'x"} 1\nfake': 1}},
     "too many labels": {**HONEST_STATS, "integrity_aborts": {f"r{i}": 1 for i in range(65)}},
     "a labelled float": {**HONEST_STATS, "pages_by_state": {"free": 1.5}},
+    "a negative acceptance": {**HONEST_STATS, "spec_accepted_per_position": [3, -1]},
+    "acceptance not a list": {**HONEST_STATS, "spec_accepted_per_position": {"0": 3}},
 }
 
 
