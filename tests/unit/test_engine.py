@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from typing import Any
 
 import pytest
 import torch
 from conftest import make_engine
 
-from kvfence.config import CapacityError
+from kvfence.config import CapacityError, CapacityReport, EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.engine.engine import CONTEXT_LENGTH_EXCEEDED, DUPLICATE_REQUEST_ID, AdmissionError, LLMEngine
 from kvfence.model.transformer import StepInputs, Transformer
@@ -256,3 +257,31 @@ def test_top_k_one_is_greedy(tiny: Transformer) -> None:
     greedy = make_engine(tiny).generate([p], GREEDY)[0].output_token_ids
     top1 = SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=5, ignore_eos=True)
     assert make_engine(tiny).generate([p], top1)[0].output_token_ids == greedy
+
+
+def test_the_model_loads_on_a_thread_that_has_ended_when_load_engine_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its OpenMP workers end with it (engine.load_engine): no second pool idles beside the engine thread's
+    and throttles its spinning. A refusal raised while loading reaches the caller as it was."""
+    from kvfence.engine import engine as engine_module
+
+    loaders: list[threading.Thread] = []
+
+    def load(*_: object) -> str:
+        loaders.append(threading.current_thread())
+        return "engine"
+
+    monkeypatch.setattr(engine_module, "_load_engine", load)
+    assert engine_module.load_engine(EngineConfig()) == "engine"
+    [loader] = loaders
+    assert loader is not threading.current_thread() and not loader.is_alive()
+    refusal = CapacityError(CapacityReport(1, 16, 1024, 8192))
+
+    def refuse(*_: object) -> None:
+        raise refusal
+
+    monkeypatch.setattr(engine_module, "_load_engine", refuse)
+    with pytest.raises(CapacityError) as raised:
+        engine_module.load_engine(EngineConfig())
+    assert raised.value is refusal
