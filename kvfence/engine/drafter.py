@@ -7,7 +7,8 @@ and output so far), possibly none; a proposal is only a guess, so a wrong one co
 
 `NgramDrafter` is vLLM's prompt lookup ("ngram"): find the longest suffix of the tokens, between
 `prompt_lookup_min` and `prompt_lookup_max` long, that occurred earlier in them, and propose the `k` tokens
-that followed its latest earlier occurrence.
+that followed its latest earlier occurrence. Where those run into the end of the tokens (the match is fewer
+than `k` tokens back: a loop), the draft goes on around the loop, as the match says it repeats.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class NgramDrafter(Drafter):
         for n in range(min(self.lookup_max, len(seq) - 1), self.lookup_min - 1, -1):
             start = _latest_earlier_match(seq, n)
             if start is not None:
-                follow = seq[start + n : start + n + k]
-                return follow.tolist()
+                loop = seq[start + n :]  # what followed the match, up to now: repeats if the match is a loop
+                return np.resize(loop, k).tolist()
         return []
 
 

@@ -206,7 +206,7 @@ def test_sampled_output_keeps_the_target_distribution() -> None:
 def test_ngram_drafts_follow_the_latest_earlier_match_of_the_longest_suffix() -> None:
     drafter = NgramDrafter(lookup_min=1, lookup_max=3)
     assert drafter.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # 3-gram, latest match
-    assert drafter.propose([4, 5, 6, 5], 3) == [6, 5]  # only a 1-gram; the draft ends with the tokens
+    assert drafter.propose([4, 5, 6, 5], 3) == [6, 5, 6]  # a 1-gram two back: around the loop
     assert drafter.propose([1, 2, 3], 3) == []  # nothing repeats
     assert NgramDrafter(lookup_min=2, lookup_max=2).propose([4, 5, 6, 5], 3) == []
 
