@@ -1,7 +1,7 @@
 """What isolation costs: W1 with the fence on and off, interleaved ABBA, at concurrency 1, 4 and 16.
 
     .venv/bin/python bench/fence_overhead.py [--pairs N] [--quick] [--waves K] [--concurrency 1,4,16]
-                                             [--retries N] [--threads N]
+                                             [--retries N] [--threads N] [--speculative-config JSON]
 
 Both engines are built once over one shared Transformer (same weights, same memory) and the runs alternate
 on, off, off, on, on, off, ...: which run of a pair goes first alternates too. Every pair gets a fresh
@@ -21,6 +21,7 @@ Writes bench/results/fence_overhead.json.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ from common import (
     write_json,
 )
 
+from kvfence.config import SpeculativeConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.tables import print_table
 from kvfence.model.tokenizer import Tokenizer
@@ -90,6 +92,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=2, help="reruns of a pair run on a busy machine")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 pairs, 32 output tokens")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
+    parser.add_argument(
+        "--speculative-config",
+        type=lambda text: SpeculativeConfig.from_dict(json.loads(text)),
+        help="both engines speculate (vLLM's JSON); the fence's share then includes draft rollbacks",
+    )
     return parser.parse_args()
 
 
@@ -199,7 +206,10 @@ def main() -> int:
     gguf = load_weights(args.threads)
     tokenizer = Tokenizer.from_gguf(gguf)
     model = Transformer.from_gguf(gguf)
-    engines = {isolation: build_engine(gguf, isolation, model=model) for isolation in (True, False)}
+    engines = {
+        isolation: build_engine(gguf, isolation, model=model, speculative=args.speculative_config)
+        for isolation in (True, False)
+    }
     for engine in engines.values():
         warm_up(engine, tokenizer)
     summaries = []

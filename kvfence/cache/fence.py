@@ -160,8 +160,9 @@ class StepLayout:
 
 @dataclass
 class FenceStats:
-    """Validation work done. The aborts it causes are counted where requests finish (the engine), together
-    with the handoff and transfer-write aborts that reach the engine by other paths."""
+    """Validation work done (`seconds` includes draft rollbacks). The aborts it causes are counted where
+    requests finish (the engine), together with the handoff and transfer-write aborts that reach the engine
+    by other paths."""
 
     checks: int = 0
     seconds: float = 0.0
@@ -242,14 +243,16 @@ class Fence:
         nothing is taken back: the slots keep the drafts' KV (the lab's leak)."""
         if not self.enabled or keep >= end:
             return None
-        size = self.pool.page_size
+        started, size, refused = time.perf_counter(), self.pool.page_size, None
         for logical in range((end - 1) // size, keep // size - 1, -1):  # the tail's last page first
             page, generation = record.entry(logical)
             start = max(keep - logical * size, 0)
             stop = min(end - logical * size, size)
             if not self.pool.take_back(page, generation, record.tenant, start, stop):
-                return DRAFT_ROLLBACK_REFUSED
-        return None
+                refused = DRAFT_ROLLBACK_REFUSED
+                break
+        self.stats.seconds += time.perf_counter() - started  # the fence's share of a step includes it
+        return refused
 
     def _check_reads(self, layout: StepLayout) -> dict[int, str]:
         """Rows whose reads fail, as csrc/fence.c judges them: a page id outside [0, num_pages) fails
