@@ -129,8 +129,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding as vLLM takes it, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\': draft '
         "tokens from the request's own prompt and output, verified in one forward (greedy output is token "
-        "for token what decoding alone gives; sampled output keeps the model's distribution). Rows with "
-        "logprobs, a grammar or n > 1 sample one token a step (default: none)",
+        "for token what decoding alone gives; sampled output keeps the model's distribution; a grammar "
+        "masks every verified position). Rows with logprobs or n > 1 sample one token a step (default: none)",
     )
     g.add_argument(
         "--trace-pages",

@@ -363,7 +363,7 @@ class LLMEngine:
         taken = []
         for token in tokens:
             taken.append(token)
-            reason = self.outputs.append(request, token)
+            reason = self.outputs.append(request, token, last=len(taken) == len(tokens))
             if reason is not None:
                 self._finish(request, Status.FINISHED, reason)
                 break

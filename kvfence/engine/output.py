@@ -91,12 +91,14 @@ class OutputProcessor:
     def forget(self, request_id: str) -> None:
         self._decoders.pop(request_id, None)
 
-    def append(self, request: Request, token: int) -> str | None:
-        """Append a sampled token and its text; returns why the request must now finish, or None."""
+    def append(self, request: Request, token: int, last: bool = True) -> str | None:
+        """Append a sampled token and its text; returns why the request must now finish, or None. `last`:
+        no more tokens of this step follow (a verified step appends its accepted drafts first, and its
+        grammar's matcher has consumed them all: its state speaks for the step's last token only)."""
         request.output_token_ids.append(token)
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
-        ending = self._ending(request, token)
+        ending = self._ending(request, token, last)
         decoder = self._decoders.get(request.request_id)
         text = decoder.step(token, final=ending is not None) if decoder else ""
         if token in request.params.stop_token_ids and not request.params.include_stop_str_in_output:
@@ -117,14 +119,14 @@ class OutputProcessor:
         request.num_streamed_chars = end
         return text
 
-    def _ending(self, request: Request, token: int) -> str | None:
+    def _ending(self, request: Request, token: int, last: bool) -> str | None:
         """Why `token`, just appended, is the request's last (EOS or a complete grammar: "stop", budget or
         window: "length"), or None. Known before the token is decoded, so that the decoder can give out what
         it holds back."""
         eos = token in self.stop_token_ids and not request.params.ignore_eos
         if eos or token in request.params.stop_token_ids:
             return "stop"
-        if request.grammar is not None and request.grammar.is_done:
+        if last and request.grammar is not None and request.grammar.is_done:
             return "stop"  # structured output complete: only EOS could follow
         if (
             len(request.output_token_ids) >= request.params.max_tokens

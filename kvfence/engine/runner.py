@@ -106,7 +106,7 @@ class ModelRunner:
         raw = raw_logprobs(logits, params)  # before the masks: logprobs report the model's own distribution
         # Structured output: disallowed tokens go to -inf before sampling, then each matcher takes its token.
         grammars = [r.grammar for r, _ in rows]
-        grammar_failed = grammar_mask.apply_masks(logits, grammars)
+        grammar_failed = grammar_mask.apply_masks(logits, grammars, [r.draft_token_ids[:i] for r, i in rows])
         hold_ends(logits, params, [len(r.output_token_ids) + i for r, i in rows], self.eos_ids)
         tokens = sample(
             logits,
@@ -117,16 +117,19 @@ class ModelRunner:
             self.noise,
             consume=True,  # read by no one after: the masks above already wrote into them
         )
-        grammar_failed |= grammar_mask.advance(grammars, tokens)
         sampled, accepted = {}, {}
         for row, request, picks in _per_request(rows, tokens):
             taken = verified(request.draft_token_ids, picks)
-            if row + len(taken) in grammar_failed:
+            token = picks[len(taken)]
+            kept = None if token is None else grammar_mask.advance(request.grammar, [*taken, token])
+            if kept is not None and kept <= len(taken):  # an accepted draft completed the grammar: it ends
+                taken, token = taken[: kept - 1], taken[kept - 1]
+            if row in grammar_failed or (token is not None and kept is None):
                 aborted[request.request_id] = grammar_mask.GRAMMAR_ERROR
-            elif picks[len(taken)] is None:
+            elif token is None:
                 aborted[request.request_id] = NON_FINITE_LOGITS
             else:
-                sampled[request.request_id] = picks[len(taken)]
+                sampled[request.request_id] = token
                 if request.draft_token_ids:
                     accepted[request.request_id] = taken
         logprobs = {rows[row][0].request_id: lp for row, lp in token_logprobs(raw, tokens, params).items()}

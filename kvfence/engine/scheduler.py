@@ -136,9 +136,9 @@ class Scheduler:
         """Draft tokens for a decode row to verify this step (`request.draft_token_ids`): at most the
         configured number, the step's `budget` and its output budget less the one token it always produces,
         and no more than its own pages and the free ones hold (a guess never preempts anyone). None for a
-        request whose every token must be sampled alone: one with logprobs, a grammar or forks to start."""
+        request whose every token must be sampled alone: one with logprobs or forks to start."""
         request.draft_token_ids = []
-        if self.drafter is None or request.grammar is not None or request.forks or request.prefill_only:
+        if self.drafter is None or request.forks or request.prefill_only:
             return 0
         if request.params.logprobs is not None:
             return 0

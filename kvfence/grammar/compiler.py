@@ -18,6 +18,7 @@ import json
 import threading
 import unicodedata
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
@@ -106,6 +107,19 @@ class RequestGrammar:
     def advance(self, token: int) -> bool:
         """Consume a sampled token; False when the matcher rejects it (then it stays in error)."""
         return self.matcher.consume_token(token)
+
+    def look_ahead(self, tokens: list[int], at: Callable[[llguidance.LLMatcher], object]) -> bool:
+        """Call `at` with the matcher as it would be after `tokens` (drafts not yet accepted), then put it
+        back where it was. False, `at` not called and the matcher untouched, when the grammar refuses one
+        of them (checked before any is consumed: a refused token would leave the matcher in error)."""
+        if self.matcher.validate_tokens(tokens) < len(tokens):
+            return False
+        if tokens:
+            self.matcher.consume_tokens(tokens)
+        at(self.matcher)
+        if tokens:
+            self.matcher.rollback(len(tokens))
+        return True
 
 
 class GrammarCompiler:

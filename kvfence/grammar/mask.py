@@ -18,9 +18,14 @@ from kvfence.grammar.compiler import RequestGrammar
 GRAMMAR_ERROR = "grammar_error"  # abort reason: the request's matcher failed mid-generation
 
 
-def apply_masks(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> set[int]:
+def apply_masks(
+    logits: torch.Tensor, grammars: list[RequestGrammar | None], drafts: list[list[int]] | None = None
+) -> set[int]:
     """Mask rows of `logits` [rows, vocab] in place by their grammars; returns the rows whose matcher is in
-    error (their logits are left as they are: the caller aborts them)."""
+    error (their logits are left as they are: the caller aborts them). `drafts[row]`: tokens the row's
+    position comes after that its matcher has not consumed (speculative decoding verifies several positions
+    of one request); the mask is the grammar's after them, and the matcher is left where it was. A row whose
+    drafts the grammar refuses is left unmasked: its position follows a draft no sample can match."""
     rows = [row for row, g in enumerate(grammars) if g is not None]
     failed = {row for row in rows if grammars[row].error}  # type: ignore[union-attr]
     rows = [row for row in rows if row not in failed]
@@ -30,13 +35,19 @@ def apply_masks(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> 
 
     vocab = logits.shape[1]
     bitmask = llg_numpy.allocate_token_bitmask(len(rows), vocab)
+    masked = []
     # On the engine thread, one row after another: a mask takes microseconds here, while llguidance's
     # thread pool (LLExecutor) had its threads fight torch's OpenMP threads for 2 busy cores (9 ms a step
     # for 8 rows, measured).
     for i, row in enumerate(rows):
-        llg_numpy.fill_next_token_bitmask(grammars[row].matcher, bitmask, i)  # type: ignore[union-attr]
+        grammar, ahead = grammars[row], drafts[row] if drafts else []
+        assert grammar is not None
+        if grammar.look_ahead(
+            ahead, lambda matcher, i=i: llg_numpy.fill_next_token_bitmask(matcher, bitmask, i)
+        ):
+            masked.append(i)
     forbidden = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0
-    _fill(logits, rows, forbidden)
+    _fill(logits, [rows[i] for i in masked], forbidden[masked])
     failed.update(row for row in rows if grammars[row].error)  # type: ignore[union-attr]
     return failed
 
@@ -56,10 +67,16 @@ def _fill(logits: torch.Tensor, rows: list[int], forbidden: np.ndarray) -> None:
         logits[index] = logits[index].masked_fill(mask, float("-inf"))
 
 
-def advance(grammars: list[RequestGrammar | None], tokens: list[int | None]) -> set[int]:
-    """Feed each row's sampled token to its matcher; returns the rows whose matcher rejected it."""
-    return {
-        row
-        for row, (grammar, token) in enumerate(zip(grammars, tokens, strict=True))
-        if grammar is not None and token is not None and not grammar.advance(token)
-    }
+def advance(grammar: RequestGrammar | None, tokens: list[int]) -> int | None:
+    """Feed a request's tokens (a verified request's accepted drafts and its sampled token; else the one
+    sampled) to its matcher, if it has one, up to the one that completes the grammar: how many it took
+    (the request's output ends with the last of them), or None when the matcher rejects one (it then stays
+    in error)."""
+    if grammar is None:
+        return len(tokens)
+    for count, token in enumerate(tokens, 1):
+        if not grammar.advance(token):
+            return None
+        if grammar.is_done:
+            return count
+    return len(tokens)

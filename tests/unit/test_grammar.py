@@ -9,7 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jsonschema_rs
@@ -22,6 +22,7 @@ from kvfence.api.server import build_app
 from kvfence.api.tools import ToolCallParser, closed, forced_schema, template_messages, tool_guide
 from kvfence.config import EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
+from kvfence.engine.drafter import Drafter
 from kvfence.engine.engine import LLMEngine
 from kvfence.grammar.compiler import GrammarCompiler, GrammarError
 from kvfence.grammar.mask import GRAMMAR_ERROR
@@ -549,3 +550,41 @@ def test_a_server_that_compiles_no_guide_never_loads_llguidance() -> None:
         "assert not [m for m in sys.modules if m.split('.')[0] == 'llguidance'], 'llguidance was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _Continuation(Drafter):
+    """Drafts the known greedy continuation, its third draft made wrong (a token the grammar may refuse)."""
+
+    def __init__(self, paths: list[list[int]]) -> None:
+        self.paths = paths
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        n = len(tokens)
+        path = next((p for p in self.paths if p[:n] == list(tokens)), [])
+        drafts = path[n : n + k]
+        return [t if i != 2 else (t + 1) % 50 for i, t in enumerate(drafts)]
+
+
+def test_speculation_under_a_grammar_keeps_the_constrained_greedy_output(tokenizer: Tokenizer) -> None:
+    """Each verified position is masked by the grammar as it would be after the drafts before it, and the
+    matcher moves only by the tokens kept: greedy output is the same with drafts as without, and valid."""
+    prompt = tokenizer.encode(PROMPT)
+    greedy = SAMPLINGS["greedy"]
+
+    def run(engine: LLMEngine) -> list[Request]:
+        compiler = GrammarCompiler(tokenizer, engine.model.config.vocab_size)
+        requests = [
+            engine.add_request(prompt, greedy, grammar=compiler.for_schema(SCHEMAS[n])) for n in SCHEMAS
+        ]
+        while not all(r.is_finished for r in requests):
+            engine.step()
+        return requests
+
+    plain = run(tiny_engine(tokenizer))
+    engine = tiny_engine(tokenizer)
+    engine.scheduler.drafter = _Continuation([prompt + r.output_token_ids for r in plain])
+    engine.scheduler.num_speculative_tokens = 4
+    spec = run(engine)
+    assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
+    assert all(r.finish_reason == "stop" for r in spec)
+    assert engine.spec_stats.accepted_tokens > 0 and engine.spec_stats.accepted_per_position[2] == 0
