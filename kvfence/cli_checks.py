@@ -121,6 +121,17 @@ def speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def kv_tier(spec: str) -> str:
+    """--kv-tier: a spec cache/tier_stores.py reads (the store is opened when the engine starts)."""
+    from kvfence.cache.tier_stores import parse_spec
+
+    try:
+        parse_spec(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return spec
+
+
 def fault_spec(spec: str) -> tuple[str, float]:
     try:
         name, rate = parse_fault_spec(spec)

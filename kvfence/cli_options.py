@@ -14,6 +14,7 @@ from pathlib import Path
 from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 from kvfence.cli_checks import (
     fault_spec,
+    kv_tier,
     origin,
     port_number,
     positive_float,
@@ -133,6 +134,25 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "masks every verified position). Rows with logprobs or n > 1 sample one token a step (default: none)",
     )
     g.add_argument(
+        "--kv-tier",
+        type=kv_tier,
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a KV tier below the pool, searched in the order given (repeatable): memory:SIZE (host RAM), "
+        "disk:DIR:SIZE (a directory) or redis://HOST:PORT[/DB] (a Redis server several servers share). Full "
+        "prefix pages are stored sealed (AES-256-GCM under a per-tenant key from --kv-tier-key-file, names "
+        "MACed: the store sees no tokens and no tenant) and restored into fresh pages through the fence; "
+        "anything that does not open is a miss (default: none)",
+    )
+    g.add_argument(
+        "--kv-tier-key-file",
+        type=Path,
+        metavar="FILE",
+        help="the KV tiers' master key: 64 hex digits (openssl rand -hex 32) in a file only its owner may "
+        "read (chmod 600); servers sharing a tier share the file",
+    )
+    g.add_argument(
         "--trace-pages",
         action="store_true",
         help="audit which pages each request reads and whose data they hold (lab, audits)",
@@ -208,6 +228,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         activation_dtype=args.activation_dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative=args.speculative_config,
+        kv_tiers=tuple(args.kv_tier),
+        kv_tier_key_file=args.kv_tier_key_file,
         decode_graphs=not args.enforce_eager,
         trace_pages=args.trace_pages,
         declare_batch_invariance=not args.hide_batch_invariance,

@@ -99,6 +99,10 @@ class EngineConfig:
     activation_dtype: str = "auto"  # auto | float32 | int8 (see ACTIVATION_DTYPES)
     kv_cache_dtype: str = "auto"  # auto | float16 (see KV_CACHE_DTYPES)
     speculative: SpeculativeConfig | None = None  # None: one token per request and step
+    # KV tiers below the pool (cache/tier_stores.py specs), searched in order, sealed under the key read
+    # from `kv_tier_key_file` (64 hex digits: 32 random bytes).
+    kv_tiers: tuple[str, ...] = ()
+    kv_tier_key_file: Path | None = None
     # Decode steps replayed from captured CUDA graphs where the model runs on CUDA (engine/graphs.py); the
     # pool gets a scratch page for their padding rows (on CPU that page alone: the graph tests' stand-in).
     decode_graphs: bool = False

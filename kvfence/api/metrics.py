@@ -159,6 +159,38 @@ _ENGINE_FAMILIES = (
         "position",
         model_label=True,
     ),
+    *(
+        _Family(
+            _COUNTER,
+            f"kvfence_kv_tier_{what}",
+            f"KV tiers: {doc}, by tier",
+            lambda s, what=what: s.kv_tier.get(what, {}),
+            "tier",
+        )
+        for what, doc in (
+            ("lookups", "pages looked up"),
+            ("hits", "pages restored (a value that opened under the tenant's key for this model and place)"),
+            ("misses", "pages not found, or found and not opening"),
+            ("stores", "pages stored by the writer"),
+            ("evictions", "entries evicted to stay within the tier's size"),
+            ("errors", "store operations that failed (a miss or a dropped store)"),
+        )
+    ),
+    _Family(
+        _COUNTER,
+        "kvfence_kv_tier_rejected",
+        "KV tiers: values found that did not open (tampered, truncated, another tenant's, model's or "
+        "layout's), by reason",
+        lambda s: s.kv_tier.get("rejected", {}),
+        "reason",
+    ),
+    _Family(
+        _GAUGE,
+        "kvfence_kv_tier_bytes",
+        "KV tiers: bytes held, by tier",
+        lambda s: s.kv_tier.get("bytes", {}),
+        "tier",
+    ),
     _Family(
         _COUNTER,
         "kvfence_transport_rejected",

@@ -13,11 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
 from kvfence.cache.allocator import PageAllocator
 from kvfence.cache.block_table import BlockTable
 from kvfence.cache.fence import MappingRecord
 from kvfence.cache.pool import KVPool, PageState
 from kvfence.cache.prefix import PrefixCache, extend_chain
+from kvfence.cache.tiers import KVTiers
 from kvfence.trail.events import EventLog
 from kvfence.units import cdiv
 
@@ -41,12 +44,18 @@ class KVCacheManager:
     allocator); `num_published_pages` never exceeds the pages the record holds."""
 
     def __init__(
-        self, pool: KVPool, allocator: PageAllocator, prefix: PrefixCache | None, events: EventLog
+        self,
+        pool: KVPool,
+        allocator: PageAllocator,
+        prefix: PrefixCache | None,
+        events: EventLog,
+        tiers: KVTiers | None = None,
     ) -> None:
         self.pool = pool
         self.allocator = allocator
         self.prefix = prefix
         self.events = events
+        self.tiers = tiers  # sealed KV tiers below the pool (tiers.py); None: the cache ends at the pool
         self.page_size = pool.page_size
         self.block_table = BlockTable()  # every record's entries: the rows a step gathers its pages from
 
@@ -76,17 +85,53 @@ class KVCacheManager:
 
     def share_cached_prefix(self, seq: CachedSequence, num_tokens: int) -> int:
         """Take references on the tenant's cached pages holding the longest prefix of the sequence's first
-        `num_tokens` tokens (full pages only); returns how many tokens they hold."""
+        `num_tokens` tokens (full pages only), then restore from the KV tiers the full pages that follow
+        as far as they hold them; returns how many tokens the record then holds."""
         if self.prefix is None:
             return 0
         extend_chain(seq.tenant, seq.page_hashes, seq.all_token_ids, self.page_size)
-        pages = self.prefix.lookup(seq.record.tenant, seq.page_hashes[: num_tokens // self.page_size])
-        if not pages:
+        wanted = num_tokens // self.page_size
+        pages = self.prefix.lookup(seq.record.tenant, seq.page_hashes[:wanted])
+        if pages:
+            self.allocator.share(seq.record, pages)
+            self.events.emit(seq.request_id, "prefix_hit", pages=pages, tokens=len(pages) * self.page_size)
+        return (len(pages) + self._restore(seq, len(pages), wanted)) * self.page_size
+
+    def _restore(self, seq: CachedSequence, first: int, wanted: int) -> int:
+        """Logical pages [first, wanted) from the tiers, in order, while they hold them and pages are free:
+        each into a fresh page of the record, as a fenced write of all its slots. Returns how many."""
+        if self.tiers is None:
             return 0
-        self.allocator.share(seq.record, pages)
-        tokens = len(pages) * self.page_size
-        self.events.emit(seq.request_id, "prefix_hit", pages=pages, tokens=tokens)
-        return tokens
+        size, restored = self.page_size, []
+        for logical in range(first, wanted):
+            chain = seq.page_hashes[logical]
+            page_bytes = self.tiers.fetch(seq.tenant, chain, logical, size)
+            if page_bytes is None or not self.allocate(seq, (logical + 1) * size):
+                break
+            page, generation = seq.record.entry(logical)
+            if not self._write_restored(seq.record.tenant, page, generation, page_bytes):
+                break  # the fresh page is the record's, unwritten: prefill writes it
+            restored.append(page)
+        if restored:
+            self.events.emit(seq.request_id, "tier_restored", pages=restored, tokens=len(restored) * size)
+        return len(restored)
+
+    def _write_restored(self, tenant: int, page: int, generation: int, page_bytes: bytes) -> bool:
+        """A restored page's bytes into `page`: a fenced write of every slot (the page must be the tenant's
+        alone at `generation`, every slot next in order), as any step's write is."""
+        slots = np.arange(self.page_size, dtype=np.int64)
+        pages = np.full(self.page_size, page, dtype=np.int64)
+        allowed = self.pool.authorize_writes(
+            pages,
+            np.full(self.page_size, generation, dtype=np.int64),
+            np.full(self.page_size, tenant, dtype=np.int64),
+            slots,
+        )
+        if not allowed.all():
+            return False
+        self.pool.load_page_bytes(page, page_bytes)
+        self.pool.commit_writes(pages, slots)
+        return True
 
     def publish_full_pages(self, seq: CachedSequence, num_computed: int) -> None:
         """Offer the pages that the sequence's first `num_computed` tokens fill to the prefix cache: their
@@ -102,7 +147,9 @@ class KVCacheManager:
         for logical in range(seq.num_published_pages, full):
             page, _ = seq.record.entry(logical)
             if self._holds(seq.record, logical) and not self.prefix.is_cached(page):
-                self.prefix.insert(page, seq.page_hashes[logical])
+                chain = seq.page_hashes[logical]
+                if self.prefix.insert(page, chain) and self.tiers is not None:
+                    self.tiers.offer(seq.tenant, chain, logical, self.page_size, self.pool.page_bytes(page))
         seq.num_published_pages = full
 
     def _holds(self, record: MappingRecord, logical: int) -> bool:

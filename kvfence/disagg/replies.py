@@ -82,6 +82,15 @@ def _is_stat(hint: Any, value: Any) -> bool:
         return _is_number(value) and 0 <= value <= MAX_COUNT
     if hint == list[int]:  # counts by position (speculative decoding's acceptance)
         return isinstance(value, list) and len(value) <= MAX_LABELS and all(_is_count(v) for v in value)
+    if hint == dict[str, dict[str, int]]:  # counts by metric, then by label (KV tiers)
+        return (
+            isinstance(value, dict)
+            and len(value) <= MAX_LABELS
+            and all(
+                isinstance(k, str) and LABEL.fullmatch(k) and _is_stat(dict[str, int], v)
+                for k, v in value.items()
+            )
+        )
     return (
         isinstance(value, dict)
         and len(value) <= MAX_LABELS

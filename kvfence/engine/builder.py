@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -17,6 +18,9 @@ from kvfence.cache.fence import Fence
 from kvfence.cache.manager import KVCacheManager
 from kvfence.cache.pool import KVPool
 from kvfence.cache.prefix import PrefixCache
+from kvfence.cache.tier_seal import MASTER_KEY_BYTES, Layout, TierSeal
+from kvfence.cache.tier_stores import make_store
+from kvfence.cache.tiers import KVTiers
 from kvfence.config import CapacityReport, EngineConfig, capacity_report, check_window
 from kvfence.engine.drafter import make_drafter
 from kvfence.engine.graphs import CudaGraphBackend, DecodeGraphRunner
@@ -24,6 +28,8 @@ from kvfence.engine.runner import ModelRunner
 from kvfence.engine.scheduler import Scheduler, TenantLimits
 from kvfence.engine.trace import PageTrace
 from kvfence.model.transformer import Transformer
+from kvfence.pins import file_sha256
+from kvfence.startup import StartupError, one_key, read_secret_file, reason
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
 from kvfence.units import cdiv
@@ -91,8 +97,44 @@ def pool_dtype(config: EngineConfig, model: Transformer) -> torch.dtype:
     return dtype
 
 
+def build_tiers(
+    config: EngineConfig, model: Transformer, pool: KVPool, model_file: Path | None
+) -> KVTiers | None:
+    """The KV tiers `config` names, sealed to this model file and this pool's layout (None: none named).
+    ValueError for a tier spec, a key or a missing model file that cannot be used."""
+    if not config.kv_tiers:
+        return None
+    if config.kv_tier_key_file is None:
+        raise ValueError("--kv-tier needs --kv-tier-key-file: a file of 64 hex digits (openssl rand -hex 32)")
+    if model_file is None:
+        raise ValueError("a KV tier names its entries by the model file's sha256: load the model from a file")
+    key = read_tier_key(config.kv_tier_key_file)
+    mc = model.config
+    dtype = str(pool.kv.dtype).removeprefix("torch.")
+    layout = Layout(pool.page_size, dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim)
+    stores = [make_store(spec) for spec in config.kv_tiers]
+    return KVTiers(stores, TierSeal(key, file_sha256(model_file), layout))
+
+
+def read_tier_key(path: Path) -> bytes:
+    """The master key of the KV tiers: 64 hex digits in a file only its owner may read (StartupError)."""
+    option = "--kv-tier-key-file"
+    text = one_key(read_secret_file(path, option), f"{option} {path}")
+    try:
+        key = bytes.fromhex(text)
+    except ValueError as exc:
+        raise StartupError(f"{option} {path}: not hex ({reason(exc)})") from exc
+    if len(key) != MASTER_KEY_BYTES:
+        raise StartupError(f"{option} {path}: {len(key)} bytes; it must hold 32 (openssl rand -hex 32)")
+    return key
+
+
 def build_parts(
-    config: EngineConfig, model: Transformer, events: EventLog, log: Callable[[str], None]
+    config: EngineConfig,
+    model: Transformer,
+    events: EventLog,
+    log: Callable[[str], None],
+    model_file: Path | None = None,
 ) -> EngineParts:
     kv_dtype = pool_dtype(config, model)
     capacity = check_start(config, model, kv_dtype, log)
@@ -113,7 +155,10 @@ def build_parts(
     prefix = PrefixCache(pool, faults) if config.enable_prefix_caching else None
     allocator = PageAllocator(pool, prefix, faults)
     fence = Fence(pool, enabled=config.isolation)
-    kv_cache = KVCacheManager(pool, allocator, prefix, events)
+    tiers = build_tiers(config, model, pool, model_file)
+    if tiers is not None:
+        log("KV tiers: " + ", ".join(f"{t['spec']} (sealed {t['sealed']})" for t in tiers.describe()))
+    kv_cache = KVCacheManager(pool, allocator, prefix, events, tiers)
     limits = TenantLimits(
         config.max_running_per_tenant,
         config.max_waiting_per_tenant,

@@ -86,7 +86,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_file = model_file  # the GGUF the weights came from, None for weights built in memory
         self.events = events or EventLog()
-        parts = build_parts(config, model, self.events, log)
+        parts = build_parts(config, model, self.events, log, model_file)
         self.capacity, self.max_model_len, self.faults = parts.capacity, parts.max_model_len, parts.faults
         self.pool, self.prefix, self.allocator, self.fence = (
             parts.pool,

@@ -39,6 +39,8 @@ def engine_info(engine: LLMEngine) -> dict[str, Any]:
         "max_model_len": engine.max_model_len,
         "isolation": engine.fence.enabled,
         "prefix_caching": engine.prefix is not None,
+        # KV tiers below the pool: each one's kind, spec, bytes held and seal (none: an empty list).
+        "kv_tiers": engine.kv_cache.tiers.describe() if engine.kv_cache.tiers is not None else [],
         # Decode rows computed one at a time, in a fixed reduction order, by the C kernels (packed matmul for
         # every projection and the LM head, paged attention): what shares the batch cannot change them.
         # None (no pin) where the operator hid it (--hide-batch-invariance).

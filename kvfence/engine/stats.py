@@ -41,6 +41,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    # KV tiers (cache/tiers.py KVTiers.totals): counts by metric and tier label; empty without tiers.
+    kv_tier: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def pages_held(self) -> int:
@@ -50,7 +52,7 @@ class EngineStats:
     @classmethod
     def read(cls, engine: LLMEngine, transport_rejected: Mapping[str, int] | None = None) -> EngineStats:
         counts = np.bincount(engine.pool.state, minlength=len(PageState))
-        fence, spec = engine.fence.stats, engine.spec_stats
+        fence, spec, tiers = engine.fence.stats, engine.spec_stats, engine.kv_cache.tiers
         return cls(
             num_pages=engine.pool.num_pages,
             pages_free=engine.allocator.num_free_pages,
@@ -67,6 +69,7 @@ class EngineStats:
             spec_draft_tokens=spec.draft_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
+            kv_tier=tiers.totals() if tiers is not None else {},
         )
 
     @classmethod

