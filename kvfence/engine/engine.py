@@ -285,12 +285,12 @@ class LLMEngine:
                     continue
                 n = len(tokens)  # its last token and the drafts accepted: the KV it keeps
             request.num_computed_tokens += n
+            # Before its tokens, which may finish it: the pages it filled are cached (and offered to the KV
+            # tiers) even when this step is its last, as a one-token request's whole prompt is.
+            self.kv_cache.publish_full_pages(request, min(request.num_computed_tokens, request.num_tokens))
             if tokens:
                 outputs.append(self._append_tokens(request, tokens, result.logprobs.get(request.request_id)))
             if not request.is_finished:
-                self.kv_cache.publish_full_pages(
-                    request, min(request.num_computed_tokens, request.num_tokens)
-                )
                 outputs.extend(self._after_compute(request))
                 if request.forks and request.num_computed_tokens == request.num_tokens:
                     parents.append(request)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_engine
+from conftest import make_engine, tiny_model
 
 from kvfence.config import CapacityError, CapacityReport, EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
@@ -285,3 +285,15 @@ def test_the_model_loads_on_a_thread_that_has_ended_when_load_engine_returns(
     with pytest.raises(CapacityError) as raised:
         engine_module.load_engine(EngineConfig())
     assert raised.value is refusal
+
+
+def test_a_prompt_whose_request_ends_in_its_first_step_is_still_cached() -> None:
+    """The pages a step filled are published before the step's tokens can finish the request: a one-token
+    request (a classifier, a TTFT probe) leaves its prompt for the next, as a longer one does."""
+    engine = make_engine(tiny_model(), max_model_len=48)
+    prompt = list(range(1, 14))  # three full pages of 4, and one token more
+    first = engine.generate([prompt], SamplingParams(max_tokens=1))[0]
+    second = engine.add_request(prompt, SamplingParams(max_tokens=1))
+    engine.step()
+    hits = [e for e in engine.events.for_request(second.request_id) if e["kind"] == "prefix_hit"]
+    assert first.is_finished and hits and hits[0]["tokens"] == 12
