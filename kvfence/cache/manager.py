@@ -10,6 +10,7 @@ protocol: the attributes it needs, nothing else.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -23,6 +24,8 @@ from kvfence.cache.prefix import PrefixCache, extend_chain
 from kvfence.cache.tiers import KVTiers
 from kvfence.trail.events import EventLog
 from kvfence.units import cdiv
+
+RESTORE_BATCH = 16  # pages fetched from the tiers in one call (all at once held 94 MB at 4k tokens: slower)
 
 
 class CachedSequence(Protocol):
@@ -102,16 +105,23 @@ class KVCacheManager:
         each into a fresh page of the record, as a fenced write of all its slots. Returns how many."""
         if self.tiers is None:
             return 0
-        size, restored = self.page_size, []
-        for logical in range(first, wanted):
-            chain = seq.page_hashes[logical]
-            page_bytes = self.tiers.fetch(seq.tenant, chain, logical, size)
-            if page_bytes is None or not self.allocate(seq, (logical + 1) * size):
+        size, restored, started = self.page_size, [], time.perf_counter()
+        wanted = min(wanted, first + self.num_free_pages)  # no page is fetched that could not be placed
+        logical = first
+        while logical < wanted:  # a batch at a time: a few MiB of plaintext held, not the whole prefix
+            batch = [(seq.page_hashes[i], i) for i in range(logical, min(logical + RESTORE_BATCH, wanted))]
+            found = self.tiers.fetch(seq.tenant, batch, size)
+            for page_bytes in found:
+                if not self.allocate(seq, (logical + 1) * size):
+                    break
+                page, generation = seq.record.entry(logical)
+                if not self._write_restored(seq.record.tenant, page, generation, page_bytes):
+                    break  # the fresh page is the record's, unwritten: prefill writes it
+                restored.append(page)
+                logical += 1
+            if logical < batch[-1][1] + 1:  # a miss, or a page that could not be placed: the run ends
                 break
-            page, generation = seq.record.entry(logical)
-            if not self._write_restored(seq.record.tenant, page, generation, page_bytes):
-                break  # the fresh page is the record's, unwritten: prefill writes it
-            restored.append(page)
+        self.tiers.restore_seconds += time.perf_counter() - started
         if restored:
             self.events.emit(seq.request_id, "tier_restored", pages=restored, tokens=len(restored) * size)
         return len(restored)

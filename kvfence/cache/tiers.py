@@ -4,9 +4,10 @@ and restored into a fresh page of the request that asks, through the fence.
 Contract:
 - `offer` never blocks the step: the page's bytes are queued for a writer thread that seals them and puts
   them in every tier; a full queue drops the page (counted in `dropped`).
-- `fetch` searches the tiers in order and returns a page's bytes only when a value opens under the
-  tenant's key for exactly that model, layout, prefix and place (tier_seal.py); anything else is a miss,
-  counted by tier and reason. It never raises for a store's failure.
+- `fetch` searches the tiers in order (a batch of names a tier) and
+  returns a page's bytes only when a value opens under the tenant's key for exactly that model, layout,
+  prefix and place (tier_seal.py); anything else is a miss, counted by tier and reason. It never raises
+  for a store's failure.
 - What `fetch` returns enters a pool only as a fenced write (KVCacheManager's restore), never otherwise.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +48,7 @@ class KVTiers:
             for i, s in enumerate(stores)
         }
         self.dropped = 0
-        self.restore_seconds = 0.0
+        self.restore_seconds = 0.0  # restores at admission, fetch to fenced write (the cache manager's)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._known_lock = threading.Lock()  # the engine thread (restores) and the writer both add names
         self._queue: queue.Queue[tuple[str, int, int, int, bytes] | None] = queue.Queue(QUEUE_PAGES)
@@ -62,26 +62,35 @@ class KVTiers:
         except queue.Full:
             self.dropped += 1
 
-    def fetch(self, tenant: str, chain_hash: int, index: int, slots: int) -> bytes | None:
-        """The page's bytes from the first tier holding a value that opens, else None."""
-        started = time.perf_counter()
-        name = self.seal.name(tenant, chain_hash)
-        try:
-            for store in self.stores:
-                counters = self.counters[store.spec]
-                counters.lookups += 1
-                value = store.get(name)
-                opened = None if value is None else self.seal.open(tenant, chain_hash, index, slots, value)
+    def fetch(self, tenant: str, pages: list[tuple[int, int]], slots: int) -> list[bytes]:
+        """The bytes of the longest run of `pages` ((chain hash, index in the prefix), in order) that the
+        tiers hold in values that open: each page from the first tier whose value opens; the run ends at
+        the first page none has."""
+        names = [self.seal.name(tenant, chain) for chain, _ in pages]
+        found: list[bytes | None] = [None] * len(pages)
+        for store in self.stores:
+            wanted = [i for i, page in enumerate(found) if page is None]
+            if not wanted:
+                break
+            counters = self.counters[store.spec]
+            counters.lookups += len(wanted)
+            for i, value in zip(wanted, store.get_many([names[i] for i in wanted]), strict=True):
+                chain, index = pages[i]
+                opened = None if value is None else self.seal.open(tenant, chain, index, slots, value)
                 if isinstance(opened, bytes):
                     counters.hits += 1
-                    self._remember(name)
-                    return opened
-                counters.misses += 1
-                if isinstance(opened, str):
-                    counters.rejected[opened] += 1
-            return None
-        finally:
-            self.restore_seconds += time.perf_counter() - started
+                    found[i] = opened
+                    self._remember(names[i])
+                else:
+                    counters.misses += 1
+                    if isinstance(opened, str):
+                        counters.rejected[opened] += 1
+        run = []
+        for page in found:
+            if page is None:
+                break
+            run.append(page)
+        return run
 
     def flush(self) -> None:
         """Wait until every page offered so far is stored (tests; a shutdown that keeps the tier warm)."""

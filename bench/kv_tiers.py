@@ -1,0 +1,127 @@
+"""Time to first token of a long prompt cold, from the pool's prefix cache, and restored from each KV tier,
+side by side in one run (in process, one engine per case over the same weights).
+
+    .venv/bin/python bench/kv_tiers.py [--model smollm2|gemma3-270m|FILE] [--prompt-tokens 4096]
+                                       [--repeats 3] [--threads 2]
+
+Each repeat sends a fresh prompt of `--prompt-tokens` tokens (1 output token) to: a cold engine (no tiers;
+the prompt computed), the same engine again (the pool's prefix cache), and for each tier (memory, disk in
+a temporary directory, Redis on loopback: kvfence.harness.redis_server) an engine that stored the prompt
+(its writer flushed) and then a fresh engine over the same store, whose pool holds nothing: its pages come
+from the tier (fetch, open, fenced write); for memory, the same process's tier (a pool that evicted them).
+Reports TTFT medians, each as a fraction of cold, and the restore rate (the bytes of the pages restored
+over the seconds from the first fetch to the last fenced write). Writes
+bench/results/kv_tiers.json. Exit status 1 when a verdict fails: memory and disk <= 0.1x cold, Redis <=
+0.2x, restore >= 1 GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import exit_status, make_prompts, verdict, write_json
+
+from kvfence.config import EngineConfig
+from kvfence.engine.engine import LLMEngine, load_engine
+from kvfence.harness.redis_server import redis_server
+from kvfence.harness.tables import print_table
+from kvfence.pins import PACKAGED_MODELS, packaged_model
+from kvfence.sampling import SamplingParams
+
+ONE = SamplingParams(max_tokens=1)
+TARGETS = {"memory": 0.1, "disk": 0.1, "redis": 0.2}
+
+
+def ttft(engine: LLMEngine, prompt: list[int]) -> float:
+    started = time.perf_counter()
+    engine.generate([prompt], ONE)
+    return time.perf_counter() - started
+
+
+def tier_case(config: EngineConfig, spec: str, prompt: list[int]) -> tuple[float, float]:
+    """(TTFT restored from tier `spec`, restore GB/s): an engine stores the prompt, a fresh one restores."""
+    tiered = EngineConfig(**{**config.__dict__, "kv_tiers": (spec,)})
+    writer = load_engine(tiered, log=lambda _: None)
+    writer.generate([prompt], ONE)
+    writer.kv_cache.tiers.flush()  # type: ignore[union-attr]
+    reader = load_engine(tiered, log=lambda _: None)
+    if spec.startswith("memory:"):  # host memory is the process's: the reader stands for a pool that evicted
+        reader.kv_cache.tiers = writer.kv_cache.tiers
+    seconds = ttft(reader, prompt)
+    tiers = reader.kv_cache.tiers
+    assert tiers is not None
+    hits = sum(tiers.totals()["hits"].values())
+    page = reader.pool.token_bytes * reader.pool.page_size
+    return seconds, hits * page / max(tiers.restore_seconds, 1e-9) / 1e9
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--prompt-tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = packaged_model(args.model) if args.model in PACKAGED_MODELS else Path(args.model)
+    work = Path(tempfile.mkdtemp(prefix="kv-tiers-"))
+    key = work / "tier.key"
+    key.write_text(os.urandom(32).hex() + "\n")
+    key.chmod(0o600)
+    config = EngineConfig(model=path, max_model_len=args.prompt_tokens + 64, kv_tier_key_file=key)
+    cold_engine = load_engine(config, log=lambda _: None)
+    tokenizer = cold_engine.tokenizer
+    assert tokenizer is not None
+    found: dict[str, list[float]] = {"cold": [], "pool hit": []}
+    rates: dict[str, list[float]] = {}
+    with redis_server(work) as redis_url:
+        specs = {"memory": "memory:2GiB", "disk": f"disk:{work / 'disk'}:4GiB", "redis": redis_url}
+        for repeat in range(args.repeats):
+            [prompt] = make_prompts(tokenizer, 1, args.prompt_tokens, salt=1000 + repeat)
+            found["cold"].append(ttft(cold_engine, prompt))
+            found["pool hit"].append(ttft(cold_engine, prompt))
+            for name, spec in specs.items():
+                seconds, rate = tier_case(config, spec, prompt)
+                found.setdefault(name, []).append(seconds)
+                rates.setdefault(name, []).append(rate)
+            print(
+                f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in found.items()),
+                flush=True,
+            )
+    cold = statistics.median(found["cold"])
+    rows: list[dict[str, Any]] = [
+        {"case": case, "ttft_s": statistics.median(v), "of_cold": statistics.median(v) / cold,
+         "restore_gb_s": statistics.median(rates[case]) if case in rates else None}
+        for case, v in found.items()
+    ]  # fmt: skip
+    print_table(
+        ["case", "TTFT p50 s", "x cold", "restore GB/s"],
+        [[r["case"], f"{r['ttft_s']:.3f}", f"{r['of_cold']:.3f}",
+          "" if r["restore_gb_s"] is None else f"{r['restore_gb_s']:.2f}"] for r in rows],
+    )  # fmt: skip
+    lines = []
+    for r in rows:
+        target = TARGETS.get(r["case"])
+        if target is not None:
+            name = f"{r['case']}: TTFT restored / cold at {args.prompt_tokens} tokens"
+            lines.append(verdict(name, r["of_cold"] <= target, f"{r['of_cold']:.3f} (target <= {target})"))
+            rate = r["restore_gb_s"]
+            lines.append(verdict(f"{r['case']}: restore rate", rate >= 1.0, f"{rate:.2f} GB/s (target >= 1)"))
+    write_json(
+        "kv_tiers", {"model": str(path), "prompt_tokens": args.prompt_tokens, "rows": rows, "verdicts": lines}
+    )
+    return exit_status()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
