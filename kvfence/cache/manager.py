@@ -53,8 +53,10 @@ class KVCacheManager:
         prefix: PrefixCache | None,
         events: EventLog,
         tiers: KVTiers | None = None,
+        fenced: bool = True,
     ) -> None:
         self.pool = pool
+        self.fenced = fenced  # restored pages are fenced writes (False: the lab's unfenced writes)
         self.allocator = allocator
         self.prefix = prefix
         self.events = events
@@ -115,7 +117,7 @@ class KVCacheManager:
                 if not self.allocate(seq, (logical + 1) * size):
                     break
                 page, generation = seq.record.entry(logical)
-                if not self._write_restored(seq.record.tenant, page, generation, page_bytes):
+                if not self._write_restored(seq, page, generation, page_bytes):
                     break  # the fresh page is the record's, unwritten: prefill writes it
                 restored.append(page)
                 logical += 1
@@ -126,22 +128,40 @@ class KVCacheManager:
             self.events.emit(seq.request_id, "tier_restored", pages=restored, tokens=len(restored) * size)
         return len(restored)
 
-    def _write_restored(self, tenant: int, page: int, generation: int, page_bytes: bytes) -> bool:
-        """A restored page's bytes into `page`: a fenced write of every slot (the page must be the tenant's
-        alone at `generation`, every slot next in order), as any step's write is."""
+    def _write_restored(self, seq: CachedSequence, page: int, generation: int, page_bytes: bytes) -> bool:
+        """A restored page's bytes into `page`: a fenced write of every slot (the page must be the record's
+        tenant's alone at `generation`, every slot next in order), as any step's write is. False, nothing
+        written and `write_refused` on the trail, when the fence refuses it."""
+        tenant = seq.record.tenant
+        if self.prefix is not None and self.prefix.faults.fire("tier_foreign_write"):
+            page = self._foreign_page(seq, page)
         slots = np.arange(self.page_size, dtype=np.int64)
         pages = np.full(self.page_size, page, dtype=np.int64)
-        allowed = self.pool.authorize_writes(
-            pages,
-            np.full(self.page_size, generation, dtype=np.int64),
-            np.full(self.page_size, tenant, dtype=np.int64),
-            slots,
-        )
-        if not allowed.all():
-            return False
+        if self.fenced:
+            allowed = self.pool.authorize_writes(
+                pages,
+                np.full(self.page_size, generation, dtype=np.int64),
+                np.full(self.page_size, tenant, dtype=np.int64),
+                slots,
+            )
+            if not allowed.all():
+                self.events.emit(seq.request_id, "write_refused", page=page, why="tier restore")
+                return False
         self.pool.load_page_bytes(page, page_bytes)
         self.pool.commit_writes(pages, slots)
         return True
+
+    def _foreign_page(self, seq: CachedSequence, page: int) -> int:
+        """Fault `tier_foreign_write`: the restore's target is another request's page (another tenant's where
+        there is one), as a restore holding a stale mapping would write. The page returned is written to."""
+        owned = np.flatnonzero(self.pool.state == PageState.OWNED)
+        mine = set(seq.record.pages)
+        others = [int(p) for p in owned if int(p) not in mine]
+        foreign = [p for p in others if self.pool.owner[p] != seq.record.tenant] or others
+        if not foreign:
+            return page
+        self.prefix.faults.record("tier_foreign_write", request_id=seq.request_id, page=foreign[0])  # type: ignore[union-attr]
+        return foreign[0]
 
     def publish_full_pages(self, seq: CachedSequence, num_computed: int) -> None:
         """Offer the pages that the sequence's first `num_computed` tokens fill to the prefix cache: their

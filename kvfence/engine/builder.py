@@ -158,7 +158,7 @@ def build_parts(
     tiers = build_tiers(config, model, pool, model_file)
     if tiers is not None:
         log("KV tiers: " + ", ".join(f"{t['spec']} (sealed {t['sealed']})" for t in tiers.describe()))
-    kv_cache = KVCacheManager(pool, allocator, prefix, events, tiers)
+    kv_cache = KVCacheManager(pool, allocator, prefix, events, tiers, fenced=config.isolation)
     limits = TenantLimits(
         config.max_running_per_tenant,
         config.max_waiting_per_tenant,

@@ -20,6 +20,7 @@ FAULTS = frozenset(
         "cross_tenant_prefix_hit",
         "stale_write",
         "read_rejected_draft",
+        "tier_foreign_write",
         # prefill/decode transfer
         "placeholder_transfer",
         "partial_transfer",

@@ -219,3 +219,31 @@ def test_a_tier_spec_is_checked_and_a_tier_without_a_key_refused(model: Transfor
             make_store(bad)
     with pytest.raises(ValueError, match="--kv-tier-key-file"):
         LLMEngine(EngineConfig(num_pages=64, max_model_len=48, kv_tiers=("memory:1MiB",)), model, log=print)
+
+
+@pytest.mark.parametrize("isolation", [False, True], ids=["fence off: leak", "fence on: refused"])
+def test_a_restore_written_into_another_requests_page(model: Transformer, isolation: bool) -> None:
+    """Fault `tier_foreign_write`: tenant a's restore targets tenant b's running request's page. Fence off,
+    the write lands and b's answer changes; fence on, it is refused (`write_refused` on a's trail, counted):
+    b's answer is its own, and a's is the cold one (its pages computed)."""
+    store = MemoryTier("memory:1MiB", 2**20)
+    cold = stored(model, store)
+    victim_prompt = [(5 * i + 11) % 200 + 1 for i in range(17)]
+    [alone] = [
+        r.output_token_ids for r in make_engine(model, max_model_len=64).generate([victim_prompt], PARAMS)
+    ]
+    engine = make_engine(model, max_model_len=64, isolation=isolation)
+    engine.kv_cache.tiers = tiers_over(store, engine)
+    victim = engine.add_request(victim_prompt, PARAMS, tenant="b")
+    engine.step()  # b's prompt is in its pages
+    engine.faults.arm("tier_foreign_write", 1.0, times=1)
+    restorer = engine.add_request(PROMPT, PARAMS, tenant="a")
+    while engine.has_unfinished():
+        engine.step()
+    assert [e.fault for e in engine.faults.effects] == ["tier_foreign_write"]
+    refused = [e for e in engine.events.for_request(restorer.request_id) if e["kind"] == "write_refused"]
+    if isolation:
+        assert victim.output_token_ids == alone and restorer.output_token_ids == cold
+        assert refused and engine.pool.refused_writes >= engine.pool.page_size
+    else:
+        assert victim.output_token_ids != alone and not refused
