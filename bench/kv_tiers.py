@@ -2,7 +2,9 @@
 side by side in one run (in process, one engine per case over the same weights).
 
     .venv/bin/python bench/kv_tiers.py [--model smollm2|gemma3-270m|FILE] [--prompt-tokens 4096]
-                                       [--repeats 3] [--threads 2]
+                                       [--repeats 3] [--threads 2] [--conversations 4] [--rounds 6]
+                                       [--turn-tokens 64] [--answer-tokens 128]
+                                       [--small-pool-pages 128]
 
 Each repeat sends a fresh prompt of `--prompt-tokens` tokens (1 output token) to: a cold engine (no tiers;
 the prompt computed), the same engine again (the pool's prefix cache), and for each tier (memory, disk in
@@ -12,7 +14,7 @@ from the tier (fetch, open, fenced write); for memory, the same process's tier (
 Reports TTFT medians, each as a fraction of cold, and the restore rate (the bytes of the pages restored
 over the seconds from the first fetch to the last fenced write). Writes
 bench/results/kv_tiers.json. Exit status 1 when a verdict fails: memory and disk <= 0.1x cold, Redis <=
-0.2x, restore >= 1 GB/s.
+0.2x, restore >= 1 GB/s, the multi-round chat's mean TTFT >= 3x better with the tier.
 """
 
 from __future__ import annotations
@@ -63,6 +65,31 @@ def tier_case(config: EngineConfig, spec: str, prompt: list[int]) -> tuple[float
     return seconds, hits * page / max(tiers.restore_seconds, 1e-9) / 1e9
 
 
+def multi_round(config: EngineConfig, tokenizer: Any, tiers: bool, args: argparse.Namespace) -> float:
+    """Mean TTFT over `--conversations` chats of `--rounds` turns, taken in turn (each resends its history
+    and a new question of `--turn-tokens`; answers of `--answer-tokens`), on a pool of `--small-pool-pages`
+    pages that cannot hold them all: without a tier an evicted history is computed again; with `memory:`
+    it is restored."""
+    pages = {"num_pages": args.small_pool_pages, "max_model_len": args.small_pool_pages * 16}
+    small = EngineConfig(**{**config.__dict__, **pages, "kv_tiers": ("memory:2GiB",) if tiers else ()})
+    engine = load_engine(small, log=lambda _: None)
+    histories = [[] for _ in range(args.conversations)]  # type: list[list[int]]
+    seconds = []
+    for turn in range(args.rounds):
+        for chat, history in enumerate(histories):
+            [question] = make_prompts(tokenizer, 1, args.turn_tokens, salt=10_000 + 100 * chat + turn)
+            history += question
+            [request] = engine.generate(
+                [history], SamplingParams(max_tokens=args.answer_tokens, ignore_eos=True)
+            )
+            assert request.first_token_time is not None and request.arrival_time is not None
+            seconds.append(request.first_token_time - request.arrival_time)
+            history += request.output_token_ids
+            if engine.kv_cache.tiers is not None:
+                engine.kv_cache.tiers.flush()  # a chat's next turn comes seconds later: its pages are stored
+    return statistics.mean(seconds)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -71,6 +98,13 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--turn-tokens", type=int, default=64)
+    parser.add_argument("--answer-tokens", type=int, default=128)
+    parser.add_argument(
+        "--small-pool-pages", type=int, default=128, help="the multi-round pool (16 tokens each)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = packaged_model(args.model) if args.model in PACKAGED_MODELS else Path(args.model)
@@ -109,7 +143,17 @@ def main() -> int:
         [[r["case"], f"{r['ttft_s']:.3f}", f"{r['of_cold']:.3f}",
           "" if r["restore_gb_s"] is None else f"{r['restore_gb_s']:.2f}"] for r in rows],
     )  # fmt: skip
-    lines = []
+    chat = {tiers: multi_round(config, tokenizer, tiers, args) for tiers in (False, True)}
+    gain = chat[False] / chat[True]
+    print(
+        f"multi-round chat, mean TTFT: {chat[False]:.3f} s without tiers, "
+        f"{chat[True]:.3f} s with memory: ({gain:.2f}x)"
+    )
+    lines = [
+        verdict(
+            "multi-round chat: mean TTFT without / with a tier", gain >= 3.0, f"{gain:.2f}x (target >= 3x)"
+        )
+    ]
     for r in rows:
         target = TARGETS.get(r["case"])
         if target is not None:
