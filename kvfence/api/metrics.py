@@ -184,6 +184,27 @@ _ENGINE_FAMILIES = (
         lambda s: s.kv_tier.get("rejected", {}),
         "reason",
     ),
+    *(
+        _Family(_COUNTER, f"kvfence_{name}", doc, value, model_label=True)
+        for name, doc, value in (
+            (
+                "prefix_cache_query_tokens",
+                "Prompt tokens looked up in the pool's prefix cache",
+                lambda s: s.prefix_query_tokens,
+            ),
+            (
+                "prefix_cache_hit_tokens",
+                "Prompt tokens found in the pool's prefix cache",
+                lambda s: s.prefix_hit_tokens,
+            ),
+            (
+                "kv_tier_query_tokens",
+                "Prompt tokens looked up in the KV tiers",
+                lambda s: s.tier_query_tokens,
+            ),
+            ("kv_tier_hit_tokens", "Prompt tokens restored from the KV tiers", lambda s: s.tier_hit_tokens),
+        )
+    ),
     _Family(
         _GAUGE,
         "kvfence_kv_tier_bytes",
@@ -389,6 +410,10 @@ VLLM_NAMES = {
     "request_prefill_time_seconds": ["vllm:request_prefill_time_seconds"],
     "request_decode_time_seconds": ["vllm:request_decode_time_seconds"],
     "request_inference_time_seconds": ["vllm:request_inference_time_seconds"],
+    "prefix_cache_query_tokens": ["vllm:prefix_cache_queries"],
+    "prefix_cache_hit_tokens": ["vllm:prefix_cache_hits"],
+    "kv_tier_query_tokens": ["vllm:external_prefix_cache_queries"],
+    "kv_tier_hit_tokens": ["vllm:external_prefix_cache_hits"],
     "spec_decode_num_drafts": ["vllm:spec_decode_num_drafts"],
     "spec_decode_num_draft_tokens": ["vllm:spec_decode_num_draft_tokens"],
     "spec_decode_num_accepted_tokens": ["vllm:spec_decode_num_accepted_tokens"],

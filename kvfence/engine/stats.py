@@ -43,6 +43,12 @@ class EngineStats:
     spec_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     # KV tiers (cache/tiers.py KVTiers.totals): counts by metric and tier label; empty without tiers.
     kv_tier: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # vLLM's prefix-cache series count tokens: those looked up and found in the pool's prefix cache, and
+    # (its "external" ones) in the KV tiers below it.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    tier_query_tokens: int = 0
+    tier_hit_tokens: int = 0
 
     @property
     def pages_held(self) -> int:
@@ -53,6 +59,7 @@ class EngineStats:
     def read(cls, engine: LLMEngine, transport_rejected: Mapping[str, int] | None = None) -> EngineStats:
         counts = np.bincount(engine.pool.state, minlength=len(PageState))
         fence, spec, tiers = engine.fence.stats, engine.spec_stats, engine.kv_cache.tiers
+        tier_totals, page_size = tiers.totals() if tiers is not None else {}, engine.pool.page_size
         return cls(
             num_pages=engine.pool.num_pages,
             pages_free=engine.allocator.num_free_pages,
@@ -69,7 +76,11 @@ class EngineStats:
             spec_draft_tokens=spec.draft_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
-            kv_tier=tiers.totals() if tiers is not None else {},
+            kv_tier=tier_totals,
+            prefix_query_tokens=(engine.prefix.queries if engine.prefix else 0) * page_size,
+            prefix_hit_tokens=(engine.prefix.hits if engine.prefix else 0) * page_size,
+            tier_query_tokens=sum(tier_totals.get("lookups", {}).values()) * page_size,
+            tier_hit_tokens=sum(tier_totals.get("hits", {}).values()) * page_size,
         )
 
     @classmethod

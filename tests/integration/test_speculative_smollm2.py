@@ -77,3 +77,5 @@ def test_usage_and_metrics_count_what_speculation_did(smollm2: GGUFModel) -> Non
     assert 0 < accepted <= drafts
     assert total("kvfence_spec_decode_num_accepted_tokens_total") == accepted
     assert total("vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    # vLLM's prefix-cache series, in tokens: the chat prompt was looked up (its full pages), none found
+    assert total("vllm:prefix_cache_queries_total") > 0 and total("vllm:prefix_cache_hits_total") == 0

@@ -19,6 +19,7 @@ from kvfence.cache.tiers import KVTiers
 from kvfence.config import EngineConfig
 from kvfence.engine.builder import read_tier_key
 from kvfence.engine.engine import LLMEngine
+from kvfence.engine.stats import EngineStats
 from kvfence.harness.redis_server import redis_server
 from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams
@@ -73,6 +74,8 @@ def test_a_prefix_stored_by_one_engine_is_restored_by_another_for_its_tenant_onl
     assert tokens == cold and len(restored) == 10  # every full page of the prompt, the last token computed
     totals = engine.kv_cache.tiers.totals()  # type: ignore[union-attr]
     assert totals["hits"] == {"memory": 10}
+    stats = EngineStats.read(engine)  # vLLM's external prefix-cache series count tokens
+    assert (stats.tier_query_tokens, stats.tier_hit_tokens) == (40, 40) and stats.prefix_hit_tokens == 0
     other, restored = answer(engine_with(model, store), "b")
     assert other == cold and not restored  # the same prompt under another tenant: its names differ
     engine.check_integrity()
