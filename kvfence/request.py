@@ -77,6 +77,12 @@ class Request:
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
     @property
+    def prefix_namespace(self) -> str:
+        """Whose cached KV this request may share: its tenant's, and within it its `cache_salt`'s."""
+        salt = self.params.cache_salt
+        return self.tenant if salt is None else f"{self.tenant}\x00cache_salt:{salt}"
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -41,6 +41,9 @@ _GGUF_SAMPLING_KEYS = {
 }
 
 
+MAX_CACHE_SALT = 256
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -63,10 +66,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    # vLLM's `cache_salt`: a namespace for the prefix cache and the KV tiers inside the request's tenant
+    # (never across tenants: the tenant comes from the API key); requests share cached KV only when their
+    # tenants and salts are equal.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Keys arrive as strings when the params travel as JSON (disaggregated serving): normalise them.
         self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
+            raise ValueError(f"cache_salt must be 1 to {MAX_CACHE_SALT} characters")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

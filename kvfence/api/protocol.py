@@ -204,6 +204,7 @@ class GenerationRequest(VllmExtras):
             stop_token_ids=list(self.stop_token_ids or []),
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            cache_salt=self.cache_salt,
         )
 
     def logprobs_wanted(self) -> int | None:

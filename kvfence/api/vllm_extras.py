@@ -72,8 +72,9 @@ class VllmExtras(BaseModel):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     length_penalty: float = 1.0
+    # vLLM's: a namespace for cached KV inside the request's tenant (SamplingParams.cache_salt).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # Refused when set: each changes the answer, or its handling, in a way this server does not implement.
-    # (`cache_salt` too: kvfence's prefix cache is already per tenant, but a salt asks for more than that.)
     use_beam_search: bool = False
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
@@ -84,7 +85,6 @@ class VllmExtras(BaseModel):
     prompt_embeds: Any = None
     guided_whitespace_pattern: str | None = None
     request_id: str | None = None
-    cache_salt: str | None = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
     mm_processor_kwargs: Any = None
@@ -100,7 +100,6 @@ class VllmExtras(BaseModel):
         "prompt_embeds",
         "guided_whitespace_pattern",
         "request_id",
-        "cache_salt",
         "kv_transfer_params",
         "vllm_xargs",
         "mm_processor_kwargs",

@@ -32,10 +32,14 @@ class CachedSequence(Protocol):
     """What the manager reads and keeps of a request: its record, its tokens and its hash chain."""
 
     request_id: str
-    tenant: str
+    tenant: str  # whose keys seal its pages in the KV tiers
     record: MappingRecord
     page_hashes: list[int]  # prefix-cache chain over the full pages of all its tokens
     num_published_pages: int  # logical pages already offered to the prefix cache
+
+    @property
+    def prefix_namespace(self) -> str:
+        """The prefix chain's seed: the tenant's name, and its cache salt where one is set."""
 
     @property
     def all_token_ids(self) -> list[int]: ...
@@ -94,7 +98,7 @@ class KVCacheManager:
         as far as they hold them; returns how many tokens the record then holds."""
         if self.prefix is None:
             return 0
-        extend_chain(seq.tenant, seq.page_hashes, seq.all_token_ids, self.page_size)
+        extend_chain(seq.prefix_namespace, seq.page_hashes, seq.all_token_ids, self.page_size)
         wanted = num_tokens // self.page_size
         pages = self.prefix.lookup(seq.record.tenant, seq.page_hashes[:wanted])
         if pages:
@@ -173,7 +177,7 @@ class KVCacheManager:
         full = num_computed // self.page_size
         if full <= seq.num_published_pages:
             return
-        extend_chain(seq.tenant, seq.page_hashes, seq.all_token_ids, self.page_size)
+        extend_chain(seq.prefix_namespace, seq.page_hashes, seq.all_token_ids, self.page_size)
         for logical in range(seq.num_published_pages, full):
             page, _ = seq.record.entry(logical)
             if self._holds(seq.record, logical) and not self.prefix.is_cached(page):

@@ -157,7 +157,7 @@ REFUSED = {
     "prompt_embeds": "AAAA",
     "guided_whitespace_pattern": " *",
     "request_id": "mine",
-    "cache_salt": "salt",
+    "cache_salt": "",  # a salt is 1 to 256 characters
     "kv_transfer_params": {"do_remote_decode": True},
     "vllm_xargs": {"a": 1},
     "mm_processor_kwargs": {"a": 1},
@@ -176,7 +176,8 @@ CHAT_REFUSED = {
 # At their neutral values they change nothing (vLLM's defaults; the backend is not a behaviour).
 NEUTRAL = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "priority": 0,
            "length_penalty": 1.0, "use_beam_search": False, "guided_decoding_backend": "xgrammar",
-           "min_tokens": 0, "include_stop_str_in_output": False, "stop_token_ids": []}  # fmt: skip
+           "min_tokens": 0, "include_stop_str_in_output": False, "stop_token_ids": [],
+           "cache_salt": "tenant-a/project-x"}  # fmt: skip
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])

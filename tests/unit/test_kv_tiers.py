@@ -250,3 +250,44 @@ def test_a_restore_written_into_another_requests_page(model: Transformer, isolat
         assert refused and engine.pool.refused_writes >= engine.pool.page_size
     else:
         assert victim.output_token_ids != alone and not refused
+
+
+def test_a_cache_salt_splits_a_tenants_cached_kv_and_never_joins_two_tenants(model: Transformer) -> None:
+    """vLLM's `cache_salt`: requests share cached KV, in the pool and in the tiers, only when tenant and salt
+    are both equal; the answer is the same either way."""
+    store = MemoryTier("memory:1MiB", 2**20)
+    engine = engine_with(model, store)
+
+    def run(tenant: str, salt: str | None) -> tuple[list[int], list[str]]:
+        params = SamplingParams(max_tokens=6, ignore_eos=True, cache_salt=salt)
+        request = engine.add_request(PROMPT, params, tenant=tenant)
+        while not request.is_finished:
+            engine.step()
+        events = engine.events.for_request(request.request_id)
+        return request.output_token_ids, [
+            e["kind"] for e in events if e["kind"] in ("prefix_hit", "tier_restored")
+        ]
+
+    cold, hits = run("a", "project-x")
+    assert not hits
+    assert run("a", "project-x") == (cold, ["prefix_hit"])  # the same tenant and salt: the pool's pages
+    assert run("a", "project-y") == (cold, [])  # another salt: computed
+    assert run("a", None) == (cold, [])  # no salt is a namespace of its own too
+    assert run("b", "project-x") == (cold, [])  # the same salt under another tenant: never shared
+    engine.kv_cache.tiers.flush()  # type: ignore[union-attr]
+    restored, hits = answer_salted(model, store, "a", "project-x")
+    assert restored == cold and hits == ["tier_restored"]  # and in the tier, under the same salt only
+    assert answer_salted(model, store, "c", "project-x") == (cold, [])  # a and b stored it: not c's
+
+
+def answer_salted(
+    model: Transformer, store: TierStore, tenant: str, salt: str
+) -> tuple[list[int], list[str]]:
+    engine = engine_with(model, store)
+    request = engine.add_request(
+        PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, cache_salt=salt), tenant=tenant
+    )
+    while not request.is_finished:
+        engine.step()
+    kinds = [e["kind"] for e in engine.events.for_request(request.request_id)]
+    return request.output_token_ids, [k for k in kinds if k in ("prefix_hit", "tier_restored")]
