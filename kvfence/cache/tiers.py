@@ -51,7 +51,7 @@ class KVTiers:
         self.restore_seconds = 0.0  # restores at admission, fetch to fenced write (the cache manager's)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._known_lock = threading.Lock()  # the engine thread (restores) and the writer both add names
-        self._queue: queue.Queue[tuple[str, int, int, int, bytes] | None] = queue.Queue(QUEUE_PAGES)
+        self._queue: queue.Queue[tuple[str, int, int, int, bytes]] = queue.Queue(QUEUE_PAGES)
         self._writer = threading.Thread(target=self._write, name="kvfence-tier-writer", daemon=True)
         self._writer.start()
 
@@ -96,10 +96,6 @@ class KVTiers:
         """Wait until every page offered so far is stored (tests; a shutdown that keeps the tier warm)."""
         self._queue.join()
 
-    def close(self) -> None:
-        self._queue.put(None)
-        self._writer.join()
-
     def describe(self) -> list[dict[str, Any]]:
         """Each tier as /v1/audit/info names it: its kind and spec, what it holds, and its seal."""
         return [
@@ -128,6 +124,7 @@ class KVTiers:
             "evictions": {t: stores[t].evictions for t in by},
             "errors": {t: stores[t].errors for t in by},
             "bytes": {t: stores[t].held_bytes() for t in by},
+            "dropped": {t: self.dropped for t in by},  # offers the full queue turned away: lost to every tier
             "rejected": dict(rejected),
         }
 
@@ -143,7 +140,9 @@ class KVTiers:
             return name in self._known
 
     def _write(self) -> None:
-        while (item := self._queue.get()) is not None:
+        """The writer thread's loop, for the process's life (a daemon: a page queued at exit is lost)."""
+        while True:
+            item = self._queue.get()
             try:
                 tenant, chain_hash, index, slots, page = item
                 name = self.seal.name(tenant, chain_hash)
@@ -156,4 +155,3 @@ class KVTiers:
                 self._remember(name)
             finally:
                 self._queue.task_done()
-        self._queue.task_done()
