@@ -17,6 +17,7 @@ tokenizer can encode. api/errors.py turns every validation failure into HTTP 400
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -34,6 +35,10 @@ from kvfence.sampling import (
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_N = 16  # choices per request: each is a sequence of its own in the batch and the pool
+MAX_TEMPLATE_KWARGS = 16
+TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# What a client may hand the server's chat template: plain values (Qwen 3's enable_thinking is a bool).
+TemplateValue = bool | int | float | str | None
 # Below these, sampling is greedy (the limit it tends to) instead of breaking float32 arithmetic: logits /
 # 1e-40 overflow to inf and softmax to NaN; a top_p under float32's smallest value rounds to 0 and drops
 # every token. Either way the sampler raised and the step failed for the whole batch.
@@ -366,9 +371,19 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # a client's jinja is not run on this server
-    chat_template_kwargs: dict[str, Any] | None = None
+    # Variables for the server's own template (Qwen 3's `enable_thinking`): names, and plain values only.
+    chat_template_kwargs: dict[str, TemplateValue] | None = Field(
+        default=None, max_length=MAX_TEMPLATE_KWARGS
+    )
     documents: Any = None
     echo: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_names(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if kwargs and not all(TEMPLATE_NAME.fullmatch(name) for name in kwargs):
+            raise ValueError("chat_template_kwargs: names are identifiers (letters, digits, _), 1-64 long")
+        return kwargs
 
     _unsupported = field_validator(
         "audio",
@@ -382,7 +397,6 @@ class ChatCompletionRequest(GenerationRequest):
         "web_search_options",
         "continue_final_message",
         "chat_template",
-        "chat_template_kwargs",
         "documents",
         "echo",
     )(refuse_if_set)

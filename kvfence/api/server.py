@@ -273,7 +273,10 @@ class _Service:
         tokenizer = self._tokenizer()
         try:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tools=tools
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                tools=tools,
+                template_kwargs=body.chat_template_kwargs,
             )
         except (jinja2.TemplateError, ValueError) as exc:
             raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from exc

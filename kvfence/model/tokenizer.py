@@ -252,19 +252,26 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}]) from the chat template;
-        `tools` (OpenAI's tool list) is passed to templates that render it, as HF does.
-        NoChatTemplateError (a ValueError) when there is no template."""
+        `tools` (OpenAI's tool list) is passed to templates that render it, as HF does; `template_kwargs`
+        (vLLM's `chat_template_kwargs`, e.g. Qwen 3's `enable_thinking`) are further variables of the
+        template, never one of those above (ValueError). NoChatTemplateError (a ValueError) when there is
+        no template."""
         if self._chat_template is None:
             raise NoChatTemplateError("this GGUF file has no tokenizer.chat_template and none was given")
-        return self._chat_template.render(
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._bos_text,
-            eos_token=self._eos_text,
-        )
+        fixed = {
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self._bos_text,
+            "eos_token": self._eos_text,
+        }
+        clash = sorted(set(template_kwargs or {}) & set(fixed))
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        return self._chat_template.render(**(template_kwargs or {}), **fixed)
 
 
 def _tokens_of_type(

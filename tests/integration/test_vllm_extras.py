@@ -169,7 +169,7 @@ REFUSED = {
 CHAT_REFUSED = {
     "continue_final_message": True,
     "chat_template": "{{ messages }}",
-    "chat_template_kwargs": {"enable_thinking": True},
+    "chat_template_kwargs": {"enable thinking": True},  # names are identifiers
     "documents": [{"title": "t", "text": "x"}],
     "echo": True,
 }
@@ -355,3 +355,14 @@ def test_responses_refuse_what_needs_stored_state(url: str) -> None:
     assert (
         post(url, "/v1/responses", {"input": "hi", "store": True, "max_output_tokens": 2}).status_code == 200
     )
+
+
+def test_chat_template_kwargs_render_with_the_servers_template(url: str) -> None:
+    """Accepted as vLLM takes them: SmolLM2's template has no `enable_thinking`, so the answer is the one
+    without; a name the template's own inputs hold is a 400."""
+    plain = post(url, "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4})
+    asked = {"messages": QUESTION, "max_tokens": 4, "chat_template_kwargs": {"enable_thinking": False}}
+    kwargs = post(url, "/v1/chat/completions", asked)
+    assert kwargs.status_code == 200 and kwargs.json()["choices"][0] == plain.json()["choices"][0]
+    clash = post(url, "/v1/chat/completions", asked | {"chat_template_kwargs": {"messages": []}})
+    assert clash.status_code == 400 and "messages" in clash.json()["error"]["message"]

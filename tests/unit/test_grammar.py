@@ -588,3 +588,20 @@ def test_speculation_under_a_grammar_keeps_the_constrained_greedy_output(tokeniz
     assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
     assert all(r.finish_reason == "stop" for r in spec)
     assert engine.spec_stats.accepted_tokens > 0 and engine.spec_stats.accepted_per_position[2] == 0
+
+
+def test_chat_template_kwargs_reach_the_template_and_cannot_replace_its_inputs() -> None:
+    """vLLM's `chat_template_kwargs` (Qwen 3's `enable_thinking`): further variables of the server's own
+    template, rendered as HF renders them; `messages`, `tools` and the rest stay the server's."""
+    thinking = CHATML.replace(
+        "<|im_start|>assistant\n{% endif %}",
+        "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% endif %}{% endif %}",
+    )
+    tokenizer = Tokenizer({**tiny_metadata(), "tokenizer.chat_template": thinking})
+    chat = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(chat).endswith("assistant\n")
+    off = tokenizer.apply_chat_template(chat, template_kwargs={"enable_thinking": False})
+    assert off.endswith("assistant\n<think></think>")
+    with pytest.raises(ValueError, match="messages"):
+        tokenizer.apply_chat_template(chat, template_kwargs={"messages": []})
