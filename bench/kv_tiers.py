@@ -33,6 +33,7 @@ from common import exit_status, make_prompts, verdict, write_json
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine, load_engine
+from kvfence.harness.key_files import write_key_file
 from kvfence.harness.redis_server import redis_server
 from kvfence.harness.tables import print_table
 from kvfence.pins import PACKAGED_MODELS, packaged_model
@@ -109,9 +110,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     path = packaged_model(args.model) if args.model in PACKAGED_MODELS else Path(args.model)
     work = Path(tempfile.mkdtemp(prefix="kv-tiers-"))
-    key = work / "tier.key"
-    key.write_text(os.urandom(32).hex() + "\n")
-    key.chmod(0o600)
+    key = write_key_file(work / "tier.key", [os.urandom(32).hex()])
     config = EngineConfig(model=path, max_model_len=args.prompt_tokens + 64, kv_tier_key_file=key)
     cold_engine = load_engine(config, log=lambda _: None)
     tokenizer = cold_engine.tokenizer

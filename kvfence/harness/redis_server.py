@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvfence.disagg.launch import free_ports
+
 START_S = 10.0
 
 
@@ -32,9 +34,7 @@ def redis_binary() -> str:
 
 @contextmanager
 def redis_server(directory: Path) -> Iterator[str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    [port] = free_ports(1)
     args = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     server = subprocess.Popen(
         [*args, "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvfence.harness.cluster import Cluster, cluster
+from kvfence.harness.key_files import write_key_file
 from kvfence.harness.redis_server import redis_server
 from kvfence.harness.server import metric
 from kvfence.pins import default_model_path
@@ -60,9 +61,7 @@ def tier(server: Cluster, what: str) -> float:
 def test_a_prefix_computed_on_one_server_is_restored_on_another_for_its_tenant_only(
     redis_url: str, tmp_path: Path
 ) -> None:
-    key_file = tmp_path / "tier.key"
-    key_file.write_text(os.urandom(32).hex() + "\n")
-    key_file.chmod(0o600)
+    key_file = write_key_file(tmp_path / "tier.key", [os.urandom(32).hex()])
     args = serve_args(redis_url, key_file)
     with cluster(serve_args=args, api_keys=KEYS, admin_key=ADMIN) as a:
         cold = complete(a, "key-a")

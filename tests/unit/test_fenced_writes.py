@@ -114,19 +114,7 @@ def test_without_the_fence_a_skipped_slot_counts_as_written() -> None:
 
 def one_write(slot: int) -> StepLayout:
     """Row 0 reads the first slot of page 0 and writes `slot` of it."""
-    reads = StepLayout.reads_only([MappingRecord(0, [0], [1])], [1])
-    return StepLayout.of(
-        starts=reads.starts,
-        tenants=reads.tenants,
-        num_cached=reads.num_cached,
-        pages=reads.pages,
-        generations=reads.generations,
-        write_rows=np.array([0]),
-        write_pages=np.array([0]),
-        write_generations=np.array([1]),
-        write_offsets=np.array([slot]),
-        write_positions=np.array([1]),
-    )
+    return with_writes(StepLayout.reads_only([MappingRecord(0, [0], [1])], [1]), [0], [0], [slot], [1])
 
 
 def test_a_shared_fully_written_page_cannot_be_rewritten() -> None:
