@@ -75,7 +75,7 @@ class KVPool:
             device=device,
         )
         # The pool's bytes as numpy, on the host: a rollback zeroes a few slots through it in about a
-        # microsecond, where a torch indexing call costs five (a step's fence work is ~10).
+        # microsecond, where a torch indexing call costs five (a step's fence work is ~10); checksums read it.
         self._host_bytes = self.kv.view(torch.uint8).numpy() if self.kv.device.type == "cpu" else None
         self.generation = np.zeros(num_pages, dtype=np.int64)
         self.owner = np.full(num_pages, NO_OWNER, dtype=np.int64)
@@ -104,14 +104,16 @@ class KVPool:
         """The first `slots` slots (default: all) of a page, K/V for every layer
         ([layers, 2, slots, kv_heads, head_dim]), as raw bytes. A transfer sends only the written slots:
         the rest of a recycled page still holds its previous owner's KV."""
+        if self._host_bytes is not None:  # one copy, not torch's gather and then numpy's
+            return self._host_bytes[:, :, page, :slots].tobytes()
         return self.kv[:, :, page, :slots].contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
     def page_checksum(self, page: int) -> int:
         """xxh3_64 of `page_bytes(page)`; on the host hashed block by block where the page lies, without the
         two copies `page_bytes` makes (a one-sided handoff hashes every page on both sides)."""
-        if self.kv.device.type != "cpu":
+        if self._host_bytes is None:
             return xxhash.xxh3_64_intdigest(self.page_bytes(page))
-        blocks = self.kv.view(torch.uint8).numpy()[:, :, page]  # numpy views: no per-block torch call
+        blocks = self._host_bytes[:, :, page]  # numpy views: no per-block torch call
         digest = xxhash.xxh3_64()
         for layer in blocks:
             for half in layer:  # K, then V: the order of page_bytes
