@@ -117,8 +117,8 @@ def main() -> int:
     assert tokenizer is not None
     found: dict[str, list[float]] = {"cold": [], "pool hit": []}
     rates: dict[str, list[float]] = {}
-    with redis_server(work) as redis_url:
-        specs = {"memory": "memory:2GiB", "disk": f"disk:{work / 'disk'}:4GiB", "redis": redis_url}
+    with redis_server(work) as redis:
+        specs = {"memory": "memory:2GiB", "disk": f"disk:{work / 'disk'}:4GiB", "redis": redis.url}
         for repeat in range(args.repeats):
             [prompt] = make_prompts(tokenizer, 1, args.prompt_tokens, salt=1000 + repeat)
             found["cold"].append(ttft(cold_engine, prompt))

@@ -174,6 +174,7 @@ _ENGINE_FAMILIES = (
             ("stores", "pages stored by the writer"),
             ("evictions", "entries evicted to stay within the tier's size"),
             ("errors", "store operations that failed (a miss or a dropped store)"),
+            ("skipped", "store operations not tried: the store failed within the last few seconds"),
             ("dropped", "pages not stored: the writer's queue was full (the step never waits)"),
         )
     ),

@@ -1,23 +1,29 @@
 """Where a KV tier keeps sealed pages: host memory, a directory, or a Redis server shared by many servers.
 
 Contract (every `TierStore`): `get(name)` returns the value stored under `name` or None; `put(name, value)`
-stores it, evicting least recently used entries to stay within its capacity; neither raises for the store
-being slow, full, down or wrong: a failure is a miss (None) or a dropped store, counted in `errors`. The
-stores hold opaque names (MACs) and sealed values (tier_seal.py): they are trusted with nothing.
+stores it and says whether it did, evicting least recently used entries to stay within its capacity;
+neither raises for the store being slow, full, down or wrong: a failure is a miss (None) or a dropped store,
+counted in `errors`. A network store that failed is not asked again for `DOWN_S` (those operations are
+counted in `skipped`): a wedged server costs the engine thread one timeout, not one a page. The stores hold
+opaque names (MACs) and sealed values (tier_seal.py): they are trusted with nothing.
 `make_store(spec)` builds the store `--kv-tier` names.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from kvfence.units import parse_size
 
 REDIS_TIMEOUT_S = 0.5  # a store that does not answer by then is a miss: recompute, never wait on it
+DOWN_S = 5.0  # after a failure a network store is skipped this long, then asked again
 
 
 class TierStore(ABC):
@@ -29,12 +35,13 @@ class TierStore(ABC):
         self.spec = spec
         self.evictions = 0
         self.errors = 0
+        self.skipped = 0
 
     @abstractmethod
     def get(self, name: bytes) -> bytes | None: ...
 
     @abstractmethod
-    def put(self, name: bytes, value: bytes) -> None: ...
+    def put(self, name: bytes, value: bytes) -> bool: ...
 
     def get_many(self, names: list[bytes]) -> list[bytes | None]:
         """`get` of each name, in order. (Redis's MGET parsed slower than one GET a page: 0.6 against
@@ -65,9 +72,9 @@ class MemoryTier(TierStore):
                 self._entries.move_to_end(name)
             return value
 
-    def put(self, name: bytes, value: bytes) -> None:
+    def put(self, name: bytes, value: bytes) -> bool:
         if len(value) > self.capacity:
-            return
+            return False
         with self._lock:
             old = self._entries.pop(name, None)
             self._bytes -= len(old) if old is not None else 0
@@ -77,6 +84,7 @@ class MemoryTier(TierStore):
                 self.evictions += 1
             self._entries[name] = value
             self._bytes += len(value)
+        return True
 
     def held_bytes(self) -> int:
         return self._bytes
@@ -118,9 +126,9 @@ class DiskTier(TierStore):
             self.errors += 1
             return None
 
-    def put(self, name: bytes, value: bytes) -> None:
+    def put(self, name: bytes, value: bytes) -> bool:
         if len(value) > self.capacity:
-            return
+            return False
         key = name.hex()
         temporary = self.directory / f"{key}.{threading.get_ident()}.tmp"
         try:
@@ -132,7 +140,7 @@ class DiskTier(TierStore):
         except OSError:
             self.errors += 1
             temporary.unlink(missing_ok=True)
-            return
+            return False
         with self._lock:
             self._bytes += len(value) - self._sizes.pop(key, 0)
             self._sizes[key] = len(value)
@@ -141,6 +149,7 @@ class DiskTier(TierStore):
                 (self.directory / old).unlink(missing_ok=True)
                 self._bytes -= size
                 self.evictions += 1
+        return True
 
     def held_bytes(self) -> int:
         return self._bytes
@@ -148,11 +157,12 @@ class DiskTier(TierStore):
 
 class RedisTier(TierStore):
     """A Redis server, shared by every server and worker that names it. Entries expire by Redis's own
-    policy (its maxmemory); a timeout or a refused connection is a miss."""
+    policy (its maxmemory); a timeout or a refused connection is a miss, and the server is skipped for
+    `DOWN_S` after it (`clock` tells when)."""
 
     kind = "redis"
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(spec)
         import redis  # only where a Redis tier is named
 
@@ -160,25 +170,35 @@ class RedisTier(TierStore):
             spec, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
         )
         self._errors = (redis.RedisError, OSError)
+        self._clock = clock
+        self._down_until = -math.inf  # one float, read and set by the engine thread and the writer
         self._put = 0
 
     def get(self, name: bytes) -> bytes | None:
-        try:
-            value = self._client.get(name)
-        except self._errors:
-            self.errors += 1
-            return None
+        value = self._ask(lambda: self._client.get(name))
         return value if isinstance(value, bytes) else None
 
-    def put(self, name: bytes, value: bytes) -> None:
-        try:
-            self._client.set(name, value)
-            self._put += len(value)
-        except self._errors:
-            self.errors += 1
+    def put(self, name: bytes, value: bytes) -> bool:
+        if self._ask(lambda: self._client.set(name, value)) is None:
+            return False
+        self._put += len(value)
+        return True
 
     def held_bytes(self) -> int:
         return self._put
+
+    def _ask(self, call: Callable[[], object]) -> object:
+        """`call()`'s answer; None when the server failed now (counted in `errors`, then skipped for
+        `DOWN_S`) or is being skipped (counted in `skipped`)."""
+        if self._clock() < self._down_until:
+            self.skipped += 1
+            return None
+        try:
+            return call()
+        except self._errors:
+            self.errors += 1
+            self._down_until = self._clock() + DOWN_S
+            return None
 
 
 def make_store(spec: str) -> TierStore:

@@ -123,6 +123,7 @@ class KVTiers:
             "stores": {t: c.stores for t, c in by.items()},
             "evictions": {t: stores[t].evictions for t in by},
             "errors": {t: stores[t].errors for t in by},
+            "skipped": {t: stores[t].skipped for t in by},
             "bytes": {t: stores[t].held_bytes() for t in by},
             "dropped": {t: self.dropped for t in by},  # offers the full queue turned away: lost to every tier
             "rejected": dict(rejected),
@@ -150,8 +151,7 @@ class KVTiers:
                     continue
                 value = self.seal.seal(tenant, chain_hash, index, slots, page)
                 for store in self.stores:
-                    store.put(name, value)
-                    self.counters[store.spec].stores += 1
+                    self.counters[store.spec].stores += store.put(name, value)
                 self._remember(name)
             finally:
                 self._queue.task_done()

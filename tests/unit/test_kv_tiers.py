@@ -7,6 +7,7 @@ miss too."""
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from conftest import make_engine, tiny_model
 
 from kvfence.cache.tier_seal import DOES_NOT_OPEN, TOO_SHORT, Layout, TierSeal
-from kvfence.cache.tier_stores import DiskTier, MemoryTier, RedisTier, TierStore, make_store
+from kvfence.cache.tier_stores import DOWN_S, DiskTier, MemoryTier, RedisTier, TierStore, make_store
 from kvfence.cache.tiers import KVTiers
 from kvfence.config import EngineConfig
 from kvfence.engine.builder import read_tier_key
@@ -185,8 +186,8 @@ def test_a_disk_tier_outlives_the_process_and_stays_within_its_size(
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis server on loopback (kvfence.harness.redis_server), stopped after the module."""
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
+    with redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
 
 
 def test_a_shared_redis_tier_serves_another_engine_and_a_dead_one_is_a_miss(
@@ -199,6 +200,26 @@ def test_a_shared_redis_tier_serves_another_engine_and_a_dead_one_is_a_miss(
     engine = engine_with(model, down)
     tokens, restored = answer(engine, "a")
     assert tokens == cold and not restored and down.errors > 0
+
+
+def test_a_wedged_redis_costs_one_timeout_then_is_skipped_until_it_is_asked_again(
+    model: Transformer, tmp_path: Path
+) -> None:
+    now = [0.0]
+    with redis_server(tmp_path) as server:
+        store = RedisTier(server.url, clock=lambda: now[0])
+        cold = stored(model, store)
+        os.kill(server.process.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+        try:
+            tokens, restored = answer(engine_with(model, store), "a")
+            assert tokens == cold and not restored
+            assert store.errors == 1 and store.skipped == 9  # one timeout; the other 9 pages not asked
+            assert not store.put(b"\x01" * 32, b"value") and store.skipped == 10
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        now[0] += DOWN_S  # the window has passed: the store is asked again, and answers
+        tokens, restored = answer(engine_with(model, store), "a")
+        assert tokens == cold and len(restored) == 10 and store.errors == 1
 
 
 def test_the_key_file_is_64_hex_digits_only_its_owner_reads(tmp_path: Path) -> None:
