@@ -17,6 +17,8 @@ The probes, in this order (`run_probes`):
 - replay (replay.py): greedy prompts alone, then under churn (its long prompts are canary victims): every
   answer must be the same; FAIL or INCONCLUSIVE depending on whether the server declares batch invariance;
 - recovery: a normal request per tenant succeeds after the storms;
+- prefix timing (prefix_timing.py): a tenant's first token on another tenant's cached prefix comes at a
+  computation's speed, not a cache hit's;
 - status consistency: 200 means non-empty choices with a finish_reason, an error means no choices.
 
 An integrity abort (`Exchange.fenced`) fails no probe: with a fault armed it is the fence doing its job;
@@ -37,6 +39,7 @@ from typing import Any
 
 from kvfence.audit import canaries
 from kvfence.audit.client import MAX_WORKERS, Exchange, ProbeClient, Target
+from kvfence.audit.prefix_timing import probe_prefix_timing
 from kvfence.audit.replay import LONG_FRACTION, LONG_MAX_TOKENS, run_replay
 from kvfence.audit.result import CheckResult, verdict
 
@@ -308,7 +311,16 @@ class ProbeRun:
     exchanges: list[Exchange]
 
 
-PROBE_STEPS = ("boundary", "cancel_storm", "canaries", "replay", "canaries", "recovery", "scan")
+PROBE_STEPS = (
+    "boundary",
+    "cancel_storm",
+    "canaries",
+    "replay",
+    "canaries",
+    "recovery",
+    "prefix_timing",
+    "scan",
+)
 
 
 def run_probes(
@@ -332,10 +344,12 @@ def run_probes(
         canaries.plant_concurrently(client, filler(min(overlong, MAX_REPS)))
         progress("recovery")
         recovery = probe_recovery(client)
+        progress("prefix_timing")
+        timing = probe_prefix_timing(client, window)
         progress("scan")
         exchanges = list(client.exchanges)
         scan = canaries.scan_canaries(exchanges, declared or replay.passed is True)
-        results = [boundary_result, storm, scan, replay, recovery, check_consistency(exchanges)]
+        results = [boundary_result, storm, scan, replay, recovery, timing, check_consistency(exchanges)]
         return ProbeRun(results, boundary, exchanges)
     finally:
         client.close()
