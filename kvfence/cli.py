@@ -81,6 +81,10 @@ def _report(args: argparse.Namespace, front: Front | None) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.model_arg is not None:  # `serve MODEL`, as vllm serve takes it
+        if args.model is not None and args.model != args.model_arg:
+            raise StartupError(f"MODEL {args.model_arg} and --model {args.model} differ: give one of them")
+        args.model = args.model_arg
     config = engine_config(args)
     if args.role != "single":
         keys = _transport_keys(args, args.role, [args.listen] if args.listen else [])
@@ -188,14 +192,20 @@ def _run_router(
 ) -> int:
     from kvfence.disagg.router import Router
     from kvfence.model.gguf import read_header
+    from kvfence.model.hf_dir import read_dir
     from kvfence.model.tokenizer import Tokenizer
     from kvfence.pins import default_model_path
 
-    config, metadata = read_header(args.model or default_model_path())
+    path = args.model or default_model_path()
+    if path.is_dir():
+        config, tokenizer = read_dir(path).config, Tokenizer.from_hf_dir(path, args.chat_template)
+    else:
+        config, metadata = read_header(path)
+        tokenizer = Tokenizer(metadata, args.chat_template)
     router = Router(
         prefill,
         decode,
-        Tokenizer(metadata, args.chat_template),  # the router renders chat prompts, not the workers
+        tokenizer,  # the router renders chat prompts, not the workers
         config.vocab_size,
         isolation=args.isolation == "on",
         listen=listen,
@@ -312,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server (or one PD worker)")
+    serve.add_argument(
+        "model_arg", nargs="?", type=model_file, metavar="MODEL", help="the model, as --model names it"
+    )
     add_engine_options(serve)
     add_http_options(serve)
     serve.add_argument(

@@ -180,9 +180,11 @@ def check_model(path: Path | None) -> ModelShape:
             raise StartupError(f"--model: {reason(exc)} (or give --model PATH)") from exc
     option = f"--model {path}"
     if not path.exists():
-        raise StartupError(f"{option}: no such file; give the path of a GGUF file")
+        raise StartupError(f"{option}: no such file; give the path of a GGUF file or a model directory")
+    if path.is_dir():
+        return hf_model_shape(path)
     if not path.is_file():
-        raise StartupError(f"{option}: not a file; give the path of a GGUF file")
+        raise StartupError(f"{option}: not a file; give the path of a GGUF file or a model directory")
     try:
         header = GGUFFile(path, arrays=False)
         return model_shape(header.metadata, {tensor.kind for tensor in header.tensors})
@@ -191,6 +193,19 @@ def check_model(path: Path | None) -> ModelShape:
             f"{option}: not a usable GGUF file ({reason(exc)}); "
             "give a GGUF file (architecture llama, qwen2, qwen3 or gemma3)"
         ) from exc
+
+
+def hf_model_shape(path: Path) -> ModelShape:
+    """A Hugging Face directory's shape, from config.json and the safetensors headers (no tensor data)."""
+    from kvfence.model.hf_dir import read_dir
+
+    try:
+        config = read_dir(path).config
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StartupError(
+            f"--model {path}: not a model directory kvfence can serve ({reason(exc)})"
+        ) from exc
+    return ModelShape(config.num_layers, config.num_kv_heads, config.head_dim, config.context_length, False)
 
 
 # ---- the engine ------------------------------------------------------------------------------------------
@@ -384,12 +399,14 @@ def check_sampling(args: argparse.Namespace) -> SamplingDefaults:
     """The sampling defaults of requests: --default-temperature / --default-top-p where given, else the
     model's general.sampling.* settings, else greedy (kvfence.sampling.SamplingDefaults)."""
     from kvfence.model.gguf_file import GGUFFile
+    from kvfence.model.hf_dir import read_dir
     from kvfence.pins import default_model_path
 
     path = args.model or default_model_path()
     overrides = {"temperature": args.default_temperature, "top_p": args.default_top_p}
     try:
-        return SamplingDefaults.resolve(GGUFFile(path, arrays=False).metadata, overrides)
+        metadata = read_dir(path).metadata if path.is_dir() else GGUFFile(path, arrays=False).metadata
+        return SamplingDefaults.resolve(metadata, overrides)
     except (OSError, ValueError, struct.error) as exc:
         raise StartupError(
             f"--model {path}: its general.sampling.* settings are unusable ({reason(exc)}); "

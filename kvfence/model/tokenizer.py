@@ -1,5 +1,6 @@
 """Tokenizer and chat template, rebuilt from a GGUF file's own metadata: byte-level BPE
-(`tokenizer.ggml.model` "gpt2": SmolLM2, Llama 3, Qwen) or SentencePiece ("llama": Gemma 3, Mistral, Llama 2).
+(`tokenizer.ggml.model` "gpt2": SmolLM2, Llama 3, Qwen) or SentencePiece ("llama": Gemma 3, Mistral, Llama 2);
+or, for a Hugging Face directory, its tokenizer.json as it is (`from_hf_dir`).
 
 Contract: `Tokenizer` encodes like llama.cpp does for the file (same vocab, merges or scores, pre-tokenizer
 and special tokens), and `apply_chat_template` renders the file's jinja template (or the one given instead)
@@ -9,6 +10,7 @@ as HF does. Control and user-defined tokens are matched whole in the text, as ll
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -16,6 +18,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+
+from kvfence.model import hf_dir
 
 if TYPE_CHECKING:
     from kvfence.model.gguf import GGUFModel
@@ -157,19 +161,38 @@ class Tokenizer:
         # The vocab's texts are read here and not kept: the backend holds them (49,152 strings are 3.4 MiB).
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
         token_types: list[int] = list(metadata["tokenizer.ggml.token_type"])
-        self._vocab_size = len(tokens)
-        self._backend = self._build_backend(metadata, tokens, token_types)
-        self._bos_token_id = _optional_int(metadata.get("tokenizer.ggml.bos_token_id"))
+        eos = int(metadata["tokenizer.ggml.eos_token_id"])
         default_bos = _DEFAULT_ADD_BOS[str(tokenizer_model)]
-        self._add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
-        self._eos_token_id = int(metadata["tokenizer.ggml.eos_token_id"])
-        self._stop_token_ids = self._end_of_generation_ids(metadata, tokens, token_types)
-        for name, token_id in (("bos", self._bos_token_id), ("eos", self._eos_token_id)):
-            if token_id is not None and not 0 <= token_id < len(tokens):
-                raise ValueError(f"the file's {name} token id {token_id} is outside its {len(tokens)} tokens")
-        self._bos_text = "" if self._bos_token_id is None else tokens[self._bos_token_id]
-        self._eos_text = tokens[self._eos_token_id]
         template = chat_template if chat_template is not None else metadata.get("tokenizer.chat_template")
+        self._setup(
+            self._build_backend(metadata, tokens, token_types),
+            len(tokens),
+            _optional_int(metadata.get("tokenizer.ggml.bos_token_id")),
+            bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos)),
+            eos,
+            _end_of_generation_ids(eos, metadata, tokens, token_types),
+            template,
+        )
+
+    def _setup(
+        self,
+        backend: tokenizers.Tokenizer,
+        vocab_size: int,
+        bos: int | None,
+        add_bos: bool,
+        eos: int,
+        stop_ids: set[int],
+        template: object,
+    ) -> None:
+        """The one place a tokenizer's fields are set, whichever files it came from."""
+        for name, token_id in (("bos", bos), ("eos", eos)):
+            if token_id is not None and not 0 <= token_id < vocab_size:
+                raise ValueError(f"the model's {name} token id {token_id} is outside its {vocab_size} tokens")
+        self._backend, self._vocab_size = backend, vocab_size
+        self._bos_token_id, self._add_bos, self._eos_token_id = bos, add_bos, eos
+        self._stop_token_ids = stop_ids
+        self._bos_text = "" if bos is None else str(backend.id_to_token(bos))
+        self._eos_text = str(backend.id_to_token(eos))
         self._template_source = None if template is None else str(template)
         self._chat_template = _compile_template(self._template_source)
 
@@ -192,20 +215,45 @@ class Tokenizer:
         backend.add_tokens(_tokens_of_type(tokens, token_types, _USER_DEFINED, special=False))
         return backend
 
-    def _end_of_generation_ids(
-        self, metadata: Mapping[str, object], tokens: list[str], token_types: list[int]
-    ) -> set[int]:
-        """eos, eot and eom ids from the header, plus control tokens llama.cpp treats as end of turn."""
-        ids = {self._eos_token_id}
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            if (token_id := _optional_int(metadata.get(key))) is not None:
-                ids.add(token_id)
-        ids.update(
+    @classmethod
+    def from_hf_dir(cls, path: Path, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer of a Hugging Face directory: tokenizer.json as it is (HF's own normalizer,
+        pre-tokenizer and added tokens), BOS and EOS from tokenizer_config.json (else generation_config.json
+        or config.json), the chat template from chat_template.jinja or tokenizer_config.json's
+        `chat_template` (`chat_template` as in `__init__`). Stop ids: EOS, the generation config's
+        eos_token_id(s), and special tokens llama.cpp treats as end of turn."""
+        backend = tokenizers.Tokenizer.from_file(str(path / hf_dir.TOKENIZER))
+        settings = hf_dir.read_json(path, hf_dir.TOKENIZER_CONFIG, required=False)
+        generation = hf_dir.read_json(path, hf_dir.GENERATION_CONFIG, required=False)
+        fallback = generation | {
+            k: v for k, v in hf_dir.read_json(path, hf_dir.CONFIG).items() if k not in generation
+        }
+        bos = _special_id(backend, settings.get("bos_token"), fallback.get("bos_token_id"))
+        eos = _special_id(backend, settings.get("eos_token"), fallback.get("eos_token_id"))
+        if eos is None:
+            raise ValueError(f"{path}: no eos_token in {hf_dir.TOKENIZER_CONFIG} and no eos_token_id")
+        add_bos = settings.get("add_bos_token")
+        if add_bos is None:  # what tokenizer.json's post-processor adds, as HF encodes with special tokens
+            add_bos = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
+        stops = {eos, *_ids(generation.get("eos_token_id"))}
+        stops.update(
             index
-            for index, (token, token_type) in enumerate(zip(tokens, token_types, strict=True))
-            if token_type == _CONTROL and token in _END_OF_GENERATION_TEXTS
+            for index, added in backend.get_added_tokens_decoder().items()
+            if added.special and added.content in _END_OF_GENERATION_TEXTS
         )
-        return ids
+        if chat_template is None:
+            chat_template = _hf_chat_template(path, settings)
+        tokenizer = cls.__new__(cls)
+        tokenizer._setup(
+            backend,
+            backend.get_vocab_size(with_added_tokens=True),
+            bos,
+            bool(add_bos),
+            eos,
+            stops,
+            chat_template,
+        )
+        return tokenizer
 
     @property
     def eos_token_id(self) -> int:
@@ -283,6 +331,51 @@ def _tokens_of_type(
         for token, token_type in zip(tokens, token_types, strict=True)
         if token_type == wanted
     ]
+
+
+def _end_of_generation_ids(
+    eos: int, metadata: Mapping[str, object], tokens: list[str], token_types: list[int]
+) -> set[int]:
+    """eos, eot and eom ids from the header, plus control tokens llama.cpp treats as end of turn."""
+    ids = {eos}
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if (token_id := _optional_int(metadata.get(key))) is not None:
+            ids.add(token_id)
+    ids.update(
+        index
+        for index, (token, token_type) in enumerate(zip(tokens, token_types, strict=True))
+        if token_type == _CONTROL and token in _END_OF_GENERATION_TEXTS
+    )
+    return ids
+
+
+def _ids(value: object) -> list[int]:
+    """A config's token id or list of ids as a list."""
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value] if isinstance(value, list) else []
+
+
+def _special_id(backend: tokenizers.Tokenizer, token: object, fallback: object) -> int | None:
+    """The id of a tokenizer_config.json special token (a string, or {"content": ...}), else the config's
+    first id."""
+    text = token.get("content") if isinstance(token, dict) else token
+    if isinstance(text, str) and (token_id := backend.token_to_id(text)) is not None:
+        return int(token_id)
+    ids = _ids(fallback)
+    return ids[0] if ids else None
+
+
+def _hf_chat_template(path: Path, settings: Mapping[str, object]) -> str | None:
+    """chat_template.jinja (where transformers now writes it), else tokenizer_config.json's template (a
+    string, or a list of named ones: "default")."""
+    if (path / hf_dir.CHAT_TEMPLATE).is_file():
+        return (path / hf_dir.CHAT_TEMPLATE).read_text(encoding="utf-8")
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def _optional_int(value: object) -> int | None:

@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from kvfence.config import ACTIVATION_DTYPES, DECODE_ATTENTION, DECODE_MATMUL
-from kvfence.model import attention, packed_matmul, paged_kernel, triton_attention
+from kvfence.model import attention, half_matmul, packed_matmul, paged_kernel, triton_attention
 from kvfence.model.attention import LayerAttention, PrefillSeq
 from kvfence.model.decoder_layer import DecoderLayers, StepBuffers
 from kvfence.model.gguf import GGUFModel, ModelConfig, QuantizedWeight
+from kvfence.model.half_matmul import HALF_DTYPES, HalfMatmulKernel
 from kvfence.model.packed_matmul import PackedMatmulKernel
 from kvfence.model.paged_decode import PagedDecode
 from kvfence.model.paged_kernel import PagedDecodeKernel
@@ -91,6 +92,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+def _narrow_weights(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.dtype | None:
+    """The 16-bit dtype of the 2-D weights kept narrower than the model's `dtype`, None where there are
+    none."""
+    narrow = {
+        t.dtype for t in tensors.values() if t.dim() == 2 and t.dtype in HALF_DTYPES and t.dtype != dtype
+    }
+    if len(narrow) > 1:
+        raise ValueError(f"weights of more than one 16-bit dtype: {sorted(map(str, narrow))}")
+    return narrow.pop() if narrow else None
+
+
 def _storage_counts(
     tensors: dict[str, torch.Tensor], quantized: Mapping[str, QuantizedWeight]
 ) -> dict[str, int]:
@@ -149,14 +161,13 @@ class Transformer:
         )
         self.decode_attention = "kernel" if self._kernel else "sdpa"
         quantized = quantized or {}
-        self._packed_kernel, self.decode_matmul_note = self._choose_kernel(
-            "decode matmul",
-            decode_matmul,
-            DECODE_MATMUL,
-            self._on_cpu_float32(packed_matmul.load)
-            if quantized
-            else lambda: (None, "the weights are not stored quantized"),
+        # 16-bit weights under a wider model (a Hugging Face directory's BF16 under float32) stay 16-bit.
+        self.weight_dtype = _narrow_weights(tensors, self.dtype)
+        kernel, self.decode_matmul_note = self._choose_kernel(
+            "decode matmul", decode_matmul, DECODE_MATMUL, self._matmul_loader(bool(quantized))
         )
+        self._packed_kernel = kernel if isinstance(kernel, PackedMatmulKernel) else None
+        self._half_kernel = kernel if isinstance(kernel, HalfMatmulKernel) else None
         if activation_dtype == "auto":
             activation_dtype = "int8" if self._packed_kernel is not None else "float32"
         binder = Binder(tensors, quantized, self._packed_kernel, dot=activation_dtype == "int8")
@@ -168,7 +179,7 @@ class Transformer:
             self._packed_kernel, self.decode_matmul_note = None, "no weight fits the kernel's panels"
             binder = Binder(tensors, quantized, None)
             self.lm_head, self.layers = _bind(binder, config.num_layers, progress)
-        self.decode_matmul = "kernel" if self._packed_kernel else "dense"
+        self.decode_matmul = "kernel" if self._packed_kernel or self._half_kernel else "dense"
         self.activation_dtype = activation_dtype
         self.embed = Embedding(binder, self.lm_head, config.tie_word_embeddings)
         self.norm = tensors["output_norm.weight"]
@@ -240,6 +251,17 @@ class Transformer:
             return load()
 
         return checked
+
+    def _matmul_loader(
+        self, quantized: bool
+    ) -> Callable[[], tuple[PackedMatmulKernel | HalfMatmulKernel | None, str]]:
+        """The decode-row kernel the weights call for: the packed one over block-format codes, the 16-bit
+        one over 16-bit weights under a float32 model, none over weights in the model's own dtype."""
+        if quantized:
+            return self._on_cpu_float32(packed_matmul.load)
+        if self.weight_dtype is not None:
+            return self._on_cpu_float32(half_matmul.load)
+        return lambda: (None, "the weights are not stored quantized")
 
     def _attention_loader(self) -> Callable[[], tuple[PagedDecode | None, str]]:
         """The device seam of decode attention: the C kernel on CPU, the Triton kernel on CUDA (the same
@@ -388,7 +410,17 @@ class Transformer:
         dequantizing), 94 vs 178 ms at 64 rows, 860 vs 1013 at 512, 3497 vs 3536 at 2048."""
         if self._packed_kernel is not None and weight.packed is not None:
             out = self._packed_kernel(x, weight.packed)
+        elif weight.dense is not None and weight.dense.dtype != x.dtype:
+            out = self._narrow_matmul(x, weight.dense)
         else:
             assert weight.dense is not None
             out = _matmul(x, weight.dense)
         return out if weight.bias is None else out + weight.bias
+
+    def _narrow_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`x @ weight` for 16-bit weights ([in, out], a view of their rows) under a float32 model, in
+        float32 over the weights' exact values: the 16-bit kernel reads each weight's 2 bytes once (each
+        row alone, as the packed kernel), else torch widens the weight for the call."""
+        if self._half_kernel is not None:
+            return self._half_kernel(x if x.stride(-1) == 1 else x.contiguous(), weight.T)
+        return _matmul(x, weight.to(x.dtype))

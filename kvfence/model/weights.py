@@ -6,7 +6,8 @@ in one of the two, never both. Each layer gets one Q|K|V projection (with the fi
 O, gate|up and down, and the norms it holds (None where its architecture has none). A quantized
 projection that fits the packed kernel's panels is held only as packed codes when the kernel runs
 (`Projection.dense` None), so no float32 copy of the model stays resident. Every other projection is one
-dense [in_features, out_features] tensor (quantized ones dequantized, on the model's device, in its dtype).
+dense [in_features, out_features] tensor (quantized ones dequantized, on the model's device, in its dtype;
+16-bit weights under a wider model stay 16-bit, as a view of their [out_features, in_features] rows).
 """
 
 from __future__ import annotations
@@ -97,12 +98,18 @@ class Binder:
         packed = None
         if self.kernel is not None:
             packed = self.pack(names, self.dot)
-        dense = None if packed is not None else torch.cat([self.dense(n) for n in names]).T.contiguous()
+        dense = None if packed is not None else self._dense_projection(names)
         biases = [self.tensors.get(name.removesuffix(".weight") + ".bias") for name in names]
         bias = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
         if bias is None and any(b is not None for b in biases):
             raise ValueError(f"biases on only some of {list(names)}")
         return Projection(dense, packed, bias)
+
+    def _dense_projection(self, names: Sequence[str]) -> torch.Tensor:
+        """[in, out]: contiguous for BLAS, or, for 16-bit weights under a wider model, the transposed view
+        of contiguous [out, in] rows, which the 16-bit kernel reads (half_matmul.py)."""
+        weights = torch.cat([self.dense(n) for n in names])
+        return weights.T if weights.dtype != self.dtype else weights.T.contiguous()
 
     def layer(self, i: int) -> Layer:
         p = f"blk.{i}."
@@ -152,6 +159,6 @@ class Embedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self._dense is not None:
-            return self._dense[ids]
+            return self._dense[ids].to(self.dtype)  # 16-bit tables widen here, a row at a time
         source = self._packed.rows if self._packed is not None else self._quantized.dequantize  # type: ignore[union-attr]
         return source(ids.cpu()).to(self.dtype).to(self.device)

@@ -1,0 +1,54 @@
+"""Float32 rows times 16-bit weights (bfloat16 or float16, as a Hugging Face directory stores them), with
+no float32 copy of the weights: csrc/half_matmul.c.
+
+Contract: `HalfMatmulKernel(x, w)` is `x @ w.T` computed in float32 over the weights' exact float32 values
+(what a float32 model over the same weights computes, in another summation order), each row alone: a
+row's result does not depend on how many rows share the call. `load()` says why not where it cannot run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kvfence.model import native
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class HalfMatmulKernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.half_matmul
+        self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int]
+        self._fn.restype = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] float32 (rows may be strided; each row contiguous), weight [out_features,
+        in_features] bfloat16 or float16, contiguous -> [rows, out_features] float32."""
+        rows, in_features = x.shape
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
+        assert weight.dtype in HALF_DTYPES and weight.is_contiguous() and weight.shape[1] == in_features
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        if rows:
+            self._fn(
+                x.data_ptr(),
+                x.stride(0),
+                rows,
+                weight.data_ptr(),
+                in_features,
+                weight.shape[0],
+                int(weight.dtype == torch.float16),
+                out.data_ptr(),
+                torch.get_num_threads(),
+            )
+        return out
+
+
+@functools.cache
+def load() -> tuple[HalfMatmulKernel | None, str]:
+    """(the kernel, "") or (None, why not)."""
+    library, why = native.load_library("half_matmul")
+    return (HalfMatmulKernel(library), "") if library is not None else (None, why)

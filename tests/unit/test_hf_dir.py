@@ -1,0 +1,132 @@
+"""Hugging Face directories: tiny random models of every architecture, built with transformers' own classes
+and written by its `save_pretrained` in bfloat16, served by kvfence (16-bit weights, float32 rows) and
+compared with transformers running the same directory (float64, as test_archs does); a sharded directory
+loads the same tensors; what kvfence cannot serve is one line naming what is missing; a hub id is never
+fetched; the chat template comes from chat_template.jinja.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LogitsRecorder, assert_same_greedy, make_engine
+from test_archs import ARCH, SHAPE, hf_greedy, hf_model, prompts
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers
+
+from kvfence.model.hf_dir import model_path, read_dir, served_name
+from kvfence.model.hf_load import load_hf_dir
+from kvfence.model.tokenizer import Tokenizer
+from kvfence.model.transformer import Transformer
+from kvfence.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+
+def write_dir(path: Path, model: torch.nn.Module, shard: str | None = None) -> Path:
+    """`model` saved in bfloat16 by transformers, beside a word-level tokenizer of its vocab ("t0" ...)."""
+    model.to(torch.bfloat16).save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    vocab = {f"t{i}": i for i in range(SHAPE["vocab_size"])}
+    backend = Backend(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1", "bos_token": "t2"}))
+    return path
+
+
+@pytest.mark.parametrize("variant", sorted(ARCH))
+def test_logits_and_tokens_match_transformers(tmp_path: Path, variant: str) -> None:
+    directory = write_dir(tmp_path / variant, hf_model(variant))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    loaded = load_hf_dir(directory)
+    assert loaded.config.architecture == ARCH[variant]
+    model = Transformer.from_gguf(loaded, activation_dtype="float32")
+    assert model.weight_dtype == torch.bfloat16 and model.decode_matmul == "kernel"
+    dense = [p.dense for layer in model.layers for p in layer.projections()] + [model.lm_head.dense]
+    assert all(w is not None and w.dtype == torch.bfloat16 for w in dense)  # no float32 copy of a weight
+    engine = make_engine(model, num_pages=64, page_size=4, max_num_batched_tokens=8, max_model_len=64)
+    recorder = LogitsRecorder(engine)
+    steps = 8
+    requests = engine.generate(prompts(1), SamplingParams(max_tokens=steps, ignore_eos=True))
+    for prompt, request in zip(prompts(1), requests, strict=True):
+        tokens, logits = hf_greedy(reference, prompt, steps)
+        assert_same_greedy(request.output_token_ids, recorder.steps[request.request_id], tokens, logits)
+
+
+def test_sharded_directory_loads_the_same_tensors(tmp_path: Path) -> None:
+    one = load_hf_dir(write_dir(tmp_path / "one", hf_model("qwen2")))
+    sharded = write_dir(tmp_path / "sharded", hf_model("qwen2"), shard="300KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and len(
+        list(sharded.glob("*.safetensors"))
+    ) > 2
+    many = load_hf_dir(sharded)
+    assert many.config == one.config and many.tensors.keys() == one.tensors.keys()
+    assert all(torch.equal(many.tensors[name], one.tensors[name]) for name in one.tensors)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dir(tmp_path_factory.mktemp("hf") / "llama", hf_model("llama"))
+
+
+def copy_without(source: Path, target: Path, *names: str) -> Path:
+    target.mkdir()
+    for file in source.iterdir():
+        if file.name not in names:
+            (target / file.name).write_bytes(file.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize(
+    ("missing", "says"),
+    [
+        ("config.json", "has no config.json"),
+        ("tokenizer.json", "has no tokenizer.json"),
+        ("model.safetensors", "has no model.safetensors or model.safetensors.index.json"),
+    ],
+)
+def test_a_missing_file_is_named(llama_dir: Path, tmp_path: Path, missing: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        read_dir(copy_without(llama_dir, tmp_path / "dir", missing))
+
+
+def test_an_unknown_architecture_is_refused(llama_dir: Path, tmp_path: Path) -> None:
+    directory = copy_without(llama_dir, tmp_path / "dir")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"model_type": "mixtral"}))
+    with pytest.raises(ValueError, match=r"unsupported model_type 'mixtral'.*kvfence serves llama"):
+        read_dir(directory)
+
+
+def test_a_hub_id_is_never_fetched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ValueError, match="looks like a Hugging Face hub id and kvfence fetches nothing"):
+        model_path("Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def test_a_hub_id_in_the_cache_is_its_snapshot(
+    llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--org--tiny-llama"
+    snapshot = copy_without(llama_dir, (repo / "snapshots").mkdir(parents=True) or repo / "snapshots" / "abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    assert model_path("org/tiny-llama") == snapshot
+    assert served_name(snapshot) == "org/tiny-llama" and served_name(llama_dir) == "llama"
+    assert model_path(str(llama_dir)) == llama_dir
+
+
+def test_the_tokenizer_and_its_chat_template(llama_dir: Path, tmp_path: Path) -> None:
+    directory = copy_without(llama_dir, tmp_path / "dir")
+    tokenizer = Tokenizer.from_hf_dir(directory)
+    assert not tokenizer.has_chat_template
+    assert tokenizer.eos_token_id == 1 and tokenizer.encode("t5 t7", add_special_tokens=True) == [5, 7]
+    (directory / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}"
+    )
+    tokenizer = Tokenizer.from_hf_dir(directory)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "t9"}]) == "t2t9"
