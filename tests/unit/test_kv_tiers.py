@@ -211,10 +211,14 @@ def test_a_wedged_redis_costs_one_timeout_then_is_skipped_until_it_is_asked_agai
         cold = stored(model, store)
         os.kill(server.process.pid, signal.SIGSTOP)  # accepts connections, answers nothing
         try:
-            tokens, restored = answer(engine_with(model, store), "a")
+            engine = engine_with(model, store)
+            tokens, restored = answer(engine, "a")
+            assert engine.kv_cache.tiers is not None
+            engine.kv_cache.tiers.flush()  # the writer's puts of the answer's pages: skipped too
             assert tokens == cold and not restored
-            assert store.errors == 1 and store.skipped == 9  # one timeout; the other 9 pages not asked
-            assert not store.put(b"\x01" * 32, b"value") and store.skipped == 10
+            assert store.errors == 1 and store.skipped >= 9  # one timeout; the other pages not asked
+            skipped = store.skipped
+            assert not store.put(b"\x01" * 32, b"value") and store.skipped == skipped + 1
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
         now[0] += DOWN_S  # the window has passed: the store is asked again, and answers
