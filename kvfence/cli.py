@@ -251,9 +251,12 @@ def _run_http(args: argparse.Namespace, client: EngineClient, front: Front) -> i
 
     from kvfence.api.server import build_app
     from kvfence.api.slow_clients import uvicorn_config
+    from kvfence.api.stats_log import STATS_INTERVAL_S, RequestLog, log_to_stderr
+    from kvfence.model.hf_dir import served_name
     from kvfence.pins import default_model_path
 
-    name = args.served_model_name or (args.model or default_model_path()).stem
+    name = args.served_model_name or served_name(args.model or default_model_path())
+    requests = RequestLog(client.tokenizer, args.log_request_prompts) if args.enable_log_requests else None
     app = build_app(
         client,
         name,
@@ -262,7 +265,11 @@ def _run_http(args: argparse.Namespace, client: EngineClient, front: Front) -> i
         sampling=front.sampling,
         allowed_origins=front.allowed_origins,
         metrics_compat=front.metrics_compat,
+        reasoning_parser=args.reasoning_parser,
+        stats_interval_s=None if args.disable_log_stats else STATS_INTERVAL_S,
+        request_log=requests,
     )
+    log_to_stderr()
     _log(f"serving '{name}' on http://{args.host}:{args.port}/v1")
     config = uvicorn_config(app, front.read_timeout_s, front.max_connections, log_level="info")
     uvicorn.Server(config).run(sockets=[front.sock])

@@ -262,7 +262,14 @@ def parse_api_keys(text: str) -> dict[str, str]:
 
 
 def load_api_keys(path: Path | None) -> dict[str, str] | None:
-    """From --api-keys FILE (`read_secret_file`), else from $KVFENCE_API_KEYS, else None (auth off)."""
+    """From --api-keys FILE (`read_secret_file`), else from $KVFENCE_API_KEYS, else vLLM's $VLLM_API_KEY
+    (`vllm_api_key`), else None (auth off)."""
+    vllm_key = vllm_api_key()
+    if vllm_key is not None:
+        if path is not None or os.environ.get("KVFENCE_API_KEYS"):
+            message = "$VLLM_API_KEY is set beside --api-keys or $KVFENCE_API_KEYS: keep one of them"
+            raise StartupError(message)
+        return {vllm_key: "default"}
     if path is not None:
         source = f"--api-keys {path}"
         text = read_secret_file(path, "--api-keys")
@@ -276,6 +283,13 @@ def load_api_keys(path: Path | None) -> dict[str, str] | None:
         raise StartupError(
             f"{source}: {exc}; write one 'KEY TENANT' per line ('#' starts a comment)"
         ) from exc
+
+
+def vllm_api_key() -> str | None:
+    """vLLM's $VLLM_API_KEY, one key (whitespace refused, as a key file's), taken out of the environment
+    once read so that no child process inherits it; None when unset or empty."""
+    key = os.environ.pop("VLLM_API_KEY", "")
+    return one_key(key, "$VLLM_API_KEY") if key else None
 
 
 def load_admin_key(path: Path | None) -> tuple[str | None, str]:
@@ -398,15 +412,13 @@ def check_http(args: argparse.Namespace) -> Front:
 def check_sampling(args: argparse.Namespace) -> SamplingDefaults:
     """The sampling defaults of requests: --default-temperature / --default-top-p where given, else the
     model's general.sampling.* settings, else greedy (kvfence.sampling.SamplingDefaults)."""
-    from kvfence.model.gguf_file import GGUFFile
-    from kvfence.model.hf_dir import read_dir
+    from kvfence.model.hf_dir import model_metadata
     from kvfence.pins import default_model_path
 
     path = args.model or default_model_path()
     overrides = {"temperature": args.default_temperature, "top_p": args.default_top_p}
     try:
-        metadata = read_dir(path).metadata if path.is_dir() else GGUFFile(path, arrays=False).metadata
-        return SamplingDefaults.resolve(metadata, overrides)
+        return SamplingDefaults.resolve(model_metadata(path), overrides)
     except (OSError, ValueError, struct.error) as exc:
         raise StartupError(
             f"--model {path}: its general.sampling.* settings are unusable ({reason(exc)}); "

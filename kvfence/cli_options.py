@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvfence.api.reasoning import PARSERS
 from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 from kvfence.cli_checks import (
     fault_spec,
@@ -26,7 +27,7 @@ from kvfence.cli_checks import (
 )
 from kvfence.config import ACTIVATION_DTYPES, DECODE_ATTENTION, DECODE_MATMUL, KV_CACHE_DTYPES, EngineConfig
 from kvfence.disagg.plane import KvPlane
-from kvfence.startup import SecretOnCommandLine
+from kvfence.startup import ApiKeyOnCommandLine, SecretOnCommandLine
 from kvfence.trail.faults import FAULTS
 from kvfence.units import format_size
 
@@ -250,7 +251,15 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="FILE",
         help="'KEY TENANT' per line (# comments), a file only its owner may access (chmod 600) (default: "
-        "$KVFENCE_API_KEYS, '; '-separated; neither: auth off)",
+        "$KVFENCE_API_KEYS, '; '-separated, or vLLM's $VLLM_API_KEY, one key of tenant 'default'; none: "
+        "auth off)",
+    )
+    g.add_argument(  # vLLM's `--api-key KEY`: refused, naming --api-keys FILE and $VLLM_API_KEY
+        "--api-key",
+        nargs="?",
+        action=ApiKeyOnCommandLine,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
     )
     g.add_argument(
         "--admin-key-file",
@@ -272,6 +281,30 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
         choices=["vllm"],
         help="also expose vLLM's series under vLLM's names (vllm:...) on /metrics, for its dashboards "
         "(default: kvfence's names only)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=PARSERS,
+        help="split a chat answer's <think>...</think> off into reasoning_content, as vLLM's parser of that "
+        "name (default: none, the answer as written)",
+    )
+    g.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no stats line every 10 s (vLLM's: prompt and generation throughput, requests running and "
+        "waiting, KV cache usage, prefix cache hit rate; logged only while tokens move) (default: logged)",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request's id, tenant, prompt length and sampling parameters when it arrives, and how "
+        "it ended (finish reason, tokens); never its API key, its text only with --log-request-prompts",
+    )
+    g.add_argument(
+        "--log-request-prompts",
+        action="store_true",
+        help="with --enable-log-requests, each prompt's text too: prompts are tenants' data, so only where "
+        "whoever reads the log may read them (default: off)",
     )
     g.add_argument(
         "--allowed-origins",

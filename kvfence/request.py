@@ -76,6 +76,14 @@ class Request:
     # Prompt position -> that prompt token's logprobs (SamplingParams.prompt_logprobs), as steps compute them.
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
+    def constrain(self, grammar: RequestGrammar | None) -> None:
+        """Put the request under `grammar` (structured output). With forks (n > 1) each fork gets its own
+        copy of the matcher: a matcher is one sequence's state, and the forks sample the parent's last
+        logits (the parent samples nothing of its own)."""
+        self.grammar = grammar
+        for fork in self.forks:
+            fork.grammar = None if grammar is None else grammar.fork()
+
     @property
     def prefix_namespace(self) -> str:
         """Whose cached KV this request may share: its tenant's, and within it its `cache_salt`'s."""

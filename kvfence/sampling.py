@@ -14,6 +14,9 @@ Contracts (kept by kvfence.engine.sampler):
   that row alone; it never reaches another row.
 - A row short of its `min_tokens` cannot sample an end (EOS, unless `ignore_eos`, or a `stop_token_ids`
   entry): they go to -inf with the grammar's mask (engine/runner.py), after the raw logprobs.
+- `allowed_token_ids` and `bad_words_token_ids` are masks of the same kind, at the same place: every token
+  outside the allowed ones, and each bad word's last token where the output (drafts included) ends with
+  the word's other tokens, go to -inf (vLLM's bad-words rule: the output only, not the prompt).
 - Log-probabilities (`raw_logprobs`, `token_logprobs`) are log-softmax of the model's raw logits, before
   bias, penalties, temperature, truncation or a grammar's mask (vLLM's default "raw" mode), taken at the
   sampled token, with the `logprobs` most likely tokens beside it. `prompt_logprobs` are the same at every
@@ -70,6 +73,13 @@ class SamplingParams:
     # (never across tenants: the tenant comes from the API key); requests share cached KV only when their
     # tenants and salts are equal.
     cache_salt: str | None = None
+    # vLLM's: special tokens' text (a template's markers) left out of the output text, or kept. An end token
+    # (EOS, a stop token id) never shows unless `include_stop_str_in_output`.
+    skip_special_tokens: bool = True
+    # vLLM's logits masks, after the grammar's: only these tokens may be sampled (None: any), and a bad
+    # word's last token is banned wherever the output ends with the rest of the word (one token: always).
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Keys arrive as strings when the params travel as JSON (disaggregated serving): normalise them.
@@ -99,6 +109,12 @@ class SamplingParams:
             )
         if self.min_tokens < 0 or any(t < 0 for t in self.stop_token_ids):
             raise ValueError("min_tokens and stop_token_ids must be >= 0")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0")
+        if any(not word or any(t < 0 for t in word) for word in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty lists of token ids >= 0")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -3,7 +3,8 @@ comes from a file, never from a command line, which every local user reads (/pro
 
 Contract: `read_secret_file` returns a key file's text only when it is a regular file that no group or other
 user may access (ssh's rule for a private key); `one_key` takes one key from it; `SecretOnCommandLine`
-refuses a retired `--NAME KEY` option, naming `--NAME-file FILE`, without repeating the key.
+refuses a retired `--NAME KEY` option, naming `--NAME-file FILE`, and `ApiKeyOnCommandLine` vLLM's
+`serve --api-key KEY`, naming `--api-keys FILE` and `$VLLM_API_KEY`, both without repeating the key.
 """
 
 from __future__ import annotations
@@ -77,4 +78,18 @@ class SecretOnCommandLine(argparse.Action):
             f"{option_string} is refused: every local user can read a command line; write the key alone in "
             f"a file only you can read (chmod 600) and pass {option_string}-file FILE"
             + (", or set $KVFENCE_ADMIN_KEY" if option_string == "--admin-key" else "")
+        )
+
+
+class ApiKeyOnCommandLine(argparse.Action):
+    """vLLM's `serve --api-key KEY`, refused with its two replacements (a command line is readable by every
+    local user); the key is never repeated."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: str | None = None
+    ) -> NoReturn:
+        parser.error(
+            f"{option_string} is refused: every local user can read a command line; write 'KEY TENANT' in a "
+            "file only you can read (chmod 600) and pass --api-keys FILE, or set $VLLM_API_KEY (one key, "
+            "tenant 'default')"
         )

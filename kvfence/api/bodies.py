@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from kvfence.api.logprobs import ChatLogprobs, CompletionLogprobs
 from kvfence.api.protocol import ToolCall
@@ -23,6 +23,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, when asked for
+    # vLLM's `return_token_ids`: the prompt's and this choice's token ids, when asked for.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -36,10 +39,18 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+def _reasoning() -> Any:
+    """vLLM's reasoning field (`--reasoning-parser`), left out of the body where there is none: without a
+    parser the body is as it was."""
+    return Field(default=None, exclude_if=lambda value: value is None)
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = _reasoning()
+    reasoning: str | None = _reasoning()  # vLLM's newer name for the same text
 
 
 class ChatChoice(BaseModel):
@@ -48,6 +59,7 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, when asked for
+    token_ids: list[int] | None = None  # vLLM's `return_token_ids`: this choice's, when asked for
 
 
 class ChatCompletionResponse(BaseModel):
@@ -57,6 +69,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # vLLM's `return_token_ids`, when asked for
 
 
 class FunctionCallDelta(BaseModel):
@@ -75,6 +88,8 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = _reasoning()
+    reasoning: str | None = _reasoning()
 
 
 class ChatChunkChoice(BaseModel):

@@ -2,9 +2,12 @@
 engine/engine.py), rendered as one body or one SSE stream in OpenAI's shape, each choice with its `index`.
 
 Contracts:
-- Refused before admission, with a 400 naming `n`, where it cannot be served as asked: by an engine that
-  does not fork, or together with logprobs, tools or structured output (each of those keeps per-sequence
-  state that a fork would have to copy).
+- Refused before admission, with a 400 naming `n`, by an engine that does not fork.
+- Each choice is rendered as an n=1 answer is (api/responses.py `ChoiceEvents`, `answer`) with its own
+  logprobs formatter, tool-call parser and reasoning split (api/reasoning.py), so each has its own
+  logprobs, tool calls and finish_reason, as vLLM's; a grammar (structured output, a forced tool call) holds
+  every choice, each fork with its own matcher (the engine's). `prompt_logprobs`, and completions' echoed
+  prompt, go with every choice.
 - Usage counts the prompt once and the completion tokens of every choice.
 - An abort of any choice, or of the prompt before it forked, fails the whole answer as it would with n=1
   (invariant 8): HTTP 500 without content, or, streaming, an error event and `[DONE]` with no finish after.
@@ -12,6 +15,7 @@ Contracts:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing
@@ -22,23 +26,19 @@ from pydantic import BaseModel
 
 from kvfence.api.bodies import ErrorResponse, Usage
 from kvfence.api.errors import APIError, abort_error
-from kvfence.api.protocol import GenerationRequest
-from kvfence.api.responses import EngineStreamResponse, Format, _sse
+from kvfence.api.protocol import ChatCompletionRequest, GenerationRequest
+from kvfence.api.responses import ChoiceEvents, EngineStreamResponse, Format, _sse, answer
+from kvfence.api.tools import ToolCallParser
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
 
 _Outputs = AsyncGenerator[RequestOutput, None]
 
 
-def check_choices(body: GenerationRequest, engine: Any, per_sequence_state: bool) -> None:
+def check_choices(body: GenerationRequest, engine: Any) -> None:
     """APIError 400 (param `n`) when n > 1 cannot be served: see the module's contract."""
-    if body.num_choices == 1:
-        return
-    if not getattr(engine, "supports_parallel_sampling", False):
+    if body.num_choices > 1 and not getattr(engine, "supports_parallel_sampling", False):
         raise APIError(400, "n > 1 is not supported by this deployment", param="n")
-    if per_sequence_state or body.logprobs_wanted() is not None or body.prompt_logprobs_wanted() is not None:
-        message = "n > 1 is not supported together with logprobs, prompt_logprobs, tools or response_format"
-        raise APIError(400, message, param="n")
 
 
 async def respond(
@@ -47,18 +47,38 @@ async def respond(
     fmt: Format,
     body: GenerationRequest,
     headers: dict[str, str],
+    tools: ToolCallParser | None = None,
+    prompt_logprobs: Any = None,
 ) -> Response:
-    """The answer to an admitted request with n > 1: an SSE stream or the buffered body."""
+    """The answer to an admitted request with n > 1: an SSE stream or the buffered body. `tools`: the
+    request's parser (each choice gets one of its own); `prompt_logprobs`: vLLM's field, rendered."""
     n = body.num_choices
+    formats = [_own(fmt) for _ in range(n)]
+    parsers = [_parser(body) if tools is not None else None for _ in range(n)]
     if body.stream:
-        events = _events(first, outputs, fmt, n, body.include_usage)
+        choices = [ChoiceEvents(f, p) for f, p in zip(formats, parsers, strict=True)]
+        events = _events(first, outputs, choices, fmt, body.include_usage, prompt_logprobs)
         return EngineStreamResponse(events, outputs, headers)
-    finals, texts = await _collect(first, outputs, n)
-    usage = choices_usage(finals.values())
-    bodies = [fmt.response("".join(texts[i]), finals[i].finish_reason, usage) for i in range(n)]
+    finals, texts = await _collect(first, outputs, formats)
+    used = choices_usage(finals.values())
+    bodies = [
+        answer(formats[i], "".join(texts[i]), finals[i].finish_reason, used, parsers[i], prompt_logprobs)
+        for i in range(n)
+    ]
     merged = bodies[0]
     merged.choices = [_at(b, i).choices[0] for i, b in enumerate(bodies)]  # type: ignore[attr-defined]
     return JSONResponse(merged.model_dump(mode="json"), headers=headers)
+
+
+def _own(fmt: Format) -> Format:
+    """`fmt` for one choice: its logprobs formatter its own (the rest of a Format holds no state)."""
+    return fmt if fmt.logprobs is None else dataclasses.replace(fmt, logprobs=fmt.logprobs.fork())
+
+
+def _parser(body: GenerationRequest) -> ToolCallParser:
+    """A choice's own tool-call parser (its own held text, and its own call ids)."""
+    assert isinstance(body, ChatCompletionRequest)  # tools are chat's alone
+    return ToolCallParser(body)
 
 
 def choices_usage(finals: Iterable[RequestOutput]) -> Usage:
@@ -68,10 +88,10 @@ def choices_usage(finals: Iterable[RequestOutput]) -> Usage:
 
 
 async def _collect(
-    first: RequestOutput, outputs: _Outputs, n: int
+    first: RequestOutput, outputs: _Outputs, formats: list[Format]
 ) -> tuple[dict[int, RequestOutput], dict[int, list[str]]]:
-    """Every choice's text and final output; APIError at the first abort (closing the stream then aborts
-    the choices still running)."""
+    """Every choice's text and final output, its logprobs added to its own format's; APIError at the first
+    abort (closing the stream then aborts the choices still running)."""
     finals: dict[int, RequestOutput] = {}
     texts: dict[int, list[str]] = defaultdict(list)
     output = first
@@ -80,33 +100,39 @@ async def _collect(
             if output.status is Status.ABORTED:
                 raise abort_error(output)
             texts[output.index].append(output.new_text)
+            if (logprobs := formats[output.index].logprobs) is not None:
+                logprobs.add(output.logprobs)
             if output.finished:
                 finals[output.index] = output
-                if len(finals) == n:
+                if len(finals) == len(formats):
                     return finals, texts
             output = await anext(outputs)
 
 
 async def _events(
-    first: RequestOutput, outputs: AsyncIterator[RequestOutput], fmt: Format, n: int, include_usage: bool
+    first: RequestOutput,
+    outputs: AsyncIterator[RequestOutput],
+    choices: list[ChoiceEvents],
+    fmt: Format,
+    include_usage: bool,
+    prompt_logprobs: Any,
 ) -> AsyncIterator[str]:
-    """The stream body: each choice's deltas and finish as they come, then the usage chunk (optional) and
-    `[DONE]`; an abort ends it with an error event instead."""
-    if fmt.chat:
-        for index in range(n):
-            yield _sse(_at(fmt.chunk("", role=True), index))
+    """The stream body: each choice's opening, then its chunks and finish as its outputs come, then the
+    usage chunk (optional) and `[DONE]`; an abort ends it with an error event instead."""
+    for index, choice in enumerate(choices):
+        if (opening := choice.opening(prompt_logprobs)) is not None:
+            yield _sse(_at(opening, index))
     finals: dict[int, RequestOutput] = {}
     output = first
     while True:
         if output.status is Status.ABORTED:
             yield _sse(ErrorResponse(error=abort_error(output).detail))
             break
-        if output.new_text or output.finished:
-            reason = output.finish_reason if output.finished else None
-            yield _sse(_at(fmt.chunk(output.new_text, reason), output.index))
+        for chunk in choices[output.index].feed(output):
+            yield _sse(_at(chunk, output.index))
         if output.finished:
             finals[output.index] = output
-            if len(finals) == n:
+            if len(finals) == len(choices):
                 if include_usage:
                     yield _sse(fmt.usage_chunk(choices_usage(finals.values())))
                 break

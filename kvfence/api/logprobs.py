@@ -7,11 +7,14 @@ Contracts:
 - A token's text is its own decode, special tokens included; `bytes` are that text's UTF-8 (a token holding
   half a character reads U+FFFD, as its decode does). A -inf logprob is written -9999.0, as OpenAI does:
   JSON has no infinity.
-- One `LogprobsFormat` per request renders a whole answer or its stream chunk by chunk: completions'
-  `text_offset` runs on across chunks; with `echo`, the prompt's tokens come first, the first of them
-  with a null logprob (OpenAI's legacy shape). Tokens whose text a chunk did not carry yet (held back for
-  a stop string) are rendered with the next chunk that goes out, so none is lost.
+- One `LogprobsFormat` per choice (`fork`: n > 1) renders a whole answer or its stream chunk by chunk:
+  completions' `text_offset` runs on across chunks; with `echo`, the prompt's tokens come first, the first
+  of them with a null logprob (OpenAI's legacy shape). Tokens whose text a chunk did not carry yet (held
+  back for a stop string) are rendered with the next chunk that goes out, so none is lost.
 - `prompt_logprobs` renders vLLM's field of that name.
+- With vLLM's `return_tokens_as_token_ids`, every token (sampled and top) is written "token_id:N" (its
+  `bytes` that string's), so tokens that are not whole characters stay distinct; `text_offset` still counts
+  the answer's text.
 """
 
 from __future__ import annotations
@@ -73,11 +76,19 @@ def prompt_logprobs(
 class LogprobsFormat:
     """Renders one request's logprobs, for chat or completions, chunk by chunk or all at once."""
 
-    def __init__(self, tokenizer: Tokenizer, chat: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat: bool, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
         self.chat = chat
+        self.as_ids = as_ids  # vLLM's `return_tokens_as_token_ids`: every token written "token_id:N"
         self.offset = 0  # completions' text_offset of the next token
         self.pending: list[TokenLogprobs] = []
+
+    def fork(self) -> LogprobsFormat:
+        """A formatter of its own from here on (n > 1: one per choice), holding what this one holds (an
+        echoed prompt's tokens) and counting its own `text_offset`."""
+        copy = LogprobsFormat(self.tokenizer, self.chat, self.as_ids)
+        copy.offset, copy.pending = self.offset, list(self.pending)
+        return copy
 
     def add(self, entries: list[TokenLogprobs] | None) -> None:
         self.pending += entries or []
@@ -99,6 +110,9 @@ class LogprobsFormat:
         return self._chat(entries) if self.chat else self._completion(entries)
 
     def _text(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else self._decoded(token)
+
+    def _decoded(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _top(self, token: int, logprob: float) -> TopLogprob:
@@ -120,7 +134,7 @@ class LogprobsFormat:
             text = self._text(e.token)
             tokens.append(text)
             offsets.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self._decoded(e.token))  # an offset into the answer's text, ids or not
             # OpenAI: the top `logprobs` tokens, and the sampled one's always (so up to logprobs + 1).
             top = {self._text(t): max(lp, FLOOR) for t, lp in e.top}
             top.setdefault(text, max(e.logprob, FLOOR))

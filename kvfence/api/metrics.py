@@ -16,8 +16,10 @@ Contracts:
 - Every request-level series has `model_name`; the engine's, `role` (and `model_name` for vLLM's). So a
   vLLM dashboard finds, under kvfence's prefix, every series it reads: tokens, TTFT, TPOT, e2e latency,
   prompt and generation lengths, finish reasons (`kvfence_request_success_total{finished_reason}`),
-  queue, prefill, decode and inference time (by the engine's clock: the router's requests have none) and
-  the longest choice. With `compat` "vllm" the scrape repeats them under vLLM's `vllm:` names.
+  queue, prefill, decode and inference time (by the engine's clock: the router's requests have none), the
+  longest choice, preemptions (`kvfence_num_preemptions`, the scheduler's recompute preemptions) and tokens
+  per step (`kvfence_iteration_tokens`, vLLM's buckets: engine/iteration.py). With `compat` "vllm" the
+  scrape repeats them under vLLM's `vllm:` names.
 - Closing the observed stream closes the engine's stream, which aborts the engine request.
 - Embedding requests never reach the scheduler: they are counted apart, once answered
   (`kvfence_embedding_requests`, and their input tokens in `kvfence_embedding_prompt_tokens`).
@@ -25,6 +27,7 @@ Contracts:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from contextlib import aclosing
@@ -32,10 +35,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kvfence.engine.async_engine import EngineClient
 from kvfence.engine.engine import AdmissionError
+from kvfence.engine.iteration import ITERATION_BUCKETS
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.stats import EngineStats
 from kvfence.request import Status
@@ -48,10 +52,10 @@ class _Family:
     """One engine metric: its kind, name and help, and how to read it from a role's EngineStats. A value
     that is a dict gives one series per key under `label`."""
 
-    kind: type[GaugeMetricFamily | CounterMetricFamily]
+    kind: type[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]
     name: str
     doc: str
-    value: Callable[[EngineStats], float | dict[str, float]]
+    value: Callable[[EngineStats], float | dict[str, float] | tuple[list[int], float]]
     label: str | None = None
     pools_only: bool = True  # roles without a pool (the router) have no series
     model_label: bool = False  # vLLM's series carry the served model's name
@@ -68,10 +72,27 @@ class _Family:
             values = self.value(s)
             if isinstance(values, dict):
                 for key, v in values.items():
-                    family.add_metric([role, *model, key], v)
+                    self._add(family, [role, *model, key], v)
             else:
-                family.add_metric([role, *model], values)
+                self._add(family, [role, *model], values)
         return family
+
+    def _add(self, family: Any, labels: list[str], value: Any) -> None:
+        family.add_metric(labels, value)
+
+
+@dataclass(frozen=True)
+class _HistogramFamily(_Family):
+    """An engine histogram: `value` gives its steps per bucket of `bounds` (not cumulative, +Inf last; none
+    yet: a stats dict without them) and their sum."""
+
+    bounds: tuple[float, ...] = ()
+
+    def _add(self, family: Any, labels: list[str], value: Any) -> None:
+        counts, total = value
+        counts = counts or [0] * (len(self.bounds) + 1)
+        edges = [*(str(float(b)) for b in self.bounds), "+Inf"]
+        family.add_metric(labels, list(zip(edges, itertools.accumulate(counts), strict=True)), total)
 
 
 _GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
@@ -206,6 +227,22 @@ _ENGINE_FAMILIES = (
             ),
             ("kv_tier_hit_tokens", "Prompt tokens restored from the KV tiers", lambda s: s.tier_hit_tokens),
         )
+    ),
+    _Family(
+        _COUNTER,
+        "kvfence_num_preemptions",
+        "Requests preempted when the KV pool ran out of pages: their pages released, they restart later "
+        "from their tokens (recompute)",
+        lambda s: s.num_preemptions,
+        model_label=True,
+    ),
+    _HistogramFamily(
+        HistogramMetricFamily,
+        "kvfence_iteration_tokens",
+        "Tokens per engine step: prompt tokens computed (prefix-cache hits excluded) plus tokens generated",
+        lambda s: (s.iteration_tokens, s.iteration_tokens_sum),
+        model_label=True,
+        bounds=ITERATION_BUCKETS,
     ),
     _Family(
         _GAUGE,
@@ -420,6 +457,8 @@ VLLM_NAMES = {
     "spec_decode_num_draft_tokens": ["vllm:spec_decode_num_draft_tokens"],
     "spec_decode_num_accepted_tokens": ["vllm:spec_decode_num_accepted_tokens"],
     "spec_decode_num_accepted_tokens_per_pos": ["vllm:spec_decode_num_accepted_tokens_per_pos"],
+    "num_preemptions": ["vllm:num_preemptions"],
+    "iteration_tokens": ["vllm:iteration_tokens_total"],  # vLLM's histogram, named as a counter would be
 }
 
 

@@ -6,10 +6,17 @@ Every parameter OpenAI defines is declared: implemented, accepted because it cha
 functions, store, reasoning_effort, ...: a 400 naming it, never silently dropped). So is each of vLLM's extra
 parameters: implemented where it maps onto what exists (guided_json/regex/choice/grammar and
 structured_outputs as grammars, min_tokens, stop_token_ids, include_stop_str_in_output, prompt_logprobs,
-add_special_tokens, add_generation_prompt), accepted at its neutral value only, or refused by name. A field
-neither defines is a 400 naming it (an ignored one would answer 200 with what it did not ask for); nested
-objects (messages, tools) ignore unknown keys, as clients echo a response's extra fields back. A value out of
-its range (top_logprobs over 20, a logit_bias over 100) is a 400 naming it. Values a request leaves out come
+add_special_tokens, add_generation_prompt, continue_final_message, skip_special_tokens, allowed_token_ids and
+bad_words as logits masks, truncate_prompt_tokens, return_token_ids, return_tokens_as_token_ids), accepted at
+its neutral value only (priority 0: no priority scheduling, as vLLM's default policy), or refused by name. A
+field neither defines is a 400 naming it (an ignored one would answer 200 with what it did not ask for);
+nested objects (messages, tools) ignore unknown keys, as clients echo a response's extra fields back. A value
+out of its range (top_logprobs over 20, a logit_bias over 100) is a 400 naming it, and so is what vLLM refuses
+and a template could not render: `stream_options` without `stream`, `continue_final_message` with
+`add_generation_prompt`, a user message without content, a tool message without `tool_call_id` (param
+`messages`). What needs the served model is checked by the server (api/server.py): token ids inside its
+vocabulary (`logit_bias`, `stop_token_ids`, `allowed_token_ids`, prompts), `min_tokens` within `max_tokens`.
+/v1/completions takes one prompt or a batch (`CompletionRequest.batch`). Values a request leaves out come
 from the server's `SamplingDefaults` (the model's generation settings, else the server's) and `max_tokens`
 from the rest of the window. Text must be valid Unicode: JSON can carry lone surrogates (`"\ud800"`), which no
 tokenizer can encode. api/errors.py turns every validation failure into HTTP 400 `invalid_request_error`.
@@ -24,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from kvfence.api.vllm_extras import VllmExtras, refuse_if_set
 from kvfence.grammar.compiler import Guide
+from kvfence.grammar.strict import strict_schema
 from kvfence.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -35,6 +43,7 @@ from kvfence.sampling import (
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_N = 16  # choices per request: each is a sequence of its own in the batch and the pool
+MAX_PROMPTS = 64  # prompts in one /v1/completions request, each answered as a request of its own
 MAX_TEMPLATE_KWARGS = 16
 TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 # What a client may hand the server's chat template: plain values (Qwen 3's enable_thinking is a bool).
@@ -67,7 +76,7 @@ class JsonSchemaFormat(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # the schema is always enforced exactly, strict or not
+    strict: bool | None = None  # OpenAI's strict mode: objects closed, every property required
 
 
 class ResponseFormat(BaseModel):
@@ -89,7 +98,8 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return {"type": "object"}
         if self.type == "json_schema" and self.json_schema is not None:
-            return self.json_schema.schema_ or {}  # OpenAI's default: no schema, any JSON value
+            schema = self.json_schema.schema_ or {}  # OpenAI's default: no schema, any JSON value
+            return strict_schema(schema) if self.json_schema.strict else schema
         return None
 
 
@@ -180,13 +190,25 @@ class GenerationRequest(VllmExtras):
                     _valid_unicode(s)
         return stops
 
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")  # vLLM's rule
+        return options
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, default_max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int, defaults: SamplingDefaults, bad_words: list[list[int]] | None = None
+    ) -> SamplingParams:
         """The engine's parameters; `default_max_tokens` applies when the client set no limit, `defaults`
-        to every sampling value it left out."""
+        to every sampling value it left out; `bad_words`: `bad_words` as token sequences (the server's
+        tokenizer encodes them)."""
         limits = (self.max_completion_tokens, self.max_tokens, default_max_tokens)
         temperature = defaults.temperature if self.temperature is None else self.temperature
         top_p = defaults.top_p if self.top_p is None else self.top_p
@@ -210,6 +232,9 @@ class GenerationRequest(VllmExtras):
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt,
+            skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words_token_ids=bad_words or [],
         )
 
     def logprobs_wanted(self) -> int | None:
@@ -222,7 +247,8 @@ class GenerationRequest(VllmExtras):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int]
+    # One prompt (text or token ids), or a batch of them (OpenAI's list forms): see `batch`.
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top k, and the sampled token's
     echo: bool | None = None
     best_of: int | None = None
@@ -249,18 +275,31 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: object) -> object:
-        """One string or one list of token ids: batches of prompts (OpenAI's list forms) are refused."""
-        if isinstance(prompt, list) and not all(_is_token_id(t) for t in prompt):
-            raise ValueError(
-                "prompt must be one string or one list of token ids; batches of prompts are not supported"
-            )
+    def _prompt_shape(cls, prompt: object) -> object:
+        """A string, a list of token ids, or a batch: a non-empty list of strings or of token-id lists,
+        at most MAX_PROMPTS (each prompt is its own sequences in the batch and the pool)."""
+        if not isinstance(prompt, list) or all(_is_token_id(t) for t in prompt):
+            return prompt
+        if len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+        ids = all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt)
+        if not ids and not all(isinstance(p, str) for p in prompt):
+            raise ValueError("a batch of prompts is a list of strings or a list of non-empty token-id lists")
         return prompt
 
     @field_validator("prompt")
     @classmethod
-    def _unicode_prompt(cls, prompt: str | list[int]) -> str | list[int]:
-        return _valid_unicode(prompt) if isinstance(prompt, str) else prompt
+    def _unicode_prompt(cls, prompt: str | list[Any]) -> str | list[Any]:
+        texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+        for text in texts:
+            _valid_unicode(text)
+        return prompt
+
+    def batch(self) -> list[CompletionRequest]:
+        """One request per prompt of a batch, each with everything else this one asks; [] for one prompt."""
+        if isinstance(self.prompt, str) or not self.prompt or _is_token_id(self.prompt[0]):
+            return []
+        return [self.model_copy(update={"prompt": prompt}) for prompt in self.prompt]
 
 
 def _is_token_id(value: object) -> bool:
@@ -321,6 +360,15 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
+    @model_validator(mode="after")
+    def _complete(self) -> ChatMessage:
+        """What a template cannot render without: a user's content, and the call a tool message answers."""
+        if self.role == "user" and self.content is None:
+            raise ValueError("a user message needs content (null is only for an assistant's tool calls)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id, the id of the call it answers")
+        return self
+
     @field_validator("role")
     @classmethod
     def _developer_is_system(cls, role: str) -> str:
@@ -367,7 +415,8 @@ class ChatCompletionRequest(GenerationRequest):
     prompt_cache_key: str | None = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
-    # vLLM's chat extras: the generation prompt may be left off; the rest would change the rendering.
+    # vLLM's chat extras: the generation prompt may be left off, or the last message continued instead
+    # (rendered open, without what closes it); the rest would change the rendering.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # a client's jinja is not run on this server
@@ -395,11 +444,17 @@ class ChatCompletionRequest(GenerationRequest):
         "store",
         "verbosity",
         "web_search_options",
-        "continue_final_message",
         "chat_template",
         "documents",
         "echo",
     )(refuse_if_set)
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_prompt(cls, go_on: bool, info: ValidationInfo) -> bool:
+        if go_on and info.data.get("add_generation_prompt"):
+            raise ValueError("cannot be true together with add_generation_prompt (set that to false)")
+        return go_on
 
     @field_validator("modalities")
     @classmethod

@@ -5,6 +5,9 @@ Contracts:
 - A stream of an aborted request ends with an SSE error event (the body of `abort_error`, so a KV integrity
   abort reads `kv_integrity_error`) then `[DONE]`, never with a normal `finish_reason` (invariant 8).
 - A stream whose client goes away is closed at once, which aborts the engine request and frees its pages.
+- With a reasoning split (`Format.reasoning`, api/reasoning.py), a chat answer's reasoning goes into
+  `reasoning_content` (and `reasoning`), in the message or in deltas of its own ahead of the content, and
+  only the rest is content (and read for tool calls).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kvfence.api.bodies import (
 from kvfence.api.errors import abort_error
 from kvfence.api.logprobs import LogprobsFormat
 from kvfence.api.protocol import ToolCall
+from kvfence.api.reasoning import Reasoning, ReasoningSplitter
 from kvfence.api.tools import ToolCallParser, finish_reason, whole
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
@@ -50,6 +54,18 @@ class Format:
     created: int
     logprobs: LogprobsFormat | None = None  # the request asked for logprobs: each body and chunk has its own
     echo: str | None = None  # completions' `echo`: the prompt, written before the answer
+    reasoning: Reasoning | None = None  # chat under --reasoning-parser: how <think> is split off
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole answer's (reasoning, content); no reasoning (None) without a split or a think block."""
+        if self.reasoning is None:
+            return None, text
+        thought, content = self.reasoning.split(text)
+        return thought or None, content
+
+    def splitter(self) -> ReasoningSplitter | None:
+        """A stream's split, one per choice; None without one."""
+        return None if self.reasoning is None else self.reasoning.splitter()
 
     def _logprobs(self) -> Any:
         """The logprobs of the tokens added since the last body or chunk (None without any)."""
@@ -62,11 +78,17 @@ class Format:
         usage: Usage,
         tool_calls: list[ToolCall] | None = None,
         prompt_logprobs: Any = None,
+        reasoning: str | None = None,
     ) -> BaseModel:
-        """The buffered body; `prompt_logprobs`: vLLM's field, rendered (logprobs.prompt_logprobs)."""
+        """The buffered body; `prompt_logprobs`: vLLM's field, rendered (logprobs.prompt_logprobs);
+        `reasoning`: the answer's think block (`split`), chat only."""
         if self.chat:
-            # With calls, OpenAI's content is null unless the model also wrote text.
-            message = AssistantMessage(content=(text or None) if tool_calls else text, tool_calls=tool_calls)
+            # With calls, OpenAI's content is null unless the model also wrote text; so is it after
+            # reasoning (vLLM's).
+            content = (text or None) if tool_calls or reasoning else text
+            message = AssistantMessage(
+                content=content, tool_calls=tool_calls, reasoning_content=reasoning, reasoning=reasoning
+            )
             choice = ChatChoice(
                 message=message,
                 finish_reason=finish_reason,
@@ -93,9 +115,16 @@ class Format:
         role: bool = False,
         tool_calls: list[ToolCallDelta] | None = None,
         prompt_logprobs: Any = None,
+        reasoning: str | None = None,
     ) -> BaseModel:
         if self.chat:
-            delta = ChatDelta(role="assistant" if role else None, content=text, tool_calls=tool_calls or None)
+            delta = ChatDelta(
+                role="assistant" if role else None,
+                content=text,
+                tool_calls=tool_calls or None,
+                reasoning_content=reasoning,
+                reasoning=reasoning,
+            )
             return ChatCompletionChunk(
                 id=self.request_id,
                 created=self.created,
@@ -149,40 +178,87 @@ async def sse_events(
     prompt_logprobs: Any = None,
 ) -> AsyncIterator[str]:
     """The stream body: content deltas, then the finish (or an error event for an aborted request, and no
-    normal finish_reason), the optional usage chunk, and `[DONE]`. With `tools`, a named call streams its
-    arguments; other text that may be a tool call is held back and sent at the end as one `tool_calls`
-    delta, with finish_reason "tool_calls" ("length" when max_tokens cut the last call).
-    An echoed prompt (completions) goes first, in a chunk of its own; `prompt_logprobs` (vLLM's) with the
-    first chunk."""
-    if fmt.chat:
-        yield _sse(fmt.chunk("", role=True, prompt_logprobs=prompt_logprobs))
-    elif fmt.echo is not None or prompt_logprobs is not None:
-        yield _sse(fmt.chunk(fmt.echo or "", prompt_logprobs=prompt_logprobs))
+    normal finish_reason), the optional usage chunk, and `[DONE]`. The chunks are `ChoiceEvents`'."""
+    choice = ChoiceEvents(fmt, tools)
+    if (opening := choice.opening(prompt_logprobs)) is not None:
+        yield _sse(opening)
     output = first
     while True:
         if output.status is Status.ABORTED:
             yield _sse(ErrorResponse(error=abort_error(output).detail))
             break
-        if fmt.logprobs is not None:
-            fmt.logprobs.add(output.logprobs)  # sent with the next chunk that goes out
-        text = output.new_text if tools is None else tools.feed(output.new_text)
-        calls: list[ToolCall] = []
-        if tools is not None and (delta := tools.arguments_delta()) is not None:
-            yield _sse(fmt.chunk(None, tool_calls=[delta]))  # a named call, as its arguments are written
-        if output.finished and tools is not None:
-            rest, calls = tools.finish(cut=output.finish_reason == "length")
-            text += rest
-        if calls and tools is not None and tools.mode != "named":
-            yield _sse(fmt.chunk(text or None, tool_calls=whole(calls)))
-        if (text and not calls) or output.finished:
-            reason = finish_reason(output.finish_reason, calls) if output.finished else None
-            yield _sse(fmt.chunk(None if calls else text, reason))
+        for chunk in choice.feed(output):
+            yield _sse(chunk)
         if output.finished:
             if include_usage:
                 yield _sse(fmt.usage_chunk(usage(output)))
             break
         output = await anext(outputs)
     yield _sse("[DONE]")
+
+
+class ChoiceEvents:
+    """One choice's stream chunks, output by output, with its own reasoning split, tool-call parser and
+    logprobs (`fmt.logprobs`): n > 1 has one of these per choice.
+
+    With `tools`, a named call streams its arguments; other text that may be a tool call is held back and
+    sent at the end as one `tool_calls` delta, with finish_reason "tool_calls" ("length" when max_tokens cut
+    the last call). An echoed prompt (completions) goes first, in a chunk of its own; `prompt_logprobs`
+    (vLLM's) with the first chunk. With a reasoning split, reasoning goes out in deltas of its own, before
+    the content."""
+
+    def __init__(self, fmt: Format, tools: ToolCallParser | None = None) -> None:
+        self.fmt, self.tools, self.splitter = fmt, tools, fmt.splitter()
+
+    def opening(self, prompt_logprobs: Any = None) -> BaseModel | None:
+        """The chunk before any output: chat's role, completions' echoed prompt; None when there is none."""
+        if self.fmt.chat:
+            return self.fmt.chunk("", role=True, prompt_logprobs=prompt_logprobs)
+        if self.fmt.echo is not None or prompt_logprobs is not None:
+            return self.fmt.chunk(self.fmt.echo or "", prompt_logprobs=prompt_logprobs)
+        return None
+
+    def feed(self, output: RequestOutput) -> list[BaseModel]:
+        """The chunks one output of this choice (not an abort) makes; with its last, the finish."""
+        fmt, tools, chunks = self.fmt, self.tools, []
+        if fmt.logprobs is not None:
+            fmt.logprobs.add(output.logprobs)  # sent with the next chunk that goes out
+        thought, text = "", output.new_text
+        if self.splitter is not None:
+            thought, text = self.splitter.feed(output.new_text, final=output.finished)
+        if thought:
+            chunks.append(fmt.chunk(None, reasoning=thought))
+        text = text if tools is None else tools.feed(text)
+        calls: list[ToolCall] = []
+        if tools is not None and (delta := tools.arguments_delta()) is not None:
+            chunks.append(fmt.chunk(None, tool_calls=[delta]))  # a named call, as its arguments are written
+        if output.finished and tools is not None:
+            rest, calls = tools.finish(cut=output.finish_reason == "length")
+            text += rest
+        if calls and tools is not None and tools.mode != "named":
+            chunks.append(fmt.chunk(text or None, tool_calls=whole(calls)))
+        if (text and not calls) or output.finished:
+            reason = finish_reason(output.finish_reason, calls) if output.finished else None
+            chunks.append(fmt.chunk(None if calls else text, reason))
+        return chunks
+
+
+def answer(
+    fmt: Format,
+    text: str,
+    reason: str | None,
+    used: Usage,
+    tools: ToolCallParser | None = None,
+    prompt_logprobs: Any = None,
+) -> BaseModel:
+    """The buffered body of one choice's whole `text`, which the engine ended for `reason`: its reasoning
+    split off, then (with `tools`) its tool calls parsed out of the rest, its logprobs `fmt.logprobs`'."""
+    (thought, text), calls = fmt.split(text), []
+    if tools is not None:
+        streamed = tools.feed(text)
+        rest, calls = tools.finish(cut=reason == "length")
+        text = streamed + rest
+    return fmt.response(text, finish_reason(reason, calls), used, calls or None, prompt_logprobs, thought)
 
 
 class EngineStreamResponse(StreamingResponse):

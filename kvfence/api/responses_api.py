@@ -6,12 +6,14 @@ Contracts:
 - A request is translated into one ChatCompletionRequest (`to_chat`) and served by the chat path, so every
   rule of chat holds: the tenant from the key, grammars for formats and forced calls, fail-closed aborts.
 - Every field is implemented, accepted because it changes no answer (`user`, `metadata`, the cache hints,
-  `store`: nothing is stored, whatever it says), or a 400 naming it (`previous_response_id` and
-  `conversation` need stored state; `background`, `reasoning`, `include`, `prompt`, ...).
-- The answer is one `message` item (its `output_text`) and a `function_call` item per call; a
+  `store` false), or a 400 naming it (`store: true`, `previous_response_id` and `conversation` need stored
+  state; `background`, `reasoning`, `include`, `prompt`, ...).
+- The answer is one `message` item (its `output_text`) and a `function_call` item per call, after a
+  `reasoning` item (its `reasoning_text`) where the server splits reasoning off (--reasoning-parser); a
   `max_output_tokens` cut gives status `incomplete` with reason `max_output_tokens`.
 - Streamed: `response.created`, `response.in_progress`, then per item `output_item.added`, its text or
-  argument deltas and their `done` events, `output_item.done`, and `response.completed` (or
+  argument deltas (`reasoning_text` deltas for reasoning) and their `done` events, `output_item.done`,
+  and `response.completed` (or
   `response.incomplete`). An aborted request ends with an `error` event and no completion (invariant 8).
 """
 
@@ -114,8 +116,9 @@ class ResponsesRequest(BaseModel):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
-    # Accepted: they change no answer (nothing is stored here, so `store` cannot either).
+    # Nothing is stored here: `store: true` is refused (a later read of the response would find nothing).
     store: bool | None = None
+    # Accepted: they change no answer.
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
@@ -147,6 +150,13 @@ class ResponsesRequest(BaseModel):
         "stream_options",
         "context_management",
     )(refuse_if_set)
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("responses are not stored by this server: send store false (or leave it out)")
+        return store
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -236,6 +246,8 @@ class ResponseBuilder:
         """The Response for a whole chat completion."""
         choice = chat["choices"][0]
         message, output = choice["message"], []
+        if message.get("reasoning_content"):
+            output.append(reasoning_item(f"rs_{uuid.uuid4().hex}", message["reasoning_content"], "completed"))
         if message.get("content") or not message.get("tool_calls"):
             output.append(message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", "completed"))
         for call in message.get("tool_calls") or []:
@@ -248,6 +260,11 @@ class ResponseBuilder:
 def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": []}
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "reasoning_text", "text": text}
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": [part]}
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -308,6 +325,8 @@ class EventStream:
         events: list[str] = []
         for choice in data.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -321,9 +340,28 @@ class EventStream:
             events.append(self._event(f"response.{status}", response=response))
         return events
 
+    def _open(self, kind: str) -> bool:
+        """Whether the last item is an open one of `kind` (more text goes into it)."""
+        last = self.items[-1] if self.items else {}
+        return last.get("type") == kind and last.get("status") == "in_progress"
+
+    def _reasoning(self, text: str) -> list[str]:
+        events = []
+        if not self._open("reasoning"):
+            item = reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress")
+            self.items.append(item)
+            events.append(
+                self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+            )
+        self.items[-1]["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", **self._where(), delta=text))
+        return events
+
     def _text(self, text: str) -> list[str]:
         events = []
-        if not self.items or self.items[-1]["type"] != "message" or self.items[-1]["status"] != "in_progress":
+        if not self._open("message"):
+            if self.items and self.items[-1]["type"] == "reasoning":  # the answer follows its reasoning
+                events += self._close(len(self.items) - 1)
             item = message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
             self.items.append(item)
             events.append(
@@ -365,8 +403,11 @@ class EventStream:
         if item["status"] != "in_progress":
             return []
         item["status"] = "completed"
-        if item["type"] == "message":
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events = [self._event("response.reasoning_text.done", **where, text=text)]
+        elif item["type"] == "message":
             text = item["content"][0]["text"]
             events = [self._event("response.output_text.done", **where, text=text, logprobs=[])]
             events.append(self._event("response.content_part.done", **where, part=item["content"][0]))

@@ -4,7 +4,8 @@ generations.
 The other jobs live beside it: auth.py (API key -> tenant, the admin key), body_limit.py (413 before a large
 body is read), errors.py (OpenAI-shaped errors), responses.py (JSON bodies and SSE streams), metrics.py
 (Prometheus), protocol.py (the request and response models), tokenize.py (vLLM's token endpoints),
-responses_api.py (OpenAI's /v1/responses over chat) and embeddings.py (OpenAI's /v1/embeddings).
+responses_api.py (OpenAI's /v1/responses over chat), embeddings.py (OpenAI's /v1/embeddings) and
+stats_log.py (vLLM's periodic stats line, the per-request log).
 
 Contracts:
 - A request id (`cmpl-…` / `chatcmpl-…`) is the response `id`, the `x-request-id` header and the key of
@@ -17,11 +18,16 @@ Contracts:
 - /v1/embeddings, /tokenize, /detokenize, /version and /v1/models/{id} sit behind the API keys like
   generation; the audit endpoints behind the admin key; no /docs (a CDN's scripts); CORS only for
   `allowed_origins`.
+- /health (GET, and HEAD without a body) and vLLM's /ping (GET, POST) are open: 200, or 503 while the
+  engine thread is dead.
+- A batch of prompts in /v1/completions is one request per prompt (audited as `{id}-{i}`), answered as one
+  body in OpenAI's numbering (prompt i's choice j at i * n + j); not streamed (a 400 naming `stream`).
 - The app owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -30,7 +36,7 @@ from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import jinja2
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -47,17 +53,21 @@ from kvfence.api.errors import APIError, abort_error, install_error_handlers
 from kvfence.api.logprobs import LogprobsFormat, prompt_logprobs
 from kvfence.api.metrics import Metrics
 from kvfence.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from kvfence.api.responses import EngineStreamResponse, Format, sse_events, usage
+from kvfence.api.reasoning import Reasoning, check_parser
+from kvfence.api.responses import EngineStreamResponse, Format, answer, sse_events, usage
 from kvfence.api.responses_api import EventStream, ResponseBuilder, ResponsesRequest, to_chat
+from kvfence.api.stats_log import RequestLog, StatsLogger
 from kvfence.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from kvfence.api.tools import ToolCallParser, finish_reason, template_messages, tool_guide
+from kvfence.api.tools import ToolCallParser, template_messages, tool_guide
 from kvfence.engine.async_engine import Embedder, EngineClient
 from kvfence.engine.engine import AdmissionError
 from kvfence.grammar.compiler import GrammarCompiler, GrammarError, Guide, RequestGrammar
+from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import package_version
 from kvfence.request import Status
 from kvfence.sampling import SamplingDefaults
 
+PROMPT_TAIL_TOKENS = 16  # read for an open or closed think block the template wrote (Qwen 3's takes 4)
 NO_CHAT_TEMPLATE = (
     "this model file has no chat template, so /v1/chat/completions cannot render a conversation: send the "
     "prompt as text to /v1/completions, or start the server with --chat-template FILE (a jinja chat template)"
@@ -67,10 +77,18 @@ NO_CHAT_TEMPLATE = (
 class _Service:
     """Turns validated requests into engine requests and engine outputs into responses."""
 
+    request_log: RequestLog | None = None  # --enable-log-requests (api/stats_log.py)
+
     def __init__(
-        self, engine: EngineClient, model_name: str, metrics: Metrics, sampling: SamplingDefaults
+        self,
+        engine: EngineClient,
+        model_name: str,
+        metrics: Metrics,
+        sampling: SamplingDefaults,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        self.reasoning_parser = check_parser(reasoning_parser)
         self.model_name = model_name
         self.metrics = metrics
         self.sampling = sampling
@@ -101,7 +119,10 @@ class _Service:
             self._pins = list((await run_in_threadpool(self.engine.info))["pools"].values())
         return self._pins
 
-    async def complete(self, body: CompletionRequest, tenant: str) -> Response:
+    async def complete(self, body: CompletionRequest, tenant: str, request_id: str | None = None) -> Response:
+        """/v1/completions: one prompt, or a batch (`_complete_batch`); `request_id`: a batch's part's."""
+        if parts := body.batch():
+            return await self._complete_batch(body, parts, tenant)
         if isinstance(body.prompt, str):
             special = body.add_special_tokens is not False  # completions' default: the model's BOS
             prompt = await run_in_threadpool(self._tokenizer().encode, body.prompt, special)
@@ -110,14 +131,58 @@ class _Service:
             vocab = self.engine.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, self.max_model_len)
         grammar = await self._grammar(body, None)
-        return await self._generate(body, prompt, tenant, chat=False, grammar=grammar)
+        return await self._generate(body, prompt, tenant, chat=False, grammar=grammar, request_id=request_id)
+
+    async def _complete_batch(
+        self, body: CompletionRequest, parts: list[CompletionRequest], tenant: str
+    ) -> Response:
+        """A batch of prompts, generated together as requests of their own (prompt i's audit trail under
+        `{id}-{i}`), answered as one body: prompt i's choice j at index i * n + j, as OpenAI and vLLM number
+        them, usage summed. The first failure fails the whole answer, and the other parts are aborted."""
+        if body.stream:
+            raise APIError(400, "stream: a batch of prompts is answered without streaming", param="stream")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        tasks = [
+            asyncio.create_task(self.complete(part, tenant, f"{request_id}-{i}"))
+            for i, part in enumerate(parts)
+        ]
+        try:
+            answers = await asyncio.gather(*tasks)
+        finally:  # after a failure, the parts still running: cancelling one closes its engine stream
+            for task in tasks:
+                task.cancel()
+        bodies = [json.loads(bytes(answer.body)) for answer in answers]
+        n = body.num_choices
+        merged = bodies[0] | {"id": request_id}
+        merged["choices"] = [
+            c | {"index": i * n + c["index"]} for i, b in enumerate(bodies) for c in b["choices"]
+        ]
+        merged["usage"] = {key: sum(b["usage"][key] for b in bodies) for key in merged["usage"]}
+        return JSONResponse(merged, headers={"x-request-id": request_id})
 
     async def chat(self, body: ChatCompletionRequest, tenant: str) -> Response:
-        prompt = await self._chat_prompt(body)
+        prompt = truncate_prompt(
+            await self._chat_prompt(body), body.truncate_prompt_tokens, self.max_model_len
+        )
         grammar = await self._grammar(body, tool_guide(body))
         parser = ToolCallParser(body) if body.tool_mode != "none" else None
-        return await self._generate(body, prompt, tenant, chat=True, grammar=grammar, tools=parser)
+        reasoning = await self._reasoning(prompt, grammar, parser)
+        return await self._generate(
+            body, prompt, tenant, chat=True, grammar=grammar, tools=parser, reasoning=reasoning
+        )
+
+    async def _reasoning(
+        self, prompt: list[int], grammar: RequestGrammar | None, tools: ToolCallParser | None
+    ) -> Reasoning | None:
+        """The answer's reasoning split (--reasoning-parser, api/reasoning.py), after the prompt's last
+        tokens; None without a parser, or under a grammar that holds the answer from its first token
+        (structured output, a forced call): none of it can be reasoning."""
+        if self.reasoning_parser is None or (grammar is not None and (tools is None or tools.mode != "auto")):
+            return None
+        tail = await run_in_threadpool(self._tokenizer().decode, prompt[-PROMPT_TAIL_TOKENS:], False)
+        return Reasoning(self.reasoning_parser, tail)
 
     async def respond(self, body: ResponsesRequest, tenant: str) -> Response:
         """OpenAI's Responses API, answered by the chat path (api/responses_api.py)."""
@@ -197,15 +262,7 @@ class _Service:
             prompt, vocab = item, self.engine.vocab_size
             if any(not 0 <= token < vocab for token in prompt):
                 raise APIError(400, f"{where}: token ids must be in [0, {vocab})", param="input")
-        keep = body.truncate_prompt_tokens
-        if keep is not None:
-            if keep > window:
-                message = (
-                    f"truncate_prompt_tokens ({keep}) is greater than the model's maximum context length "
-                    f"({window}): choose a smaller value, or -1 for the window"
-                )
-                raise APIError(400, message, param="truncate_prompt_tokens")
-            prompt = prompt[-(window if keep == -1 else keep) :]
+        prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, self.max_model_len)
         if not prompt:
             raise APIError(400, f"{where}: the input has no tokens", param="input")
         if len(prompt) > window:
@@ -268,19 +325,7 @@ class _Service:
     def _encode_chat(
         self, body: ChatCompletionRequest, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> list[int]:
-        """Render with the model's chat template, then encode without adding special tokens (the template
-        already wrote the ones it wants) unless the request asks for them (vLLM's `add_special_tokens`)."""
-        tokenizer = self._tokenizer()
-        try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=body.add_generation_prompt,
-                tools=tools,
-                template_kwargs=body.chat_template_kwargs,
-            )
-        except (jinja2.TemplateError, ValueError) as exc:
-            raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from exc
-        return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        return encode_chat(self._tokenizer(), body, messages, tools)
 
     async def _generate(
         self,
@@ -290,18 +335,29 @@ class _Service:
         chat: bool,
         grammar: RequestGrammar | None = None,
         tools: ToolCallParser | None = None,
+        reasoning: Reasoning | None = None,
+        request_id: str | None = None,
     ) -> Response:
         self.check_model(body.model)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self._check_sampling(body)
-        check_choices(body, self.engine, grammar is not None or tools is not None)
+        check_choices(body, self.engine)
+        words = body.bad_words
+        bad_words = await run_in_threadpool(bad_words_token_ids, self._tokenizer(), words) if words else None
         # max_tokens left out: the rest of the window, as vLLM (a prompt filling it is refused at admission).
-        params = body.sampling_params(max(1, self.max_model_len - len(prompt)), self.sampling)
+        params = body.sampling_params(max(1, self.max_model_len - len(prompt)), self.sampling, bad_words)
+        if params.min_tokens > params.max_tokens:
+            message = f"min_tokens ({params.min_tokens}) is greater than max_tokens ({params.max_tokens})"
+            raise APIError(400, message, param="min_tokens")
         # Only a grammar-capable engine gets the keyword (a client without it does not take it).
         extra: dict[str, Any] = {"grammar": grammar} if grammar is not None else {}
         if body.num_choices > 1:  # likewise n, for an engine that forks (check_choices made sure)
             extra["n"] = body.num_choices
-        outputs = self.metrics.observe(self.engine.generate(prompt, params, tenant, request_id, **extra))
+        stream = self.engine.generate(prompt, params, tenant, request_id, **extra)
+        if self.request_log is not None:
+            self.request_log.arrived(request_id, tenant, prompt, params)
+            stream = self.request_log.follow(request_id, stream)
+        outputs = self.metrics.observe(stream)
         try:
             first = await anext(outputs)  # admission, then the first token (or an abort)
         except AdmissionError as exc:
@@ -312,37 +368,35 @@ class _Service:
                 param="messages" if chat else "prompt",
                 request_id=request_id,
             ) from exc
-        logprobs = None if params.logprobs is None else LogprobsFormat(self.engine.tokenizer, chat)
+        as_ids = bool(body.return_tokens_as_token_ids)
+        logprobs = None if params.logprobs is None else LogprobsFormat(self.engine.tokenizer, chat, as_ids)
         echo = await self._echo(body, prompt)
         if logprobs is not None and echo is not None and first.prompt_logprobs is not None:
             logprobs.add_prompt(prompt, first.prompt_logprobs)
-        fmt = Format(request_id, self.model_name, chat, int(time.time()), logprobs, echo)
+        fmt = Format(request_id, self.model_name, chat, int(time.time()), logprobs, echo, reasoning)
         headers = {"x-request-id": request_id}
         asked = body.prompt_logprobs is not None and first.prompt_logprobs is not None
         prompt_entries = prompt_logprobs(self.engine.tokenizer, first.prompt_logprobs) if asked else None
         if body.num_choices > 1:
-            return await respond_choices(first, outputs, fmt, body, headers)
+            return await respond_choices(first, outputs, fmt, body, headers, tools, prompt_entries)
         if body.stream:
             events = sse_events(first, outputs, fmt, body.include_usage, tools, prompt_entries)
             return EngineStreamResponse(events, outputs, headers)
         async with aclosing(outputs):
-            texts, last = [first.new_text], first
+            texts, tokens, last = [first.new_text], [*first.new_token_ids], first
             if logprobs is not None:
                 logprobs.add(first.logprobs)
             async for output in outputs:
                 texts.append(output.new_text)
+                tokens += output.new_token_ids
                 last = output
                 if logprobs is not None:
                     logprobs.add(output.logprobs)
         if last.status is Status.ABORTED:
             raise abort_error(last)
-        text, calls = "".join(texts), []
-        if tools is not None:
-            streamed = tools.feed(text)
-            rest, calls = tools.finish(cut=last.finish_reason == "length")
-            text = streamed + rest
-        reason = finish_reason(last.finish_reason, calls)
-        body_model = fmt.response(text, reason, usage(last), calls or None, prompt_entries)
+        body_model = answer(fmt, "".join(texts), last.finish_reason, usage(last), tools, prompt_entries)
+        if body.return_token_ids:
+            _add_token_ids(body_model, prompt, tokens)
         return JSONResponse(body_model.model_dump(mode="json"), headers=headers)
 
     async def _echo(self, body: GenerationRequest, prompt: list[int]) -> str | None:
@@ -358,10 +412,18 @@ class _Service:
         this engine reports logprobs and prompt logprobs (the disaggregated router carries the first, not
         the second: refused, not dropped)."""
         vocab = self.engine.vocab_size
-        bad = [token for token in body.logit_bias or {} if int(token) >= vocab]
-        if bad:
-            message = f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            raise APIError(400, message, param="logit_bias")
+        ids = {
+            "logit_bias": [int(token) for token in body.logit_bias or {}],
+            "stop_token_ids": body.stop_token_ids or [],
+            "allowed_token_ids": body.allowed_token_ids or [],
+        }
+        for param, tokens in ids.items():
+            if bad := [token for token in tokens if token >= vocab]:
+                message = f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+                raise APIError(400, message, param=param)
+        if body.return_token_ids and (body.stream or body.num_choices > 1):
+            message = "return_token_ids: supported without stream and with n = 1 only on this server"
+            raise APIError(400, message, param="return_token_ids")
         if body.logprobs_wanted() is not None and not getattr(self.engine, "supports_logprobs", False):
             raise APIError(400, "logprobs are not supported by this deployment", param="logprobs")
         if body.prompt_logprobs is not None and not getattr(self.engine, "supports_prompt_logprobs", False):
@@ -376,6 +438,78 @@ class _Service:
         return {"request_id": request_id, "events": events}
 
 
+def encode_chat(
+    tokenizer: Tokenizer,
+    body: ChatCompletionRequest,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+) -> list[int]:
+    """Render with the model's chat template, then encode without adding special tokens (the template
+    already wrote the ones it wants) unless the request asks for them (vLLM's `add_special_tokens`).
+    The one rendering of the server and the offline API (kvfence.offline); a conversation it cannot
+    render is an APIError 400."""
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            tools=tools,
+            template_kwargs=body.chat_template_kwargs,
+        )
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from exc
+    if body.continue_final_message:
+        text = _open_final_message(text, body.messages[-1].text())
+    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+
+def truncate_prompt(prompt: list[int], keep: int | None, window: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: the window's worth); None keeps
+    it whole. More than the window is an APIError 400, as in vLLM."""
+    if keep is None:
+        return prompt
+    if keep > window:
+        message = (
+            f"truncate_prompt_tokens ({keep}) is greater than the model's maximum context length "
+            f"({window}): choose a smaller value, or -1 for the window"
+        )
+        raise APIError(400, message, param="truncate_prompt_tokens")
+    return prompt[-(window if keep == -1 else keep) :]
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's encoding of `bad_words`: each word as written (leading space stripped) and, where that is
+    another token sequence of the same length, with one leading space (a word inside a sentence)."""
+    found = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), False)
+        spaced = tokenizer.encode(" " + word.lstrip(), False)
+        found.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            found.append(spaced)
+    return found
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """vLLM's (and HF's) `continue_final_message`: the rendered chat cut right after the last message's
+    text, so what would close it is not there and the model continues it."""
+    for content in (final, final.strip()):
+        if content and content in text:
+            return text[: text.rindex(content) + len(content)]
+    message = "continue_final_message: the final message does not appear in the rendered chat"
+    raise APIError(400, message, param="continue_final_message")
+
+
+def _add_token_ids(body: Any, prompt: list[int], tokens: list[int]) -> None:
+    """vLLM's `return_token_ids`: the prompt's ids (chat: on the body, completions: on the choice) and the
+    choice's own."""
+    choice = body.choices[0]
+    choice.token_ids = tokens
+    if hasattr(choice, "prompt_token_ids"):
+        choice.prompt_token_ids = prompt
+    else:
+        body.prompt_token_ids = prompt
+
+
 def build_app(
     engine: EngineClient,
     model_name: str,
@@ -385,6 +519,9 @@ def build_app(
     sampling: SamplingDefaults | None = None,
     allowed_origins: tuple[str, ...] = (),
     metrics_compat: str | None = None,
+    reasoning_parser: str | None = None,
+    stats_interval_s: float | None = None,
+    request_log: RequestLog | None = None,
 ) -> FastAPI:
     """The HTTP app. It owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 
@@ -393,21 +530,30 @@ def build_app(
     `sampling`: what a request that leaves a sampling value out gets (None: `SamplingDefaults()`, greedy).
     `allowed_origins`: browser origins answered with CORS headers (none: no CORS). No /docs or /redoc:
     they load their scripts from a CDN, blank on a machine without one. `metrics_compat` "vllm": /metrics
-    repeats vLLM's series under vLLM's names (api/metrics.py).
+    repeats vLLM's series under vLLM's names (api/metrics.py). `reasoning_parser`: vLLM's, a chat
+    answer's think block split off into `reasoning_content` (api/reasoning.py; ValueError for an unknown one).
+    `stats_interval_s`: vLLM's stats line every so many seconds while serving (None: none);
+    `request_log`: a line per request at arrival and end (api/stats_log.py).
     """
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        ticks = None
+        if stats_interval_s is not None:
+            ticks = asyncio.create_task(StatsLogger(engine.stats).run(stats_interval_s))
         try:
             yield
         finally:
+            if ticks is not None:
+                ticks.cancel()
             engine.shutdown()
 
     app = FastAPI(title="kvfence", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.auth = Auth(api_keys, admin_key)
     metrics = Metrics(engine, model_name, engine.max_model_len, metrics_compat)
-    service = _Service(engine, model_name, metrics, sampling or SamplingDefaults())
+    service = _Service(engine, model_name, metrics, sampling or SamplingDefaults(), reasoning_parser)
+    service.request_log = request_log
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
     if allowed_origins:  # outermost: a preflight is answered before any other check
@@ -427,12 +573,20 @@ def _add_routes(app: FastAPI, service: _Service) -> None:
     admin-only audit pair, metrics."""
     engine, metrics = service.engine, service.metrics
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        """503 while the engine thread (or the router's I/O thread) is dead: nothing could be served."""
-        if not engine.alive:
-            return JSONResponse({"status": "dead"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health(request: Request) -> Response:
+        """503 while the engine thread (or the router's I/O thread) is dead: nothing could be served.
+        HEAD: the status alone, no body."""
+        status = 200 if engine.alive else 503
+        if request.method == "HEAD":
+            return Response(status_code=status)
+        return JSONResponse({"status": "ok" if status == 200 else "dead"}, status_code=status)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness probe: /health's answer."""
+        status = 200 if engine.alive else 503
+        return JSONResponse({"status": "ok" if status == 200 else "dead"}, status_code=status)
 
     @app.get("/v1/models")
     async def models(_: Tenant) -> ModelList:

@@ -22,7 +22,8 @@ Contracts:
   parallel_tool_calls is false), or the named function's arguments object.
 - A forced call's schema is closed: every object schema that does not say otherwise gets
   `additionalProperties: false` (framework tools, LangChain's and instructor's, leave it out, and a small
-  model pads extra keys until max_tokens cuts the call).
+  model pads extra keys until max_tokens cuts the call); a `strict` tool's schema is OpenAI's strict one
+  (grammar/strict.py: also every property required), in a forced call and in an opened block alike.
 - A call cut off by max_tokens is still a call: finish_reason "length" and the partial arguments in
   `tool_calls` (OpenAI's behaviour), never in content. Other output that does not parse into calls is
   returned as content, never as a half-made call.
@@ -39,7 +40,9 @@ from typing import Any
 
 from kvfence.api.bodies import FunctionCallDelta, ToolCallDelta
 from kvfence.api.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall, ToolSpec
+from kvfence.api.reasoning import partial_tag
 from kvfence.grammar.compiler import JSON_OPTIONS, Guide
+from kvfence.grammar.strict import closed, strict_schema
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 # The start of a call cut off inside its arguments: {"name": "get_weather", "arguments": {"city": "Par
@@ -107,34 +110,6 @@ def _arguments(call: ToolCall) -> Any:
         return call.function.arguments
 
 
-# Keywords whose value is a schema, a list of schemas, or a map of names to schemas (closed recursively).
-# allOf is left alone: closing each branch to its own properties would make their intersection empty.
-_SCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else")
-_SCHEMA_LIST = ("anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def closed(schema: Any) -> Any:
-    """`schema` with each object schema that does not set `additionalProperties` (or patternProperties)
-    closed to keys beyond its properties."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SCHEMA:
-        if key in out:
-            out[key] = closed(out[key])
-    for key in _SCHEMA_LIST:
-        if isinstance(out.get(key), list):
-            out[key] = [closed(item) for item in out[key]]
-    for key in _SCHEMA_MAP:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed(item) for name, item in out[key].items()}
-    is_object = out.get("type") == "object" or "properties" in out
-    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
 def tool_guide(body: ChatCompletionRequest) -> Guide | None:
     """The grammar a tool choice asks for: a forced call's JSON schema ("required", named), or with "auto"
     and a `strict` tool, free text in which each <tool_call> block is held to the tools' schemas (a lazy
@@ -158,7 +133,7 @@ def forced_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     if body.tool_mode == "named":
         assert not isinstance(body.tool_choice, str) and body.tool_choice is not None
         named = next(t for t in body.tools or [] if t.function.name == body.tool_choice.function.name)
-        return closed(named.function.parameters)
+        return _arguments_schema(named)
     if body.tool_mode != "required":
         return None
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": _call_schemas(body)}, "minItems": 1}
@@ -174,13 +149,18 @@ def _call_schemas(body: ChatCompletionRequest) -> list[dict[str, Any]]:
             "type": "object",
             "properties": {
                 "name": {"const": tool.function.name},
-                "arguments": closed(tool.function.parameters),
+                "arguments": _arguments_schema(tool),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
         for tool in body.tools or []
     ]
+
+
+def _arguments_schema(tool: ToolSpec) -> dict[str, Any]:
+    """A tool's parameters as its calls are held to them: strict where the tool says so, else closed."""
+    return (strict_schema if tool.function.strict else closed)(tool.function.parameters)
 
 
 def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
@@ -247,7 +227,7 @@ class ToolCallParser:
             self._in_call = True
             out, self._held = self._held[:start], self._held[start:]
             return out
-        keep = _partial_open(self._held)
+        keep = partial_tag(self._held, TOOL_CALL_OPEN)
         out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
         return out
 
@@ -317,11 +297,3 @@ def _loads(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return None
-
-
-def _partial_open(text: str) -> int:
-    """Length of the longest end of `text` that may be the start of TOOL_CALL_OPEN (held back)."""
-    for size in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
-        if TOOL_CALL_OPEN.startswith(text[-size:]):
-            return size
-    return 0

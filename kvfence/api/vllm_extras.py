@@ -65,23 +65,29 @@ class VllmExtras(BaseModel):
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
-    # Accepted: which library enforces a guide changes nothing it allows.
-    guided_decoding_backend: str | None = None
-    # Accepted at their neutral values only (vLLM's defaults): anything else asks for what is not built.
+    # Special tokens' text kept in the output or not (SamplingParams.skip_special_tokens).
     skip_special_tokens: bool = True
+    # Logits masks (kvfence.sampling): ids checked against the vocabulary by the server, `bad_words`
+    # encoded by it.
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    bad_words: list[str] | None = None
+    # The prompt's last N tokens only (-1: the window's worth), cut by the server after encoding.
+    truncate_prompt_tokens: int | None = None
+    # Rendering: logprob tokens as "token_id:N"; the prompt's and each choice's token ids in the answer.
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    # Accepted: which library enforces a guide changes nothing it allows; spaces between special tokens
+    # are a slow HF tokenizer's join, which vLLM's fast detokenizer ignores as this tokenizer does.
+    guided_decoding_backend: str | None = None
     spaces_between_special_tokens: bool = True
+    # Accepted at their neutral values only (vLLM's defaults): anything else asks for what is not built.
     priority: int = 0
     length_penalty: float = 1.0
     # vLLM's: a namespace for cached KV inside the request's tenant (SamplingParams.cache_salt).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # Refused when set: each changes the answer, or its handling, in a way this server does not implement.
     use_beam_search: bool = False
-    truncate_prompt_tokens: int | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
     prompt_embeds: Any = None
     guided_whitespace_pattern: str | None = None
     request_id: str | None = None
@@ -91,12 +97,7 @@ class VllmExtras(BaseModel):
 
     _unsupported_vllm = field_validator(
         "use_beam_search",
-        "truncate_prompt_tokens",
-        "allowed_token_ids",
-        "bad_words",
         "logits_processors",
-        "return_tokens_as_token_ids",
-        "return_token_ids",
         "prompt_embeds",
         "guided_whitespace_pattern",
         "request_id",
@@ -105,27 +106,36 @@ class VllmExtras(BaseModel):
         "mm_processor_kwargs",
     )(refuse_if_set)
 
-    @field_validator("skip_special_tokens", "spaces_between_special_tokens")
-    @classmethod
-    def _default_detokenizing(cls, value: bool, info: ValidationInfo) -> bool:
-        if not value:
-            raise ValueError(f"{info.field_name}: only true (the default) is supported by this server")
-        return value
-
     @field_validator("priority", "length_penalty")
     @classmethod
     def _neutral(cls, value: float, info: ValidationInfo) -> float:
+        """There is no priority scheduling (as vLLM's default fcfs policy, which refuses a priority too)
+        and no beam search for a length penalty to rank."""
         neutral = {"priority": 0, "length_penalty": 1.0}[str(info.field_name)]
         if value != neutral:
             raise ValueError(f"{info.field_name}: only {neutral} is supported by this server")
         return value
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
     def _token_ids(cls, ids: list[int] | None) -> list[int] | None:
         if ids is not None and any(t < 0 for t in ids):
             raise ValueError("token ids are >= 0")
         return ids
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, words: list[str] | None) -> list[str] | None:
+        if words is not None and any(not word.strip() for word in words):
+            raise ValueError("bad words must hold more than white space")
+        return words
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep(cls, keep: int | None) -> int | None:
+        if keep is not None and keep < 1 and keep != -1:
+            raise ValueError("keeps the prompt's last N tokens (N >= 1), or -1 for the model's window")
+        return keep
 
     @field_validator("guided_json")
     @classmethod

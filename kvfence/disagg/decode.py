@@ -129,8 +129,6 @@ class DecodeWorker(Worker):
             return
         try:
             grammar = self._grammar(message)
-            if message.n > 1 and grammar is not None:
-                raise AdmissionError("invalid_request_error", "n > 1 is not supported with structured output")
             request = self.engine.reserve(prompt, message.sampling(), message.tenant, request_id, message.n)
         except AdmissionError as refusal:
             self.reply(sender, Rejected.of(request_id, refusal))
@@ -140,7 +138,7 @@ class DecodeWorker(Worker):
                 sender, request_id, SERVER_BUSY, "The decode pool has no free pages for this prompt."
             )
             return
-        request.grammar = grammar
+        request.constrain(grammar)  # n > 1: a matcher for each fork
         self.routers[request_id] = sender
         if message.n > 1:
             self.forks.update((fork_id(request_id, i), (request_id, i)) for i in range(message.n))

@@ -117,6 +117,10 @@ class AsyncEngine:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def run() -> None:
+            # A caller that went away first (its task cancelled) cancelled the future: `fn` is not run, and
+            # setting a cancelled future's result would raise here and end the engine thread.
+            if not future.set_running_or_notify_cancel():
+                return
             try:
                 future.set_result(fn())
             except BaseException as exc:  # handed to the caller, who decides

@@ -23,6 +23,7 @@ from kvfence.config import EngineConfig
 from kvfence.engine.builder import build_parts
 from kvfence.engine.drafter import SpecStats
 from kvfence.engine.heap import map_large_buffers, return_freed_heap
+from kvfence.engine.iteration import StepTokens
 from kvfence.engine.output import OutputProcessor, RequestOutput
 from kvfence.engine.runner import StepResult
 from kvfence.engine.sampler import make_generator
@@ -101,7 +102,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.integrity_aborts: Counter[str] = Counter()  # by reason, whatever path caught it
+        # Prompt tokens the model computed (prefix-cache hits excluded) and tokens sampled, as vLLM's
+        # throughput counts them (api/stats_log.py).
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
         self.spec_stats = SpecStats()
+        self.step_tokens = StepTokens()  # tokens per step (iteration.py)
 
     # ---- admission -------------------------------------------------------------------------------------
 
@@ -118,9 +124,8 @@ class LLMEngine:
         queue limit, refuse it with 429 (the tenant floods: its own requests wait, nobody else's); with an
         id a live request holds (`_ids_in_use`), refuse it with 409, that request untouched.
         `grammar`: this request's own matcher (structured output), already compiled. `n` > 1: parallel
-        sampling, the prompt computed once and forked into n requests `fork_id(request_id, i)`."""
-        if n > 1 and grammar is not None:  # a matcher is one sequence's state: forks would need copies
-            raise AdmissionError("invalid_request_error", "n > 1 is not supported with structured output")
+        sampling, the prompt computed once and forked into n requests `fork_id(request_id, i)`, each with
+        its own copy of the matcher."""
         limit = self.config.max_waiting_per_tenant
         if limit is not None and self.scheduler.waiting.queued(tenant) >= limit:
             raise AdmissionError(
@@ -129,7 +134,7 @@ class LLMEngine:
                 429,
             )
         request = self._admit(prompt_token_ids, params, tenant, request_id, n)
-        request.grammar = grammar
+        request.constrain(grammar)
         self.scheduler.add(request)
         return request
 
@@ -263,8 +268,11 @@ class LLMEngine:
         if not batch.requests:
             return []
         self.num_steps += 1
+        before = self.prompt_tokens_computed + self.generation_tokens
         result = self.runner.execute(batch.requests, batch.num_new_tokens)
-        return self._apply(batch, result)
+        outputs = self._apply(batch, result)
+        self.step_tokens.observe(self.prompt_tokens_computed + self.generation_tokens - before)
+        return outputs
 
     def _apply(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
         """The step's results, row by row: integrity aborts first, then each surviving row's tokens."""
@@ -276,6 +284,8 @@ class LLMEngine:
             if request.request_id in result.aborted:
                 continue
             self._record_step(request, n)
+            prompt_left = len(request.prompt_token_ids) - request.num_computed_tokens
+            self.prompt_tokens_computed += max(0, min(n, prompt_left))
             token = result.sampled.get(request.request_id)
             tokens = [] if token is None else [*result.accepted.get(request.request_id, ()), token]
             if request.draft_token_ids and token is not None:
@@ -318,6 +328,7 @@ class LLMEngine:
         for child in parent.forks:
             self.requests[child.request_id] = child
             self.outputs.start(child)
+            child.prompt_logprobs = dict(parent.prompt_logprobs)  # computed once, for each first output
             outputs.append(
                 self._append_tokens(
                     child, [result.sampled[child.request_id]], result.logprobs.get(child.request_id)
@@ -367,6 +378,7 @@ class LLMEngine:
             if reason is not None:
                 self._finish(request, Status.FINISHED, reason)
                 break
+        self.generation_tokens += len(taken)
         return RequestOutput.of(
             request, taken, self.outputs.new_text(request), None if logprobs is None else [logprobs]
         )

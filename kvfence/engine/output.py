@@ -86,7 +86,9 @@ class OutputProcessor:
 
     def start(self, request: Request) -> None:
         if self.tokenizer is not None:
-            self._decoders[request.request_id] = IncrementalDecoder(self.tokenizer)
+            self._decoders[request.request_id] = IncrementalDecoder(
+                self.tokenizer, request.params.skip_special_tokens
+            )
 
     def forget(self, request_id: str) -> None:
         self._decoders.pop(request_id, None)
@@ -101,8 +103,8 @@ class OutputProcessor:
         ending = self._ending(request, token, last)
         decoder = self._decoders.get(request.request_id)
         text = decoder.step(token, final=ending is not None) if decoder else ""
-        if token in request.params.stop_token_ids and not request.params.include_stop_str_in_output:
-            text = ""  # vLLM: a stop token's text is not part of the answer unless asked for
+        if self._is_end(request, token) and not request.params.include_stop_str_in_output:
+            text = self._without_end(text, token, request)
         request.output_text += text
         return self._stop_string(request) or ending
 
@@ -119,12 +121,23 @@ class OutputProcessor:
         request.num_streamed_chars = end
         return text
 
+    def _without_end(self, text: str, token: int, request: Request) -> str:
+        """vLLM: an end token's text is not part of the answer unless asked for. A stop token's piece goes
+        whole; EOS's own text goes (it is "" unless `skip_special_tokens` is false), what it flushed stays."""
+        if token in request.params.stop_token_ids or self.tokenizer is None:
+            return ""
+        return text.removesuffix(self.tokenizer.decode([token], skip_special_tokens=False))
+
+    def _is_end(self, request: Request, token: int) -> bool:
+        """Whether `token` ends the request as an end token: EOS (unless ignored) or a stop token id."""
+        eos = token in self.stop_token_ids and not request.params.ignore_eos
+        return eos or token in request.params.stop_token_ids
+
     def _ending(self, request: Request, token: int, last: bool) -> str | None:
         """Why `token`, just appended, is the request's last (EOS or a complete grammar: "stop", budget or
         window: "length"), or None. Known before the token is decoded, so that the decoder can give out what
         it holds back."""
-        eos = token in self.stop_token_ids and not request.params.ignore_eos
-        if eos or token in request.params.stop_token_ids:
+        if self._is_end(request, token):
             return "stop"
         if last and request.grammar is not None and request.grammar.is_done:
             return "stop"  # structured output complete: only EOS could follow

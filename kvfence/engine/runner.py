@@ -18,7 +18,7 @@ from kvfence.cache.block_table import BlockTable
 from kvfence.cache.fence import Fence, StepLayout
 from kvfence.cache.pool import KVPool
 from kvfence.engine.graphs import DecodeBatch, DecodeGraphRunner
-from kvfence.engine.sampler import hold_ends, raw_logprobs, sample, token_logprobs
+from kvfence.engine.sampler import ban_tokens, hold_ends, raw_logprobs, sample, token_logprobs
 from kvfence.grammar import mask as grammar_mask
 from kvfence.model.transformer import PrefillSeq, StepInputs, Transformer
 from kvfence.request import Request
@@ -108,12 +108,14 @@ class ModelRunner:
         grammars = [r.grammar for r, _ in rows]
         grammar_failed = grammar_mask.apply_masks(logits, grammars, [r.draft_token_ids[:i] for r, i in rows])
         hold_ends(logits, params, [len(r.output_token_ids) + i for r, i in rows], self.eos_ids)
+        outputs = [r.output_token_ids + r.draft_token_ids[:i] if i else r.output_token_ids for r, i in rows]
+        ban_tokens(logits, params, outputs)
         tokens = sample(
             logits,
             params,
             [r.generator for r, _ in rows],
             [r.prompt_token_ids for r, _ in rows],
-            [r.output_token_ids + r.draft_token_ids[:i] if i else r.output_token_ids for r, i in rows],
+            outputs,
             self.noise,
             consume=True,  # read by no one after: the masks above already wrote into them
         )

@@ -365,6 +365,29 @@ def hold_ends(
             logits[row, ends] = float("-inf")
 
 
+def ban_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]]
+) -> None:
+    """vLLM's `allowed_token_ids` and `bad_words`, in place: a row's tokens outside its allowed ones, and
+    each bad word's last token where the row's output so far (`outputs`) ends with the word's other
+    tokens, go to -inf. Rows asking for neither are not touched."""
+    vocab = logits.shape[-1]
+    with torch.inference_mode():  # the model's logits are an inference tensor: update them in place here
+        for row, p in enumerate(params):
+            if p.allowed_token_ids is not None:
+                allowed = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long)
+                kept = logits[row, allowed.to(logits.device)].clone()
+                logits[row] = float("-inf")
+                logits[row, allowed.to(logits.device)] = kept
+            banned = [word[-1] for word in p.bad_words_token_ids if _ends_with(outputs[row], word[:-1])]
+            if banned:
+                logits[row, [t for t in banned if t < vocab]] = float("-inf")
+
+
+def _ends_with(tokens: Sequence[int], tail: Sequence[int]) -> bool:
+    return not tail or (len(tokens) >= len(tail) and list(tokens[len(tokens) - len(tail) :]) == list(tail))
+
+
 def raw_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> dict[int, torch.Tensor]:
     """Row -> log-softmax of its raw logits, for the rows that ask for logprobs. Call it before anything
     edits `logits` in place (a grammar's mask): logprobs report the model's own distribution."""

@@ -77,6 +77,7 @@ class Scheduler:
         self.admitting: Request | None = None  # the request `_admit` works on (fault ledgers read it)
         self.transferring: dict[str, Request] = {}  # pages held, not scheduled: KV is moving in or out
         self.quarantined: dict[str, Request] = {}  # aborted mid-transfer: pages held until the drain
+        self.num_preemptions = 0  # since start, for vLLM's `vllm:num_preemptions`
 
     def add(self, request: Request) -> None:
         self.waiting.push(request, active=any(r.tenant == request.tenant for r in self.running))
@@ -246,6 +247,7 @@ class Scheduler:
         self.kv_cache.release(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.move_to(Status.WAITING)
         self.waiting.push(request, front=True)
         self.events.emit(request.request_id, "preempted")

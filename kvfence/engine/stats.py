@@ -49,6 +49,14 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     tier_query_tokens: int = 0
     tier_hit_tokens: int = 0
+    # Prompt tokens computed (prefix-cache hits excluded) and tokens generated, since the engine started.
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    # Requests preempted (recompute: pages released, restarted later), and the steps by tokens computed and
+    # generated (iteration.py: counts per bucket of ITERATION_BUCKETS, +Inf last, and their sum).
+    num_preemptions: int = 0
+    iteration_tokens: list[int] = dataclasses.field(default_factory=list)
+    iteration_tokens_sum: int = 0
 
     @property
     def pages_held(self) -> int:
@@ -81,6 +89,11 @@ class EngineStats:
             prefix_hit_tokens=(engine.prefix.hits if engine.prefix else 0) * page_size,
             tier_query_tokens=sum(tier_totals.get("lookups", {}).values()) * page_size,
             tier_hit_tokens=sum(tier_totals.get("hits", {}).values()) * page_size,
+            prompt_tokens_computed=engine.prompt_tokens_computed,
+            generation_tokens=engine.generation_tokens,
+            num_preemptions=engine.scheduler.num_preemptions,
+            iteration_tokens=list(engine.step_tokens.counts),
+            iteration_tokens_sum=engine.step_tokens.total,
         )
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Guides (a JSON schema, a regular expression, a list of choices, a Lark grammar) compiled into llguidance
+r"""Guides (a JSON schema, a regular expression, a list of choices, a grammar) compiled into llguidance
 grammars over the model's own tokenizer, and one matcher per request.
 
 Contracts:
@@ -8,6 +8,11 @@ Contracts:
   compiled, unadvanced matcher, so requests never share parser state.
 - A guide llguidance cannot honour (an unknown keyword, format or reference, a bad pattern, a grammar too
   large) raises `GrammarError` naming the problem, before anything reaches the engine.
+- A grammar is GBNF/EBNF (llama.cpp's, vLLM's docs' examples) when a line defines a rule as `name ::=`,
+  else Lark (llguidance's dialect); one that is neither is refused naming both syntaxes and where it failed.
+- `\d` in a regular expression is an ASCII digit, `[0-9]` (and `\D` its complement), as in JSON schema
+  patterns (ECMA-262) and Python's `re.ASCII`: Rust's syntax, llguidance's, would take any Unicode digit
+  (`🯸`). A pattern that wants those says `\p{Nd}`.
 - JSON is generated compact-but-readable (`", "`, `": "`, no free whitespace): a model cannot pad the
   output with whitespace until it runs out of tokens.
 """
@@ -15,6 +20,7 @@ Contracts:
 from __future__ import annotations
 
 import json
+import re
 import threading
 import unicodedata
 from collections import OrderedDict
@@ -36,7 +42,7 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": 
 @dataclass(frozen=True)
 class Guide:
     """What the output must match: a JSON schema (`json`), a regular expression (`regex`, Rust's syntax),
-    one of a list of strings (`choice`) or a Lark grammar (`lark`, llguidance's dialect)."""
+    one of a list of strings (`choice`) or a grammar (`lark`: llguidance's Lark dialect, or GBNF)."""
 
     kind: Literal["json", "regex", "choice", "lark"]
     spec: Any  # a schema dict, a pattern, a list of strings or the grammar's text
@@ -74,13 +80,67 @@ def _grammar(guide: Guide) -> str:
     if guide.kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(guide.spec, defaults=JSON_OPTIONS)
     if guide.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(guide.spec)
+        return llguidance.LLMatcher.grammar_from_regex(ascii_digits(guide.spec))
     if guide.kind == "choice":
         # One Lark alternative per string, each a JSON-quoted literal: no choice is read as a pattern.
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in guide.spec)
         )
-    return llguidance.LLMatcher.grammar_from_lark(guide.spec)
+    return llguidance.LLMatcher.grammar_from_lark(_lark(guide.spec))
+
+
+# A GBNF rule definition: `name ::=` at the start of a line (Lark writes `name:`, and never `::=` there).
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z][A-Za-z0-9_-]*\s*::=", re.MULTILINE)
+SYNTAXES = "Lark (llguidance's dialect, rules as `name: ...`) or GBNF/EBNF (rules as `name ::= ...`)"
+
+
+def is_gbnf(text: str) -> bool:
+    return _GBNF_RULE.search(text) is not None
+
+
+def _lark(text: str) -> str:
+    """`text` as Lark: converted when it is GBNF; ValueError naming where a GBNF grammar fails."""
+    if not is_gbnf(text):
+        return text
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(text)
+    except Exception as exc:  # GbnfToLarkError, and the converter's own asserts on odd input
+        raise ValueError(f"as GBNF: {exc}") from None
+
+
+def ascii_digits(pattern: str) -> str:
+    r"""`pattern` with `\d` as `[0-9]` and `\D` as `[^0-9]`, in character classes too (`[\d_]` is
+    `[0-9_]`, `[a\D]` is `[a[^0-9]]`: Rust's nested class); every other escape is copied as it stands."""
+    out, depth, i = [], 0, 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\" and i + 1 < len(pattern):
+            escape = pattern[i : i + 2]
+            out.append({"\\d": "0-9" if depth else "[0-9]", "\\D": "[^0-9]"}.get(escape, escape))
+            i += 2
+            continue
+        if char == "[":
+            # A class's opening `[`, `[^` and a leading `]` (a literal there) are copied whole.
+            opening = re.match(r"\[\^?\]?", pattern[i:])
+            assert opening is not None
+            out.append(opening.group())
+            i += len(opening.group())
+            depth += 1
+            continue
+        if char == "]" and depth:
+            depth -= 1
+        out.append(char)
+        i += 1
+    return "".join(out)
+
+
+def _syntaxes(guide: Guide) -> str:
+    """For a grammar's error: the syntaxes accepted, and which one it was read as."""
+    if guide.kind != "lark":
+        return ""
+    return f"accepted are {SYNTAXES}; " + ("" if is_gbnf(guide.spec) else "as Lark: ")
 
 
 class GrammarError(ValueError):
@@ -93,6 +153,11 @@ class RequestGrammar:
 
     def __init__(self, matcher: llguidance.LLMatcher, guide: Guide | None = None) -> None:
         self.matcher, self.guide = matcher, guide
+
+    def fork(self) -> RequestGrammar:
+        """A matcher of its own at this one's position (n > 1: one per choice); later tokens fed to
+        either leave the other where it was. deep_copy shares the compiled tables, as `for_guide`'s."""
+        return RequestGrammar(self.matcher.deep_copy(), self.guide)
 
     @property
     def error(self) -> str:
@@ -157,11 +222,11 @@ class GrammarCompiler:
         try:
             grammar = _grammar(guide)
         except ValueError as exc:
-            raise GrammarError(f"invalid {what}: {exc}") from None
+            raise GrammarError(f"invalid {what}: {_syntaxes(guide)}{exc}") from None
         tokenizer, llguidance = self._llg(), _llguidance()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
-            raise GrammarError(f"unsupported {what}: {'; '.join(messages)}")
+            raise GrammarError(f"unsupported {what}: {_syntaxes(guide)}{'; '.join(messages)}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"unsupported {what}: {matcher.get_error()}")

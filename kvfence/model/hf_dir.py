@@ -24,6 +24,7 @@ from pathlib import Path
 from kvfence.model.archs import architecture
 from kvfence.model.archs.base import ModelConfig
 from kvfence.model.archs.gemma3 import LOCAL_ROPE_THETA
+from kvfence.model.gguf_file import GGUFFile
 
 CONFIG, TOKENIZER, TOKENIZER_CONFIG = "config.json", "tokenizer.json", "tokenizer_config.json"
 GENERATION_CONFIG, CHAT_TEMPLATE = "generation_config.json", "chat_template.jinja"
@@ -108,6 +109,12 @@ class HFDir:
 
 def is_hf_dir(path: Path) -> bool:
     return path.is_dir()
+
+
+def model_metadata(path: Path) -> dict[str, object]:
+    """A model's metadata in GGUF's keys, a GGUF file's or a directory's (`HFDir.metadata`): no tensor
+    data read (the sampling defaults come from here)."""
+    return read_dir(path).metadata if is_hf_dir(path) else dict(GGUFFile(path, arrays=False).metadata)
 
 
 def read_json(path: Path, name: str, required: bool = True) -> dict:

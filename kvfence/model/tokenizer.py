@@ -402,8 +402,9 @@ class IncrementalDecoder:
     last emitted boundary are re-decoded on each step.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens  # vLLM's: special tokens' text left out, or kept
         self._ids: list[int] = []
         self._prefix_start = 0  # ids[_prefix_start:_pending_start] give context already emitted
         self._pending_start = 0  # ids from here on are not emitted yet
@@ -412,8 +413,8 @@ class IncrementalDecoder:
         """Add one token; return the text it completes ("" while a character is still incomplete).
         `final`: no token follows, so nothing is held back any more."""
         self._ids.append(token_id)
-        emitted = self._tokenizer.decode(self._ids[self._prefix_start : self._pending_start])
-        text = self._tokenizer.decode(self._ids[self._prefix_start :])
+        emitted = self._tokenizer.decode(self._ids[self._prefix_start : self._pending_start], self._skip)
+        text = self._tokenizer.decode(self._ids[self._prefix_start :], self._skip)
         if len(text) <= len(emitted) or (text.endswith("\ufffd") and not final):
             return ""
         self._prefix_start, self._pending_start = self._pending_start, len(self._ids)

@@ -3,6 +3,7 @@ every choice, reproducible under a seed, and the forks on the audit trail sharin
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,6 +93,22 @@ def test_metrics_count_every_choice(url: str) -> None:
     assert generated_tokens(url) - before == reply.usage.completion_tokens  # all three choices' tokens
 
 
+def test_iteration_tokens_sum_the_prompt_computed_once_and_every_choices_tokens(url: str) -> None:
+    names = [
+        "kvfence_iteration_tokens_sum",
+        "kvfence_prompt_tokens_total",
+        "kvfence_prefix_cache_hit_tokens_total",
+        "kvfence_generation_tokens_total",
+    ]
+    before = [metric(url, name, {"model_name": MODEL}, ADMIN) for name in names]
+    reply = client(url).chat.completions.create(model=MODEL, messages=MESSAGES, **SEEDED)  # type: ignore[call-overload]
+    steps, prompt, cached, generated = (
+        metric(url, name, {"model_name": MODEL}, ADMIN) - was for name, was in zip(names, before, strict=True)
+    )
+    assert reply.usage is not None and generated == reply.usage.completion_tokens
+    assert prompt == reply.usage.prompt_tokens and steps == prompt - cached + generated
+
+
 def test_n_out_of_range_or_best_of_other_than_n_is_400(url: str) -> None:
     for extra in ({"n": 0}, {"n": 17}, {"n": 2, "best_of": 3}):
         with pytest.raises(openai.BadRequestError) as info:
@@ -99,6 +116,82 @@ def test_n_out_of_range_or_best_of_other_than_n_is_400(url: str) -> None:
         assert info.value.param == next(reversed(extra))
     ok = client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2, best_of=2)
     assert len(ok.choices) == 2
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"type": "string", "maxLength": 12}, "warm": {"type": "boolean"}},
+    "required": ["colour", "warm"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_three_choices_under_a_json_schema_each_follow_it(url: str) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": SCHEMA, "strict": True}}
+    reply = client(url).chat.completions.create(  # type: ignore[call-overload]
+        model=MODEL, messages=MESSAGES, response_format=fmt, **(SEEDED | {"max_tokens": 40})
+    )
+    texts = [c.message.content for c in reply.choices]
+    for choice in reply.choices:
+        parsed = json.loads(choice.message.content or "")
+        assert choice.finish_reason == "stop" and set(parsed) == {"colour", "warm"}, parsed
+        assert isinstance(parsed["colour"], str) and isinstance(parsed["warm"], bool)
+    assert len(set(texts)) > 1, texts  # three seeds, three samples
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_two_choices_with_logprobs_each_join_to_its_text(url: str, stream: bool) -> None:
+    asked = {"n": 2, "max_tokens": 10, "temperature": 1.0, "seed": 3, "logprobs": True, "top_logprobs": 2}
+    if not stream:
+        reply = client(url).chat.completions.create(model=MODEL, messages=MESSAGES, **asked)  # type: ignore[call-overload]
+        pairs = [
+            (c.message.content, [t.token for t in c.logprobs.content or []] if c.logprobs else [])
+            for c in reply.choices
+        ]
+    else:
+        chunks = client(url).chat.completions.create(  # type: ignore[call-overload]
+            model=MODEL, messages=MESSAGES, stream=True, **asked
+        )
+        texts, tokens = ["", ""], [[], []]  # type: ignore[var-annotated]
+        for chunk in chunks:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                tokens[c.index] += [t.token for t in c.logprobs.content or []] if c.logprobs else []
+        pairs = list(zip(texts, tokens, strict=True))
+    assert pairs[0][0] != pairs[1][0]
+    for text, tokens in pairs:
+        assert tokens and "".join(tokens).removesuffix("<|im_end|>") == text
+
+
+def test_two_choices_with_a_forced_tool_each_call_it(url: str) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client(url).chat.completions.create(  # type: ignore[call-overload]
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice=named,
+        **(SEEDED | {"n": 2, "max_tokens": 40}),
+    )
+    ids = set()
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert set(json.loads(call.function.arguments)) == {"city", "unit"}
+        ids.add(call.id)
+    assert len(ids) == 2
 
 
 def _trail(url: str, request_id: str) -> list[dict[str, Any]]:

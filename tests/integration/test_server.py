@@ -205,8 +205,10 @@ def test_unsupported_or_invalid_options_are_400(server: Server, extra: dict[str,
 
 def test_batch_of_prompts_and_unknown_model(server: Server) -> None:
     client = server.client()
-    with pytest.raises(openai.BadRequestError, match="batches of prompts"):
-        client.completions.create(model=MODEL, prompt=["one", "two"])
+    batch = client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=2)
+    assert [choice.index for choice in batch.choices] == [0, 1]
+    with pytest.raises(openai.BadRequestError, match="batch of prompts"):
+        client.completions.create(model=MODEL, prompt=["one", [1]])
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=[10**9])
     with pytest.raises(openai.NotFoundError):

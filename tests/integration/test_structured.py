@@ -145,3 +145,32 @@ def test_instructor_tools_and_partial_streaming(client: openai.OpenAI) -> None:
     assert len(partials) > 3, partials
     last = City.model_validate(partials[-1].model_dump())
     assert last.name and last.country
+
+
+class Trip(BaseModel):
+    city: str
+    nights: int
+    budget: str | None = None  # optional in the model: `.parse`'s strict schema still requires it
+
+
+def test_parse_into_a_model_and_strict_closes_an_open_schema(client: openai.OpenAI) -> None:
+    """The client's `.parse` (its strict schema) gives a parsed model; a strict schema that leaves its
+    objects open and its keys optional (as LangChain's) is closed by the server: exactly its keys."""
+    messages = [{"role": "user", "content": "Plan a trip to Rome."}]
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=messages, response_format=Trip, max_tokens=80
+    )
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Trip)
+    open_schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer"}},
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": open_schema, "strict": True}}
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        response_format=fmt,
+        max_tokens=80,  # type: ignore[arg-type]
+    )
+    assert set(json.loads(reply.choices[0].message.content or "")) == {"city", "days"}

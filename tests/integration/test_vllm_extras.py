@@ -148,12 +148,12 @@ def test_stop_token_ids_and_stop_strings_end_where_told(url: str) -> None:
 # Each with a value that asks for behaviour this server does not have.
 REFUSED = {
     "use_beam_search": True,
-    "truncate_prompt_tokens": 8,
-    "allowed_token_ids": [1, 2],
-    "bad_words": ["Paris"],
+    "truncate_prompt_tokens": 0,  # the last N >= 1 tokens, or -1
+    "allowed_token_ids": [10**9],  # outside the vocabulary
+    "bad_words": [" "],  # no word
+    "stop_token_ids": [10**9],
     "logits_processors": ["x"],
-    "return_tokens_as_token_ids": True,
-    "return_token_ids": True,
+    "return_token_ids": True,  # with stream (below)
     "prompt_embeds": "AAAA",
     "guided_whitespace_pattern": " *",
     "request_id": "mine",
@@ -161,9 +161,7 @@ REFUSED = {
     "kv_transfer_params": {"do_remote_decode": True},
     "vllm_xargs": {"a": 1},
     "mm_processor_kwargs": {"a": 1},
-    "skip_special_tokens": False,
-    "spaces_between_special_tokens": False,
-    "priority": 5,
+    "priority": 5,  # no priority scheduling, as vLLM's default policy
     "length_penalty": 0.5,
 }
 CHAT_REFUSED = {
@@ -173,8 +171,9 @@ CHAT_REFUSED = {
     "documents": [{"title": "t", "text": "x"}],
     "echo": True,
 }
-# At their neutral values they change nothing (vLLM's defaults; the backend is not a behaviour).
-NEUTRAL = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "priority": 0,
+# At their neutral values they change nothing (vLLM's defaults; the backend is not a behaviour, nor the
+# spaces a slow HF tokenizer would put between special tokens).
+NEUTRAL = {"skip_special_tokens": True, "spaces_between_special_tokens": False, "priority": 0,
            "length_penalty": 1.0, "use_beam_search": False, "guided_decoding_backend": "xgrammar",
            "min_tokens": 0, "include_stop_str_in_output": False, "stop_token_ids": [],
            "cache_salt": "tenant-a/project-x"}  # fmt: skip
@@ -185,7 +184,8 @@ def test_every_vllm_extra_works_or_is_refused_by_name(url: str, path: str) -> No
     body = {"messages": QUESTION} if "chat" in path else {"prompt": PROMPT}
     refused = REFUSED | (CHAT_REFUSED if "chat" in path else {})
     for name, value in refused.items():
-        response = post(url, path, body | {"max_tokens": 2, name: value})
+        stream = {"stream": True} if name == "return_token_ids" else {}
+        response = post(url, path, body | {"max_tokens": 2, name: value} | stream)
         assert response.status_code == 400, (name, response.text)
         assert response.json()["error"]["param"] == name, response.text
     plain = post(url, path, body | {"max_tokens": 4}).json()["choices"][0]
@@ -352,9 +352,11 @@ def test_responses_refuse_what_needs_stored_state(url: str) -> None:
     ):
         response = post(url, "/v1/responses", {"input": "hi"} | extra)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
-    assert (
-        post(url, "/v1/responses", {"input": "hi", "store": True, "max_output_tokens": 2}).status_code == 200
-    )
+    stored = post(url, "/v1/responses", {"input": "hi", "store": True, "max_output_tokens": 2})
+    assert stored.status_code == 400 and stored.json()["error"]["param"] == "store", stored.text
+    assert "not stored" in stored.json()["error"]["message"]
+    unstored = {"input": "hi", "store": False, "max_output_tokens": 2}
+    assert post(url, "/v1/responses", unstored).status_code == 200
 
 
 def test_chat_template_kwargs_render_with_the_servers_template(url: str) -> None:

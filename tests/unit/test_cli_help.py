@@ -85,14 +85,16 @@ def test_help_loads_no_torch(argv: list[str]) -> None:
 @pytest.mark.parametrize(
     ("argv", "error"),
     [
-        (["serve", "--api-key", "sk-x"], "unrecognized arguments: --api-key sk-x"),  # vLLM's spelling
+        (["serve", "--audit-lo", "x.jsonl"], "unrecognized arguments: --audit-lo"),
+        (["serve", "--api-key", "sk-x"], "pass --api-keys FILE, or set $VLLM_API_KEY"),  # vLLM's spelling
         (["serve", "--allowed-origins", "https://a.example/path"], "must be * or an origin"),
     ],
 )
 def test_no_abbreviations_and_origins_checked(
     argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An unambiguous prefix is not taken for an option (`--api-key` would become `--api-keys`, a file)."""
+    """An unambiguous prefix is not taken for an option (`--audit-lo` would become `--audit-log`); vLLM's
+    `--api-key KEY` is refused naming what replaces it (tests/unit/test_vllm_api_key.py)."""
     with pytest.raises(SystemExit) as exit:
         build_parser().parse_args(argv)
     assert exit.value.code == 2 and error in capsys.readouterr().err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -19,13 +20,14 @@ from fastapi.testclient import TestClient
 
 from kvfence.api.protocol import ChatCompletionRequest, ResponseFormat
 from kvfence.api.server import build_app
-from kvfence.api.tools import ToolCallParser, closed, forced_schema, template_messages, tool_guide
+from kvfence.api.tools import ToolCallParser, forced_schema, template_messages, tool_guide
 from kvfence.config import EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.engine.drafter import Drafter
 from kvfence.engine.engine import LLMEngine
-from kvfence.grammar.compiler import GrammarCompiler, GrammarError
+from kvfence.grammar.compiler import GrammarCompiler, GrammarError, Guide, ascii_digits
 from kvfence.grammar.mask import GRAMMAR_ERROR
+from kvfence.grammar.strict import closed, strict_schema
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.request import Request, Status
 from kvfence.sampling import SamplingParams
@@ -142,9 +144,12 @@ def tiny_tokenizer() -> Tokenizer:
     return Tokenizer(tiny_metadata())
 
 
+TINY_TOKENIZER = tiny_tokenizer()
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return tiny_tokenizer()
+    return TINY_TOKENIZER
 
 
 def tiny_engine(tokenizer: Tokenizer) -> LLMEngine:
@@ -605,3 +610,175 @@ def test_chat_template_kwargs_reach_the_template_and_cannot_replace_its_inputs()
     assert off.endswith("assistant\n<think></think>")
     with pytest.raises(ValueError, match="messages"):
         tokenizer.apply_chat_template(chat, template_kwargs={"messages": []})
+
+
+def accepts(compiler: GrammarCompiler, guide: Guide, text: str) -> bool:
+    """Whether `guide` lets the whole of `text` be written, token by token (the tiny vocab's)."""
+    grammar = compiler.for_guide(guide)
+    return all(grammar.advance(token) for token in TINY_TOKENIZER.encode(text))
+
+
+def generate(engine: LLMEngine, compiler: GrammarCompiler, guide: Guide, seeds: int = 4) -> list[Request]:
+    """The tiny model's answers under `guide`, sampled with `seeds` seeds."""
+    prompt = engine.tokenizer.encode(PROMPT)  # type: ignore[union-attr]
+    requests = [
+        engine.add_request(
+            prompt,
+            SamplingParams(max_tokens=60, temperature=1.0, seed=seed),
+            grammar=compiler.for_guide(guide),
+        )
+        for seed in range(seeds)
+    ]
+    while not all(r.is_finished for r in requests):
+        engine.step()
+    return requests
+
+
+# vLLM's docs' grammars: GBNF (llama.cpp's), a one-liner and one with rules, character classes, repetition.
+YES_NO = 'root ::= "yes" | "no"'
+ITEMS = 'root ::= item (", " item){0,2}\nitem ::= [a-c]+ "=" digit\ndigit ::= [0-9]\n'
+
+
+def test_gbnf_grammars_are_enforced(engine: LLMEngine, compiler: GrammarCompiler) -> None:
+    yes_no, items = Guide("lark", YES_NO), Guide("lark", ITEMS)
+    assert accepts(compiler, yes_no, "yes") and not accepts(compiler, yes_no, "maybe")
+    assert accepts(compiler, items, "ab=1, c=2") and not accepts(compiler, items, "ab=x")
+    for request in generate(engine, compiler, yes_no):
+        assert (request.finish_reason, request.output_text in ("yes", "no")) == ("stop", True)
+    item = re.compile(r"[a-c]+=[0-9]")
+    for request in generate(engine, compiler, items):
+        assert all(item.fullmatch(part) for part in request.output_text.split(", ")), request.output_text
+    assert accepts(compiler, Guide("lark", 'start: "a" | "b"'), "b")  # Lark as before
+
+
+@pytest.mark.parametrize(
+    ("grammar", "where"),
+    [
+        ("root ::= [a-", "as GBNF: Unexpected end of input at line 1"),
+        ("hello world", "as Lark: 1(7): Expected token ':'"),
+        ("start: missing_rule", 'as Lark: at 1(8): unknown name: "missing_rule"'),
+    ],
+)
+def test_a_grammar_in_neither_syntax_names_both_and_where_it_failed(
+    compiler: GrammarCompiler, client: TestClient, grammar: str, where: str
+) -> None:
+    with pytest.raises(GrammarError, match="GBNF/EBNF") as error:
+        compiler.for_guide(Guide("lark", grammar))
+    assert "Lark (llguidance's dialect" in str(error.value) and where in str(error.value)
+    for field in ({"guided_grammar": grammar}, {"structured_outputs": {"grammar": grammar}}):
+        reply = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4} | field)
+        error_body = reply.json()["error"]
+        assert reply.status_code == 400 and where in error_body["message"], reply.text
+        assert error_body["param"] == next(iter(field))
+
+
+def test_a_regex_digit_is_an_ascii_digit(engine: LLMEngine, compiler: GrammarCompiler) -> None:
+    """Rust's \\d (llguidance's) is any Unicode digit: the tiny model wrote 🯸🯸🯸-🯸🯸🯸🯸 for \\d{3}-\\d{4}."""
+    phone = Guide("regex", r"\d{3}-\d{4}")
+    assert accepts(compiler, phone, "555-0123") and not accepts(compiler, phone, "🯸🯸🯸-🯸🯸🯸🯸")
+    assert not accepts(compiler, phone, "٣٣٣-٣٣٣٣")  # Arabic-Indic digits
+    for request in generate(engine, compiler, phone):
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", request.output_text), request.output_text
+    assert accepts(compiler, Guide("regex", r"\p{Nd}{3}"), "🯸🯸🯸")  # Unicode digits, when asked for
+    not_digit = Guide("regex", r"[a\D]{2}")
+    assert accepts(compiler, not_digit, "ab") and not accepts(compiler, not_digit, "a1")
+    pattern = Guide("json", {"type": "string", "pattern": r"^\d{2}$"})  # ECMA-262: ASCII already
+    assert accepts(compiler, pattern, '"42"') and not accepts(compiler, pattern, '"🯸🯸"')
+
+
+@pytest.mark.parametrize(
+    ("pattern", "ascii"),
+    [
+        (r"\d+", "[0-9]+"),
+        (r"[\d_]", "[0-9_]"),
+        (r"[^\d]", "[^0-9]"),
+        (r"[a\D]", "[a[^0-9]]"),
+        (r"\D", "[^0-9]"),
+        (r"\\d", r"\\d"),  # an escaped backslash, then the letter d
+        (r"[]\d]", "[]0-9]"),  # a leading ] is a literal: the class goes on
+        (r"[[:alpha:]\d]\d", "[[:alpha:]0-9][0-9]"),
+        (r"\p{Nd}\x{64}", r"\p{Nd}\x{64}"),
+    ],
+)
+def test_digit_classes_are_rewritten_only_where_they_are_digits(pattern: str, ascii: str) -> None:
+    assert ascii_digits(pattern) == ascii
+
+
+OPEN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 4},
+        "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}},
+    },
+    "required": ["name"],
+}
+
+
+def test_strict_closes_every_object_and_requires_every_property() -> None:
+    shut = strict_schema(OPEN_SCHEMA)
+    assert shut["additionalProperties"] is False and shut["required"] == ["name", "point"]
+    point = shut["properties"]["point"]
+    assert point["additionalProperties"] is False and point["required"] == ["x"]
+    assert "additionalProperties" not in OPEN_SCHEMA and OPEN_SCHEMA["required"] == ["name"]  # a copy
+    kept = strict_schema({"type": "object", "properties": {"a": {}}, "additionalProperties": True})
+    assert kept["additionalProperties"] is True and kept["required"] == ["a"]
+    nullable = strict_schema({"type": ["object", "null"], "properties": {"a": {}}})
+    assert nullable["additionalProperties"] is False
+
+
+def test_strict_response_format_gives_exactly_the_listed_keys(
+    engine: LLMEngine, compiler: GrammarCompiler
+) -> None:
+    """Without strict the schema is taken as written (an extra key, a missing one may be written); with it,
+    every answer has exactly the schema's keys at every depth: what `.parse` into a model expects."""
+
+    def schema(strict: bool | None) -> dict[str, Any]:
+        fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": OPEN_SCHEMA, "strict": strict}}
+        return ResponseFormat.model_validate(fmt).output_schema()  # type: ignore[return-value]
+
+    loose, tight = Guide("json", schema(None)), Guide("json", schema(True))
+    assert accepts(compiler, loose, '{"name": "a", "extra": 1}') and accepts(compiler, loose, '{"name": "a"}')
+    assert not accepts(compiler, tight, '{"name": "a", "extra": 1}')
+    assert not accepts(compiler, tight, '{"name": "a", "point": {"x": 1, "y": 2}}')
+    for request in generate(engine, compiler, tight, seeds=6):
+        if request.finish_reason == "stop":
+            answer = json.loads(request.output_text)
+            assert set(answer) == {"name", "point"} and set(answer["point"]) == {"x"}
+
+
+def test_http_strict_schemas_in_every_place_they_can_be_given(client: TestClient) -> None:
+    """Chat and completions' response_format, Responses' text.format and a strict tool's parameters: an
+    answer that finishes has exactly the schema's keys."""
+    messages = [{"role": "user", "content": "hi"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": OPEN_SCHEMA, "strict": True}}
+    text_format = {"type": "json_schema", "name": "p", "schema": OPEN_SCHEMA, "strict": True}
+    tool = {"type": "function", "function": {"name": "f", "parameters": OPEN_SCHEMA, "strict": True}}
+    named = {"type": "function", "function": {"name": "f"}}
+    answers = []
+    for seed in range(3):
+        common = {"model": "tiny", "max_tokens": 60, "temperature": 1.0, "seed": seed}
+        chat = common | {"messages": messages, "response_format": fmt}
+        reply = client.post("/v1/chat/completions", json=chat).json()
+        answers.append(reply["choices"][0]["message"]["content"])
+        completion = common | {"prompt": "JSON: ", "response_format": fmt}
+        answers.append(client.post("/v1/completions", json=completion).json()["choices"][0]["text"])
+        call = common | {"messages": messages, "tools": [tool], "tool_choice": named}
+        reply = client.post("/v1/chat/completions", json=call).json()
+        answers.append(reply["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
+    response = client.post(
+        "/v1/responses",
+        json={"model": "tiny", "input": "hi", "max_output_tokens": 60, "text": {"format": text_format}},
+    )
+    answers.append(response.json()["output"][0]["content"][0]["text"])
+    finished = [json.loads(answer) for answer in answers if _parses(answer)]
+    assert finished, answers  # some finish within max_tokens
+    for answer in finished:
+        assert set(answer) == {"name", "point"} and set(answer["point"]) == {"x"}, answer
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True

@@ -27,8 +27,10 @@ FLOORS: list[set[str]] = [
     {"audit"},
     {"cli_checks"},
     {"cli_options"},
+    {"offline"},  # vLLM's LLM: an entry point like the CLI, resolving --model's names as it does
     {"cli"},
     {"__main__"},  # `python -m kvfence`
+    {"__init__"},  # `from kvfence import LLM`: the package's names, loaded on first use
 ]
 FLOOR = {name: level for level, names in enumerate(FLOORS) for name in names}
 
