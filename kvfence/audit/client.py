@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ EARLY_DROP_S = 0.05  # read timeout of a request dropped before any answer
 MAX_WORKERS = 16  # requests any probe has in flight at once
 _GARBLED = re.compile(r"[\ufffd\x00-\x08\x0b\x0c\x0e-\x1f]")
 SETTLE_TIMEOUT_S = 20.0  # how long trails and the pool may take to reach their final state
+RECOVERY_ATTEMPTS = 8  # tries of a normal request the fence aborts (with a fault armed at 0.5: 1/256 fail)
 
 
 # ---- exchanges -------------------------------------------------------------------------------------
@@ -273,6 +274,17 @@ class ProbeClient:
         with self._lock:
             self.exchanges.append(exchange)
         return exchange
+
+
+def answered(send: Callable[[], Exchange]) -> Exchange:
+    """`send()` again while the fence aborts it (up to RECOVERY_ATTEMPTS): a normal request must get
+    through."""
+    exchange = send()
+    for _ in range(RECOVERY_ATTEMPTS - 1):
+        if not exchange.fenced:
+            break
+        exchange = send()
+    return exchange
 
 
 class _Timed:

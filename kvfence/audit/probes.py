@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvfence.audit import canaries
-from kvfence.audit.client import MAX_WORKERS, Exchange, ProbeClient, Target
+from kvfence.audit.client import MAX_WORKERS, Exchange, ProbeClient, Target, answered
 from kvfence.audit.prefix_timing import probe_prefix_timing
 from kvfence.audit.replay import LONG_FRACTION, LONG_MAX_TOKENS, run_replay
 from kvfence.audit.result import CheckResult, verdict
@@ -49,7 +49,6 @@ MAX_REPS = 2**17  # no boundary below ~128k prompt words: the probe gives up
 STORM_STREAMS = 6
 STORM_EARLY_DROPS = 2
 ATTEMPTS = 3  # tries of a boundary length the server fails or the fence aborts
-RECOVERY_ATTEMPTS = 8  # tries of a normal request the fence aborts (with a fault armed at 0.5: 1/256 fail)
 DEFAULT_WINDOW = 512  # tokens assumed for the replay's long prompts when nothing says otherwise
 _REQUESTED = re.compile(r"requested (\d+) tokens")
 Progress = Callable[[str], None]
@@ -231,7 +230,7 @@ def probe_cancel_storm(
             for i in range(early)
         ]
         sent = [job.result() for job in jobs]
-    after = _answered(lambda: client.send("storm:after", 0, "completions", "The capital of France is", 8))
+    after = answered(lambda: client.send("storm:after", 0, "completions", "The capital of France is", 8))
     problems = [
         {"problem": f"{e.label}: {'; '.join(e.problems()) or e.outcome}", **e.summary()}
         for e in [*sent, after]
@@ -249,24 +248,13 @@ def _unique(prompt: str) -> str:
     return f"[{secrets.token_hex(8)}] {prompt}"
 
 
-def _answered(send: Callable[[], Exchange]) -> Exchange:
-    """`send()` again while the fence aborts it (up to RECOVERY_ATTEMPTS): a normal request must get
-    through."""
-    exchange = send()
-    for _ in range(RECOVERY_ATTEMPTS - 1):
-        if not exchange.fenced:
-            break
-        exchange = send()
-    return exchange
-
-
 # ---- recovery and consistency -----------------------------------------------------------------------
 
 
 def probe_recovery(client: ProbeClient) -> CheckResult:
     """After everything else: one normal request per tenant, on both endpoints, must be answered."""
     sent = [
-        _answered(
+        answered(
             lambda key=key: client.send(
                 "recovery", key, "chat" if key % 2 else "completions", "Name three colors.", 8
             )
