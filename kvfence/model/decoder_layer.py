@@ -1,8 +1,10 @@
-"""The C decoder layer (csrc/decoder_layer.c, linked with the packed matmul and the paged attention): a
-layer's row-wise work in two calls around attention, and a pure decode step in one call for every layer.
+"""The C decoder layer (csrc/decoder_layer.c, linked with the packed and 16-bit matmuls and the paged
+attention): a layer's row-wise work in two calls around attention, and a pure decode step in one call for
+every layer.
 
-Contract: `DecoderLayers.build` takes the model's layers when every projection is packed (CPU float32),
-else returns None with the reason; `qkv` / `out` run one layer for the step's rows (any rows: prefill and
+Contract: `DecoderLayers.build` takes the model's layers when every projection is packed or 16-bit
+(bfloat16 or float16 rows under a CPU float32 model: each weight says which kernel multiplies by it), else
+returns None with the reason; `qkv` / `out` run one layer for the step's rows (any rows: prefill and
 decode alike, each row alone; K and V written into a float32 or float16 pool), `decode` every layer of a
 step whose rows are all decode rows, attention over their validated block tables included. The step's
 buffers (`StepBuffers`) are the caller's; the structs handed to C point into tensors this object and the
@@ -20,6 +22,7 @@ import torch
 
 from kvfence.model import native
 from kvfence.model.archs.base import ModelConfig
+from kvfence.model.half_matmul import HALF_DTYPES
 from kvfence.model.weights import Layer, Projection
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -37,10 +40,15 @@ class _Weight(ctypes.Structure):
         ("offsets", _ptr),
         ("bias", _ptr),
         ("in_features", _i64),
+        ("out_features", _i64),
         ("group", _i64),
         ("panels", _i64),
         ("format", _i64),
+        ("kind", _i64),
     ]
+
+
+_PACKED, _KINDS = 0, {torch.bfloat16: 1, torch.float16: 2}  # decoder_layer.c's KVF_PACKED, KVF_BF16, KVF_FP16
 
 
 class _Layer(ctypes.Structure):
@@ -83,18 +91,35 @@ def _address(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def _sixteen_bit(projection: Projection) -> torch.Tensor | None:
+    """The projection's 16-bit [out, in] rows, contiguous as half_matmul.c reads them; None if it has none."""
+    dense = projection.dense
+    if projection.packed is not None or dense is None or dense.dtype not in HALF_DTYPES:
+        return None
+    return dense.T if dense.T.is_contiguous() else None
+
+
 def _weight(projection: Projection) -> _Weight:
-    packed = projection.packed
-    assert packed is not None and packed.codes.is_contiguous()
+    bias, packed = _address(projection.bias), projection.packed
+    if packed is None:
+        rows = _sixteen_bit(projection)
+        assert rows is not None
+        out_features, in_features = rows.shape
+        return _Weight(
+            rows.data_ptr(), None, None, bias, in_features, out_features, 0, 0, 0, _KINDS[rows.dtype]
+        )
+    assert packed.codes.is_contiguous()
     return _Weight(
         packed.codes.data_ptr(),
         packed.scales.data_ptr(),
         packed.offsets_address(),
-        _address(projection.bias),
+        bias,
         packed.in_features,
+        packed.out_features,
         packed.group,
         packed.codes.shape[0],
         packed.format,
+        _PACKED,
     )
 
 
@@ -148,8 +173,9 @@ class DecoderLayers:
         cls, layers: list[Layer], windows: list[int], local: set[int]
     ) -> tuple[DecoderLayers | None, str]:
         """The C layers over `layers`, or (None, why) where they cannot run."""
-        if not all(p.packed is not None for layer in layers for p in layer.projections()):
-            return None, "a projection is not packed"
+        projections = [p for layer in layers for p in layer.projections()]
+        if not all(p.packed is not None or _sixteen_bit(p) is not None for p in projections):
+            return None, "a projection is neither packed nor 16-bit"
         library, why = _library()
         return (cls(library, layers, windows, local), "") if library is not None else (None, why)
 
@@ -215,4 +241,5 @@ def _check(status: int) -> None:
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    return native.load_library("decoder_layer", with_sources=("packed_matmul", "paged_attention"))
+    sources = ("packed_matmul", "half_matmul", "paged_attention")
+    return native.load_library("decoder_layer", with_sources=sources)

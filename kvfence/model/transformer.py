@@ -194,11 +194,12 @@ class Transformer:
         self._local_rope = (
             Rope(config.head_dim, config.local_rope_theta, 1.0, self.device) if config.local_layers else None
         )
-        # Every layer's row-wise work in C, where every matmul and the decode attention run in the C kernels
-        # (CPU float32): one call per layer around attention, one per step for every layer when all rows
-        # decode. Elsewhere, the torch forward below.
+        # Every layer's row-wise work in C, where every matmul (over packed codes or 16-bit weights) and the
+        # decode attention run in the C kernels (CPU float32): one call per layer around attention, one per
+        # step for every layer when all rows decode. Elsewhere, the torch forward below.
         self._c_layers: DecoderLayers | None = None
-        if self._packed_kernel is not None and isinstance(self._kernel, PagedDecodeKernel):
+        matmul_in_c = self._packed_kernel is not None or self._half_kernel is not None
+        if matmul_in_c and isinstance(self._kernel, PagedDecodeKernel):
             windows = [spec.window for spec in self._attention]
             self._c_layers, _ = DecoderLayers.build(self.layers, windows, set(config.local_layers))
 

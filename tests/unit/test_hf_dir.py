@@ -1,6 +1,7 @@
 """Hugging Face directories: tiny random models of every architecture, built with transformers' own classes
 and written by its `save_pretrained` in bfloat16, served by kvfence (16-bit weights, float32 rows) and
-compared with transformers running the same directory (float64, as test_archs does); a sharded directory
+compared with transformers running the same directory (float64, as test_archs does) and, through the C
+decoder layer, with kvfence's own torch forward (bfloat16 and float16 weights); a sharded directory
 loads the same tensors; what kvfence cannot serve is one line naming what is missing; a hub id is never
 fetched; the chat template comes from chat_template.jinja.
 """
@@ -26,9 +27,11 @@ from kvfence.sampling import SamplingParams
 transformers = pytest.importorskip("transformers")
 
 
-def write_dir(path: Path, model: torch.nn.Module, shard: str | None = None) -> Path:
-    """`model` saved in bfloat16 by transformers, beside a word-level tokenizer of its vocab ("t0" ...)."""
-    model.to(torch.bfloat16).save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+def write_dir(
+    path: Path, model: torch.nn.Module, shard: str | None = None, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """`model` saved in `dtype` by transformers, beside a word-level tokenizer of its vocab ("t0" ...)."""
+    model.to(dtype).save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     vocab = {f"t{i}": i for i in range(SHAPE["vocab_size"])}
     backend = Backend(models.WordLevel(vocab, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -130,3 +133,40 @@ def test_the_tokenizer_and_its_chat_template(llama_dir: Path, tmp_path: Path) ->
     )
     tokenizer = Tokenizer.from_hf_dir(directory)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "t9"}]) == "t2t9"
+
+
+def decode(model: Transformer, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """Greedy answers with every prompt prefilled in one step, then decoded together, and their logits."""
+    engine = make_engine(model, max_num_batched_tokens=128)
+    recorder = LogitsRecorder(engine)
+    requests = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    return [r.output_token_ids for r in requests], [recorder.steps[r.request_id] for r in requests]
+
+
+@pytest.mark.parametrize(
+    ("variant", "dtype"), [(v, torch.bfloat16) for v in sorted(ARCH)] + [("qwen2", torch.float16)]
+)
+def test_the_c_layer_runs_16_bit_weights_as_the_torch_forward_does(
+    tmp_path: Path, variant: str, dtype: torch.dtype
+) -> None:
+    """16-bit projections run in the C decoder layer (whole decode steps in one call): the torch forward's
+    tokens and logits within float32 rounding, and a row's logits bit for bit the same alone and beside
+    three others (each row alone, in a fixed order)."""
+    directory = write_dir(tmp_path / variant, hf_model(variant), dtype=dtype)
+    fused = Transformer.from_gguf(load_hf_dir(directory), activation_dtype="float32")
+    assert fused.weight_dtype == dtype and fused._c_layers is not None, (
+        "16-bit weights under a CPU float32 model: the C layer runs"
+    )
+    plain = Transformer.from_gguf(load_hf_dir(directory), activation_dtype="float32")
+    plain._c_layers = None  # the same weights through the torch forward, op by op
+    gen = torch.Generator().manual_seed(7)
+    four = [torch.randint(0, SHAPE["vocab_size"], (n,), generator=gen).tolist() for n in (13, 5, 21, 9)]
+    ours, our_logits = decode(fused, four)
+    theirs, their_logits = decode(plain, four)
+    assert ours == theirs
+    for mine, reference in zip(our_logits, their_logits, strict=True):
+        for a, b in zip(mine, reference, strict=True):
+            assert (a - b).abs().max() <= 1e-4 * max(1.0, float(b.abs().max()))
+    alone, alone_logits = decode(fused, four[:1])
+    assert alone[0] == ours[0]
+    assert all(torch.equal(a, b) for a, b in zip(alone_logits[0], our_logits[0], strict=True))

@@ -7,8 +7,13 @@
  *
  * Contract:
  *   - Every row is computed alone, in a fixed order (RMSNorm sums a row left to right; the matmuls are
- *     packed_matmul.c's, the attention paged_attention.c's): a row's result does not depend on the other
- *     rows of the step, so prefill and decode steps alike use these functions for every row on CPU float32.
+ *     packed_matmul.c's over packed codes and half_matmul.c's over 16-bit weights, chosen per weight by its
+ *     kind; the attention is paged_attention.c's): a row's result does not depend on the other rows of the
+ *     step, so prefill and decode steps alike use these functions for every row on CPU float32.
+ *   - 16-bit products are split over every thread whatever their size: a step's calls come back to back and
+ *     find the pool awake (SmolLM2's 120 bfloat16 projections at one row, 212 MB: 6.9 ms on one thread,
+ *     5.2 on two, as fast as the machine then read memory). Packed products keep packed_matmul.c's own
+ *     threshold.
  *   - layer_qkv: x = norm(h); qkv = x @ Wqkv (+ bias); per-head norm of q and k (if the layer has them);
  *     RoPE on q and k with the step's angles at the layer's base; k and v written at each row's slot.
  *   - layer_out: h += post_norm(attn @ Wo); h += post_norm(down(act(gate) * up)) on norm(h).
@@ -30,12 +35,17 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const void *k_c
                            const int64_t *context_lens, float *out, int64_t rows, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t page_size, float scale,
                            int64_t window, int num_threads);
+void half_matmul_threads(const float *x, int64_t x_stride, int64_t rows, const uint16_t *w, int64_t in_features,
+                         int64_t out_features, int half, float *y, int num_threads);
 void kvf_round_half(_Float16 *out, const float *values, int64_t n);
 
+enum { KVF_PACKED, KVF_BF16, KVF_FP16 }; /* a weight's kind: which kernel multiplies by it */
+
 typedef struct {
-    const void *codes, *scales, *offsets; /* as packed_matmul.c stores them, in `format` */
+    const void *codes, *scales, *offsets; /* packed: as packed_matmul.c stores them, in `format`;
+                                           * 16-bit: codes the [out_features, in_features] rows, no others */
     const float *bias;                    /* NULL for none */
-    int64_t in_features, group, panels, format;
+    int64_t in_features, out_features, group, panels, format, kind;
 } kvf_weight;
 
 typedef struct {
@@ -107,11 +117,15 @@ static void gated(float *gate, const float *up, int64_t n, int64_t gelu) {
 }
 
 static int matmul(const kvf_step *s, const float *x, int64_t x_stride, const kvf_weight *w, float *y) {
-    const int status =
-        packed_matmul(x, x_stride, s->rows, w->codes, w->scales, w->offsets, w->in_features, w->group,
-                      w->panels, w->format, y, s->threads);
+    int status = KVF_OK;
+    if (w->kind == KVF_PACKED)
+        status = packed_matmul(x, x_stride, s->rows, w->codes, w->scales, w->offsets, w->in_features, w->group,
+                               w->panels, w->format, y, s->threads);
+    else
+        half_matmul_threads(x, x_stride, s->rows, w->codes, w->in_features, w->out_features,
+                            w->kind == KVF_FP16, y, s->threads);
     if (status != KVF_OK || w->bias == NULL) return status;
-    const int64_t out = w->panels * 32;
+    const int64_t out = w->out_features;
     for (int64_t r = 0; r < s->rows; r++)
         for (int64_t j = 0; j < out; j++) y[r * out + j] += w->bias[j];
     return KVF_OK;

@@ -12,7 +12,9 @@
  *   y  [rows, out_features] float32, contiguous
  * Each row accumulates alone, in a fixed order (64 lanes over k, lane j taking k = j mod 64, then the
  * lanes summed in one fixed tree, then the last in_features mod 64 products in order): a row's result does
- * not depend on how many rows share the call (batch invariance). Output features are split over threads.
+ * not depend on how many rows share the call (batch invariance). Output features are split over threads:
+ * `half_matmul` only where the product is large enough to repay waking the pool, `half_matmul_threads`
+ * always (the decoder layer's back-to-back calls, which find the pool awake: decoder_layer.c).
  */
 #include <stdint.h>
 #include <string.h>
@@ -99,10 +101,10 @@ static void tile(const float *x, int64_t x_stride, int rows, const uint16_t *w, 
 }
 #endif
 
-void half_matmul(const float *x, int64_t x_stride, int64_t rows, const uint16_t *w, int64_t in_features,
-                 int64_t out_features, int half, float *y, int num_threads) {
+void half_matmul_threads(const float *x, int64_t x_stride, int64_t rows, const uint16_t *w, int64_t in_features,
+                         int64_t out_features, int half, float *y, int num_threads) {
     int64_t body = in_features - in_features % BODY;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features * out_features >= PARALLEL_WORK)
+#pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < out_features; n++) {
         const uint16_t *wn = w + n * in_features;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
@@ -117,4 +119,10 @@ void half_matmul(const float *x, int64_t x_stride, int64_t rows, const uint16_t 
             }
         }
     }
+}
+
+void half_matmul(const float *x, int64_t x_stride, int64_t rows, const uint16_t *w, int64_t in_features,
+                 int64_t out_features, int half, float *y, int num_threads) {
+    const int parallel = rows * in_features * out_features >= PARALLEL_WORK;
+    half_matmul_threads(x, x_stride, rows, w, in_features, out_features, half, y, parallel ? num_threads : 1);
 }
