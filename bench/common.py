@@ -29,7 +29,8 @@ from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.load import WORDS
 from kvfence.harness.streams import GREEDY, Sampling, drive
-from kvfence.model.gguf import GGUFModel, load_gguf
+from kvfence.model.gguf import GGUFModel
+from kvfence.model.hf_load import load_model
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.model.transformer import Transformer
 from kvfence.pins import code_info, default_model_path
@@ -72,13 +73,13 @@ BENCH_WINDOW = 4096  # tokens: every workload's prompt and output fit
 
 
 def load_weights(threads: int | None = None, path: Path | None = None) -> GGUFModel:
-    """Load a GGUF (default: the packaged SmolLM2) in float32, once; build every engine from it. `threads`
-    (None: leave torch's setting alone) is global, so HF transformers in the same process runs with the
-    same number."""
+    """Load a GGUF file or a Hugging Face directory (default: the packaged SmolLM2) in float32, once; build
+    every engine from it. `threads` (None: leave torch's setting alone) is global, so HF transformers in the
+    same process runs with the same number."""
     if threads is not None:
         torch.set_num_threads(threads)
     started = time.perf_counter()
-    gguf = load_gguf(path or default_model_path())
+    gguf = load_model(path or default_model_path())
     seconds = time.perf_counter() - started
     print(f"loaded {gguf.path.name} in {seconds:.1f}s; torch threads {torch.get_num_threads()}")
     return gguf
@@ -331,23 +332,31 @@ def read_bandwidth(threads: int, size: int = 1 << 30, repeats: int = 5) -> float
 
 
 def decode_matmul_bandwidth(model: Transformer, threads: int, repeats: int = 5) -> tuple[float, float]:
-    """(GB/s, MB read) of the packed decode matmul at one row over every packed projection of the model (a
-    decode step's weights, the LM head included), the best of `repeats`; (0, 0) when it does not run."""
-    kernel = model.packed_matmul
-    weights = [p.packed for layer in model.layers for p in layer.projections()] + [model.lm_head.packed]
-    weights = [w for w in weights if w is not None]
-    if kernel is None or not weights:
+    """(GB/s, MB read) of the decode matmul at one row over every projection of the model (a decode step's
+    weights, the LM head included), as the C decoder layer runs it: packed codes through the packed kernel,
+    16-bit weights through the 16-bit kernel over every thread; the best of `repeats`; (0, 0) when neither
+    kernel runs."""
+    projections = [p for layer in model.layers for p in layer.projections()] + [model.lm_head]
+    calls, read = [], 0
+    if model.packed_matmul is not None:
+        packed = [p.packed for p in projections if p.packed is not None]
+        read += sum(w.codes.numel() + 4 * (w.scales.numel() + w.offsets.numel()) for w in packed)
+        calls += [(model.packed_matmul, w, w.in_features, {}) for w in packed]
+    if model.half_matmul is not None:
+        half = [p.dense.T for p in projections if p.packed is None and p.dense is not None]
+        read += sum(2 * w.numel() for w in half)
+        calls += [(model.half_matmul, w, w.shape[1], {"split": True}) for w in half]
+    if not calls:
         return 0.0, 0.0
-    read = sum(w.codes.numel() + 4 * (w.scales.numel() + w.offsets.numel()) for w in weights)
-    rows = {w.in_features: torch.randn(1, w.in_features) for w in weights}
+    rows = {width: torch.randn(1, width) for _, _, width, _ in calls}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         best = float("inf")
         for _ in range(repeats):
             started = time.perf_counter()
-            for weight in weights:
-                kernel(rows[weight.in_features], weight)
+            for kernel, weight, width, options in calls:
+                kernel(rows[width], weight, **options)
             best = min(best, time.perf_counter() - started)
     finally:
         torch.set_num_threads(previous)
@@ -372,11 +381,15 @@ class StepClock:
 
 
 def load_hf_model(gguf: GGUFModel) -> torch.nn.Module:
+    """transformers' float32 model of the same file or directory."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.path.parent), gguf_file=gguf.path.name, dtype=torch.float32
-    )
+    if gguf.path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.path), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.path.parent), gguf_file=gguf.path.name, dtype=torch.float32
+        )
     return model.eval()
 
 

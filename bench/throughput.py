@@ -4,10 +4,10 @@
                                          [--sequential-requests N] [--retries N] [--threads N]
                                          [--model FILE|smollm2|gemma3-270m] [--no-hf]
 
-`--model` serves another GGUF (HF loads the same file with its own GGUF support; `--no-hf` leaves HF out,
-and the c16 ratio's verdict with it). Before the workloads, the decode matmul's GB/s at one row (every
-packed projection once, as a decode step reads them) is set beside the machine's measured read bandwidth
-at 1 and at --threads threads.
+`--model` serves another GGUF or a Hugging Face directory (HF loads the same file or directory;
+`--no-hf` leaves HF out, and the c16 ratio's verdict with it). Before the workloads, the decode matmul's
+GB/s at one row (every projection once, as a decode step reads them: packed codes, or 16-bit weights) is
+set beside the machine's measured read bandwidth at 1 and at --threads threads.
 
 W1 is decode-heavy (64 prompt tokens, 128 output tokens), W2 prefill-heavy (512 prompt, 16 output); both
 32 distinct prompts. Every system gets the same token ids and produces exactly max_tokens tokens (greedy,
@@ -75,7 +75,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sequential-requests", type=int, default=8, help="requests for conc/batch 1 rows")
     parser.add_argument("--retries", type=int, default=1, help="reruns of a row run on a busy machine")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
-    parser.add_argument("--model", type=model_file, help="GGUF file or packaged name (default: smollm2)")
+    parser.add_argument(
+        "--model",
+        type=model_file,
+        help="GGUF file, Hugging Face directory or packaged name (default: smollm2)",
+    )
     parser.add_argument("--no-hf", action="store_true", help="kvfence rows only (no transformers model)")
     return parser.parse_args()
 
@@ -148,7 +152,7 @@ def bandwidth(bench: Bench, threads: int) -> dict[str, float]:
             for n, memory, matmul in ((1, one, matmul_one), (threads, many, matmul_many))
         ],
     )
-    print(f"(the decode matmul reads {mb:.0f} MB a step: codes, scales and offsets of every packed weight)")
+    print(f"(the decode matmul reads {mb:.0f} MB a step: every projection's weights as stored)")
     return {
         "memory_read_gb_s_1_thread": one,
         f"memory_read_gb_s_{threads}_threads": many,

@@ -33,7 +33,8 @@ from kvfence.disagg.router import Router
 from kvfence.engine.engine import AdmissionError, LLMEngine
 from kvfence.harness.cluster import cluster
 from kvfence.harness.workers import InThread
-from kvfence.model.gguf import GGUFModel, load_gguf
+from kvfence.model.gguf import GGUFModel
+from kvfence.model.hf_load import load_model
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.model.transformer import Transformer
 from kvfence.pins import default_model_path
@@ -311,7 +312,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    gguf = load_gguf(args.model or default_model_path())
+    gguf = load_model(args.model or default_model_path())
     modes = ["single", "disaggregated"] if args.mode == "both" else [args.mode]
     rows = run_lab(gguf, modes, progress=lambda line: print(f"... {line}", flush=True))
     print(format_table(rows))

@@ -464,9 +464,7 @@ def _load_engine(
     engine_cls: type[Engine],
     chat_template: str | None,
 ) -> Engine:
-    from kvfence.model.gguf import load_gguf
-    from kvfence.model.hf_dir import is_hf_dir
-    from kvfence.model.hf_load import load_hf_dir
+    from kvfence.model.hf_load import load_model
     from kvfence.pins import default_model_path
 
     if config.num_threads:
@@ -476,14 +474,11 @@ def _load_engine(
     device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     # Graphs are captured on CUDA alone: elsewhere the flag would only add an unused scratch page.
     config = dataclasses.replace(config, decode_graphs=config.decode_graphs and device.startswith("cuda"))
-    hf = is_hf_dir(path)  # a Hugging Face directory loads into the same GGUF-named tensors
-    gguf = (load_hf_dir if hf else load_gguf)(
-        path, dtype=getattr(torch, config.dtype), device=device, progress=log
-    )
+    gguf = load_model(path, dtype=getattr(torch, config.dtype), device=device, progress=log)
     model = Transformer.from_gguf(
         gguf, config.decode_attention, config.decode_matmul, config.activation_dtype, progress=log
     )
-    tokenizer = Tokenizer.from_hf_dir(path, chat_template) if hf else Tokenizer.from_gguf(gguf, chat_template)
+    tokenizer = Tokenizer.from_gguf(gguf, chat_template)
     model_file = gguf.path
     del gguf  # the file's map and the loader's tensors: the model holds its packed copy
     return_freed_heap()

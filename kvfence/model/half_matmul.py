@@ -21,19 +21,25 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 class HalfMatmulKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._fn = library.half_matmul
-        self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int]
-        self._fn.restype = None
+        self._fns = {
+            split: getattr(library, name)
+            for split, name in ((False, "half_matmul"), (True, "half_matmul_threads"))
+        }
+        for fn in self._fns.values():
+            fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, ctypes.c_int, _ptr, ctypes.c_int]
+            fn.restype = None
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, split: bool = False) -> torch.Tensor:
         """x [rows, in_features] float32 (rows may be strided; each row contiguous), weight [out_features,
-        in_features] bfloat16 or float16, contiguous -> [rows, out_features] float32."""
+        in_features] bfloat16 or float16, contiguous -> [rows, out_features] float32. Output features go
+        over torch's threads where the product repays waking them, or always with `split` (as the C
+        decoder layer calls it: measurements of that path)."""
         rows, in_features = x.shape
         assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
         assert weight.dtype in HALF_DTYPES and weight.is_contiguous() and weight.shape[1] == in_features
         out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
         if rows:
-            self._fn(
+            self._fns[split](
                 x.data_ptr(),
                 x.stride(0),
                 rows,

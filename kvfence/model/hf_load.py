@@ -1,6 +1,6 @@
 """Load a Hugging Face model directory (hf_dir.py) into the GGUF-named tensors the rest of kvfence reads,
 as `load_gguf` loads a GGUF file: the same `GGUFModel`, so the model, the engine and the tokenizer's
-caller need not know which they were given.
+caller need not know which they were given (`load_model` takes either).
 
 Contract: every tensor is read from the directory's safetensors under its GGUF name, in torch Linear layout
 ([out_features, in_features], HF's own: llama's Q/K rows are already in the rotate-half order the forward
@@ -21,11 +21,22 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvfence.model.gguf import GGUFModel
+from kvfence.model.gguf import GGUFModel, load_gguf
 from kvfence.model.half_matmul import HALF_DTYPES
-from kvfence.model.hf_dir import HFDir, StoredTensor, read_dir
+from kvfence.model.hf_dir import HFDir, StoredTensor, is_hf_dir, read_dir
 
 _PROGRESS_REPORTS = 4
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> GGUFModel:
+    """A GGUF file (`load_gguf`) or a Hugging Face directory (`load_hf_dir`), whichever `path` is."""
+    load = load_hf_dir if is_hf_dir(Path(path)) else load_gguf
+    return load(path, dtype=dtype, device=device, progress=progress)
 
 
 def load_hf_dir(

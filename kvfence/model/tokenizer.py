@@ -198,7 +198,11 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, model: GGUFModel, chat_template: str | None = None) -> Tokenizer:
-        """The tokenizer stored in a loaded GGUF model's metadata (`chat_template` as in `__init__`)."""
+        """The tokenizer of a loaded model: a GGUF file's, from its metadata; a Hugging Face directory's
+        (hf_load.load_hf_dir gives the same GGUFModel), from its files (`from_hf_dir`). `chat_template`
+        as in `__init__`."""
+        if model.path.is_dir():
+            return cls.from_hf_dir(model.path, chat_template)
         return cls(model.metadata, chat_template)
 
     @staticmethod

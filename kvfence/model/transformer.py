@@ -208,6 +208,11 @@ class Transformer:
         """The decode-row kernel over packed weights, None where decode multiplies dense weights."""
         return self._packed_kernel
 
+    @property
+    def half_matmul(self) -> HalfMatmulKernel | None:
+        """The decode-row kernel over 16-bit weights under a float32 model, None where there are none."""
+        return self._half_kernel
+
     @classmethod
     def from_gguf(
         cls,
