@@ -23,6 +23,8 @@ from pathlib import Path
 from kvfence.units import parse_size
 
 REDIS_TIMEOUT_S = 0.5  # a store that does not answer by then is a miss: recompute, never wait on it
+# A page is ~0.4 MB: read in 1 MiB chunks, one GET is 2.9 GB/s instead of 2.0 with redis-py's 64 KiB.
+REDIS_READ_BYTES = 1 << 20
 DOWN_S = 5.0  # after a failure a network store is skipped this long, then asked again
 
 
@@ -167,7 +169,10 @@ class RedisTier(TierStore):
         import redis  # only where a Redis tier is named
 
         self._client = redis.Redis.from_url(
-            spec, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+            spec,
+            socket_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_TIMEOUT_S,
+            socket_read_size=REDIS_READ_BYTES,
         )
         self._errors = (redis.RedisError, OSError)
         self._clock = clock
