@@ -31,8 +31,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,8 +49,8 @@ from common import (
 
 from kvfence.config import ACTIVATION_DTYPES, KV_CACHE_DTYPES
 from kvfence.harness.cluster import cluster
-from kvfence.harness.peers import llama_server, llama_server_binary
-from kvfence.harness.procs import memory_mb
+from kvfence.harness.peers import Peer, llama_server, llama_server_binary
+from kvfence.harness.procs import cpu_seconds, memory_mb
 from kvfence.harness.streams import Sampling
 from kvfence.harness.synthetic import LLAMA_1B, synthetic_llama
 from kvfence.harness.tables import print_table
@@ -81,73 +81,114 @@ class Served:
     url: str
     pid: int
     ready_s: float  # from its start until /health answered
+    model: str  # the model id its requests name
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """The engine kvfence is set beside: its name in the tables, how it starts on a model file (beside the
+    bench's arguments), and the model id its requests name."""
+
+    name: str
+    start: Callable[[Path, argparse.Namespace], AbstractContextManager[Peer]]
+    model_id: Callable[[Path], str]
+
+
+def llama_peer(binary: Path) -> PeerSpec:
+    def start(model: Path, args: argparse.Namespace) -> AbstractContextManager[Peer]:
+        return llama_server(binary, model, args.threads, 16, 16 * WINDOW // 4)
+
+    return PeerSpec("llama-server", start, lambda model: model.stem)
 
 
 @contextmanager
-def servers(binary: Path, model: Path, args: argparse.Namespace) -> Iterator[dict[str, Served]]:
-    """Both servers on `model` by name, started one after the other (each on an idle machine)."""
-    threads = args.threads
+def servers(
+    peer: PeerSpec, model: Path, args: argparse.Namespace, systems: tuple[str, ...]
+) -> Iterator[dict[str, Served]]:
+    """The servers `systems` names (the peer's name, "kvfence") on `model`, started one after the other
+    (each on an idle machine)."""
     with ExitStack() as stack:
-        start = time.perf_counter()
-        peer = stack.enter_context(llama_server(binary, model, threads, 16, 16 * WINDOW // 4))
-        peer_ready = time.perf_counter() - start
-        serve = ["--model", str(model), "--num-threads", str(threads), "--max-num-seqs", "16"]
-        serve += ["--max-model-len", str(WINDOW), "--kv-cache-memory", KV_POOL]
-        for flag, value in (
-            ("--activation-dtype", args.activation_dtype),
-            ("--kv-cache-dtype", args.kv_cache_dtype),
-        ):
-            serve += [flag, value] if value is not None else []  # unnamed: what `kvfence serve` does alone
-        start = time.perf_counter()
-        running = stack.enter_context(cluster(serve_args=serve))
-        ready = time.perf_counter() - start
-        yield {
-            "llama-server": Served(peer.url, peer.pid, peer_ready),
-            "kvfence": Served(running.url, running.processes[0].pid, ready),
-        }
+        found: dict[str, Served] = {}
+        if peer.name in systems:
+            start = time.perf_counter()
+            running_peer = stack.enter_context(peer.start(model, args))
+            ready = time.perf_counter() - start
+            found[peer.name] = Served(running_peer.url, running_peer.pid, ready, peer.model_id(model))
+        if "kvfence" in systems:
+            start = time.perf_counter()
+            running = stack.enter_context(cluster(serve_args=kvfence_args(model, args)))
+            ready = time.perf_counter() - start
+            found["kvfence"] = Served(running.url, running.processes[0].pid, ready, model.stem)
+        yield found
+
+
+def kvfence_args(model: Path, args: argparse.Namespace) -> list[str]:
+    serve = ["--model", str(model), "--num-threads", str(args.threads), "--max-num-seqs", "16"]
+    serve += ["--max-model-len", str(WINDOW), "--kv-cache-memory", KV_POOL]
+    for flag, value in (
+        ("--activation-dtype", args.activation_dtype),
+        ("--kv-cache-dtype", args.kv_cache_dtype),
+    ):
+        serve += [flag, value] if value is not None else []  # unnamed: what `kvfence serve` does alone
+    return serve
 
 
 def row(
-    url: str, model: str, prompts: list[list[int]], args: argparse.Namespace, streams: int, sampling: str
-):
-    _, timings, wall = run_streams(url, prompts, args.max_tokens, streams, model, SAMPLINGS[sampling])
-    return RunResult(sampling, streams, len(timings), wall, sum(t.num_output for t in timings), timings)
+    served: Served, prompts: list[list[int]], args: argparse.Namespace, streams: int, sampling: str
+) -> dict[str, Any]:
+    """One row's summary, with the CPU the server (its processes) used over the row's wall time."""
+    cpu = cpu_seconds(served.pid)
+    _, timings, wall = run_streams(
+        served.url, prompts, args.max_tokens, streams, served.model, SAMPLINGS[sampling]
+    )
+    used = cpu_seconds(served.pid) - cpu
+    result = RunResult(sampling, streams, len(timings), wall, sum(t.num_output for t in timings), timings)
+    return result.summary() | {"cpu_pct": 100 * used / wall}
 
 
-def bench_model(binary: Path, name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def bench_model(
+    peer: PeerSpec, name: str, args: argparse.Namespace, alone: bool = False
+) -> list[dict[str, Any]]:
+    """Every (streams, sampling) row on both servers, each row's prompts fresh. Both servers up at once,
+    their rows alternating (each pair sees one machine state), or with `alone` one server at a time (a
+    peer that keeps every core busy while idle, as vLLM's CPU build does, would take them from the
+    other): the peer's rows, then kvfence's, the same prompts."""
     path = model_file(name)
     tokenizer = Tokenizer(read_header(path)[1])
-    rows: list[dict[str, Any]] = []
-    with servers(binary, path, args) as running:
-        for served in running.values():  # a warm-up each: one-off allocations are not measured
-            warm_up = make_prompts(tokenizer, 4, args.prompt_len, salt=-1)
-            row(served.url, path.stem, warm_up, args, 4, "greedy")
-        salt = 0
-        for streams in args.streams:  # greedy and sampled side by side: their ratio sees one machine state
-            for sampling in SAMPLINGS:
-                found: dict[str, Any] = {"model": name, "sampling": sampling, "streams": streams}
+    cells = [(streams, sampling) for streams in args.streams for sampling in SAMPLINGS]
+    groups = [(peer.name,), ("kvfence",)] if alone else [(peer.name, "kvfence")]
+    results: dict[tuple[int, str], dict[str, Any]] = {}
+    memory, ready, repeat = {}, {}, None
+    for group in groups:
+        with servers(peer, path, args, group) as running:
+            for served in running.values():  # a warm-up each: one-off allocations are not measured
+                row(served, make_prompts(tokenizer, 4, args.prompt_len, salt=-1), args, 4, "greedy")
+            for index, (streams, sampling) in enumerate(cells):
                 for system, served in running.items():
-                    salt += 1
+                    salt = 2 * index + (2 if system == "kvfence" else 1)  # a prompt set per row and server
                     prompts = make_prompts(tokenizer, args.requests * streams, args.prompt_len, salt=salt)
-                    found[system] = row(served.url, path.stem, prompts, args, streams, sampling).summary()
-                print(line(found), flush=True)
-                rows.append(found)
-        repeat = None
-        if SHARE_STREAMS in args.streams:
-            repeat = _repeat_share(running["kvfence"].url, tokenizer, path.stem, args, salt)
-        memory = {system: memory_mb(served.pid) for system, served in running.items()}
-        ready = {system: served.ready_s for system, served in running.items()}
-    for found in rows:
+                    results[index, system] = found = row(served, prompts, args, streams, sampling)
+                    print(f"{name} {sampling} x{streams}: {system} {found['output_tok_per_s']:.1f} tok/s")
+            if "kvfence" in running and SHARE_STREAMS in args.streams:
+                repeat = _repeat_share(running["kvfence"], tokenizer, args, 2 * len(cells))
+            memory |= {system: memory_mb(served.pid) for system, served in running.items()}
+            ready |= {system: served.ready_s for system, served in running.items()}
+    rows = []
+    for index, (streams, sampling) in enumerate(cells):
+        found = {"model": name, "sampling": sampling, "streams": streams, "peer": peer.name, "alone": alone}
+        found |= {system: results[index, system] for system in (peer.name, "kvfence")}
         found["share_repeat"] = repeat
         found["rss_mb"] = {system: now for system, (now, _) in memory.items()}
         found["peak_rss_mb"] = {system: peak for system, (_, peak) in memory.items()}
         found["ready_s"] = ready
         found["file_mb"] = path.stat().st_size / 2**20
+        print(line(found), flush=True)
+        rows.append(found)
     return rows
 
 
 def _repeat_share(
-    url: str, tokenizer: Tokenizer, model: str, args: argparse.Namespace, salt: int
+    served: Served, tokenizer: Tokenizer, args: argparse.Namespace, salt: int
 ) -> dict[str, float]:
     """kvfence's sampled then greedy row again at SHARE_STREAMS: with the table's greedy-then-sampled
     pair, an A-B-B-A order, whose summed rates cancel a machine drifting at a steady pace (one pair on
@@ -155,48 +196,59 @@ def _repeat_share(
     found: dict[str, float] = {}
     for offset, sampling in enumerate(("sampled", "greedy"), start=1):
         prompts = make_prompts(tokenizer, args.requests * SHARE_STREAMS, args.prompt_len, salt=salt + offset)
-        rate = row(url, model, prompts, args, SHARE_STREAMS, sampling).summary()["output_tok_per_s"]
+        rate = row(served, prompts, args, SHARE_STREAMS, sampling)["output_tok_per_s"]
         found[sampling] = rate
-        print(f"{model} {sampling} x{SHARE_STREAMS} again: kvfence {rate:.1f} tok/s", flush=True)
+        print(f"{served.model} {sampling} x{SHARE_STREAMS} again: kvfence {rate:.1f} tok/s", flush=True)
     return found
 
 
 def line(found: dict[str, Any]) -> str:
-    k, llama = found["kvfence"], found["llama-server"]
-    ratio = k["output_tok_per_s"] / llama["output_tok_per_s"]
+    k, other = found["kvfence"], found[found["peer"]]
+    ratio = k["output_tok_per_s"] / other["output_tok_per_s"]
     where = f"{found['model']} {found['sampling']} x{found['streams']}"
     return (
         f"{where}: kvfence {k['output_tok_per_s']:.1f} tok/s, "
-        f"llama-server {llama['output_tok_per_s']:.1f} ({ratio:.2f}x)"
+        f"{found['peer']} {other['output_tok_per_s']:.1f} ({ratio:.2f}x)"
     )
 
 
 def table(rows: list[dict[str, Any]]) -> None:
+    """kvfence beside the peer (k / p), a row per model, sampling and streams."""
     print_table(
-        ["model", "sampling", "streams", "kvfence tok/s", "llama tok/s", "ratio", "TPOT p50 k / l ms",
-         "TTFT p50 k / l ms", "RSS k / l MiB", "peak RSS k / l MiB", "ready k / l s"],
+        ["model", "sampling", "streams", "kvfence tok/s", "peer tok/s", "ratio", "TPOT p50 k / p ms",
+         "TTFT p50 k / p ms", "CPU % k / p", "RSS k / p MiB", "peak RSS k / p MiB", "ready k / p s"],
         [
             [
                 r["model"], r["sampling"], r["streams"],
-                f"{r['kvfence']['output_tok_per_s']:.1f}", f"{r['llama-server']['output_tok_per_s']:.1f}",
-                f"{r['kvfence']['output_tok_per_s'] / r['llama-server']['output_tok_per_s']:.2f}x",
-                f"{r['kvfence']['tpot_p50_ms']:.1f} / {r['llama-server']['tpot_p50_ms']:.1f}",
-                f"{r['kvfence']['ttft_p50_ms']:.0f} / {r['llama-server']['ttft_p50_ms']:.0f}",
-                f"{r['rss_mb']['kvfence']:.0f} / {r['rss_mb']['llama-server']:.0f}",
-                f"{r['peak_rss_mb']['kvfence']:.0f} / {r['peak_rss_mb']['llama-server']:.0f}",
-                f"{r['ready_s']['kvfence']:.1f} / {r['ready_s']['llama-server']:.1f}",
+                f"{r['kvfence']['output_tok_per_s']:.1f}", f"{r[r['peer']]['output_tok_per_s']:.1f}",
+                f"{r['kvfence']['output_tok_per_s'] / r[r['peer']]['output_tok_per_s']:.2f}x",
+                f"{r['kvfence']['tpot_p50_ms']:.1f} / {r[r['peer']]['tpot_p50_ms']:.1f}",
+                f"{r['kvfence']['ttft_p50_ms']:.0f} / {r[r['peer']]['ttft_p50_ms']:.0f}",
+                f"{r['kvfence']['cpu_pct']:.0f} / {r[r['peer']]['cpu_pct']:.0f}",
+                f"{r['rss_mb']['kvfence']:.0f} / {r['rss_mb'][r['peer']]:.0f}",
+                f"{r['peak_rss_mb']['kvfence']:.0f} / {r['peak_rss_mb'][r['peer']]:.0f}",
+                f"{r['ready_s']['kvfence']:.1f} / {r['ready_s'][r['peer']]:.1f}",
             ]
             for r in rows
         ],
     )  # fmt: skip
+    print(
+        f"peer: {rows[0]['peer']}; CPU %: the server's processes' CPU time over the row's wall (200: 2 cores)"
+    )
+
+
+def ratio_verdicts(rows: list[dict[str, Any]], target: float) -> list[str]:
+    """kvfence / peer output tok/s >= `target` at every row."""
+    found = []
+    for r in rows:
+        ratio = r["kvfence"]["output_tok_per_s"] / r[r["peer"]]["output_tok_per_s"]
+        name = f"{r['model']} {r['sampling']} x{r['streams']}: kvfence / {r['peer']} tok/s"
+        found.append(verdict(name, ratio >= target, f"{ratio:.2f}x (target >= {target}x)"))
+    return found
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    found = []
-    for r in rows:
-        ratio = r["kvfence"]["output_tok_per_s"] / r["llama-server"]["output_tok_per_s"]
-        name = f"{r['model']} {r['sampling']} x{r['streams']}: kvfence / llama-server tok/s"
-        found.append(verdict(name, ratio >= TARGET, f"{ratio:.2f}x (target >= {TARGET}x)"))
+    found = ratio_verdicts(rows, TARGET)
     for model in sorted({r["model"] for r in rows}):
         by = {(r["sampling"], r["streams"]): r for r in rows if r["model"] == model}
         pair = by.get(("greedy", SHARE_STREAMS)), by.get(("sampled", SHARE_STREAMS))
@@ -234,7 +286,8 @@ def main() -> int:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="default: kvfence's own")
     args = parser.parse_args()
     binary = llama_server_binary(args.llama_server, build=args.build)
-    rows = [r for name in args.models.split(",") for r in bench_model(binary, name, args)]
+    peer = llama_peer(binary)
+    rows = [r for name in args.models.split(",") for r in bench_model(peer, name, args)]
     table(rows)
     found = {"binary": str(binary), "activation_dtype": args.activation_dtype, "rows": rows}
     found["kv_cache_dtype"] = args.kv_cache_dtype

@@ -1,4 +1,5 @@
-"""Peer engines for side-by-side runs: llama.cpp's `llama-server`, started on a GGUF file here.
+"""Peer engines for side-by-side runs: llama.cpp's `llama-server`, started on a GGUF file here, and vLLM's
+CPU build, started by the script `../shared/peers/install-vllm-cpu.sh` writes (`vllm_server`).
 
 Contract: `llama_server_binary(path)` finds the binary (a path given, `$KVFENCE_LLAMA_SERVER`, or the one
 `../shared/peers/build-llama-server.sh` builds into ~/.cache/kvfence-peers), building it only when asked;
@@ -26,7 +27,10 @@ from kvfence.harness.key_files import write_key_file
 ENV = "KVFENCE_LLAMA_SERVER"
 BUILD_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "peers" / "build-llama-server.sh"
 CACHED = Path.home() / ".cache/kvfence-peers/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
+VLLM_SERVE = Path.home() / ".cache/kvfence-peers/vllm/serve-vllm.sh"  # install-vllm-cpu.sh's default
+VLLM_MODEL = "smollm2"  # the name serve-vllm.sh serves the SmolLM2 directory under
 START_TIMEOUT_S = 120.0
+VLLM_START_TIMEOUT_S = 300.0  # its first start compiles the model (~55 s here)
 
 
 def llama_server_binary(path: Path | None = None, build: bool = False) -> Path:
@@ -83,15 +87,37 @@ def llama_server(
                 process.kill()
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+@contextmanager
+def vllm_server(script: Path = VLLM_SERVE, extra: Sequence[str] = ()) -> Iterator[Peer]:
+    """vLLM's CPU build serving SmolLM2 (float32, as `script` starts it: its OpenMP threads bound to every
+    core) on 127.0.0.1; its processes are stopped on leaving."""
+    if not script.is_file():
+        raise FileNotFoundError(f"no {script}: run ../shared/peers/install-vllm-cpu.sh")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp, Path(tmp, "vllm.log").open("w") as log:
+        command = ["bash", str(script), str(port), *extra]
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, process, VLLM_START_TIMEOUT_S)
+            yield Peer(url, process.pid)
+        finally:
+            os.killpg(process.pid, 15)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, 9)
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {process.returncode} before it was ready")
+            raise RuntimeError(f"{process.args} exited with {process.returncode} before it was ready")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"llama-server at {url} not healthy within {START_TIMEOUT_S:.0f} s")
+    raise TimeoutError(f"the server at {url} was not healthy within {timeout_s:.0f} s")

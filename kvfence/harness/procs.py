@@ -119,6 +119,18 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) `pid` and every live process below it have used so far."""
+    total = 0
+    for each in (pid, *descendants(pid)):
+        try:
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def memory_mb(pid: int) -> tuple[float, float]:
     """(resident set now, its peak) of one process in MiB: VmRSS and VmHWM of /proc/PID/status."""
     fields = dict(
