@@ -35,7 +35,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
-import jinja2
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -52,6 +51,7 @@ from kvfence.api.embeddings import EmbeddingRequest, embedding_response
 from kvfence.api.errors import APIError, abort_error, install_error_handlers
 from kvfence.api.logprobs import LogprobsFormat, prompt_logprobs
 from kvfence.api.metrics import Metrics
+from kvfence.api.prompts import NO_CHAT_TEMPLATE, bad_words_token_ids, encode_chat, truncate_prompt
 from kvfence.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from kvfence.api.reasoning import Reasoning, check_parser
 from kvfence.api.responses import EngineStreamResponse, Format, answer, sse_events, usage
@@ -62,16 +62,11 @@ from kvfence.api.tools import ToolCallParser, template_messages, tool_guide
 from kvfence.engine.async_engine import Embedder, EngineClient
 from kvfence.engine.engine import AdmissionError
 from kvfence.grammar.compiler import GrammarCompiler, GrammarError, Guide, RequestGrammar
-from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import package_version
 from kvfence.request import Status
 from kvfence.sampling import SamplingDefaults
 
 PROMPT_TAIL_TOKENS = 16  # read for an open or closed think block the template wrote (Qwen 3's takes 4)
-NO_CHAT_TEMPLATE = (
-    "this model file has no chat template, so /v1/chat/completions cannot render a conversation: send the "
-    "prompt as text to /v1/completions, or start the server with --chat-template FILE (a jinja chat template)"
-)
 
 
 class _Service:
@@ -436,67 +431,6 @@ class _Service:
         if not events:
             raise APIError(404, f"no audit trail for request '{request_id}'", code="request_not_found")
         return {"request_id": request_id, "events": events}
-
-
-def encode_chat(
-    tokenizer: Tokenizer,
-    body: ChatCompletionRequest,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-) -> list[int]:
-    """Render with the model's chat template, then encode without adding special tokens (the template
-    already wrote the ones it wants) unless the request asks for them (vLLM's `add_special_tokens`).
-    The one rendering of the server and the offline API (kvfence.offline); a conversation it cannot
-    render is an APIError 400."""
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            tools=tools,
-            template_kwargs=body.chat_template_kwargs,
-        )
-    except (jinja2.TemplateError, ValueError) as exc:
-        raise APIError(400, f"cannot render the conversation: {exc}", param="messages") from exc
-    if body.continue_final_message:
-        text = _open_final_message(text, body.messages[-1].text())
-    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-
-
-def truncate_prompt(prompt: list[int], keep: int | None, window: int) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: the window's worth); None keeps
-    it whole. More than the window is an APIError 400, as in vLLM."""
-    if keep is None:
-        return prompt
-    if keep > window:
-        message = (
-            f"truncate_prompt_tokens ({keep}) is greater than the model's maximum context length "
-            f"({window}): choose a smaller value, or -1 for the window"
-        )
-        raise APIError(400, message, param="truncate_prompt_tokens")
-    return prompt[-(window if keep == -1 else keep) :]
-
-
-def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
-    """vLLM's encoding of `bad_words`: each word as written (leading space stripped) and, where that is
-    another token sequence of the same length, with one leading space (a word inside a sentence)."""
-    found = []
-    for word in words:
-        bare = tokenizer.encode(word.lstrip(), False)
-        spaced = tokenizer.encode(" " + word.lstrip(), False)
-        found.append(bare)
-        if len(spaced) == len(bare) and spaced[0] != bare[0]:
-            found.append(spaced)
-    return found
-
-
-def _open_final_message(text: str, final: str) -> str:
-    """vLLM's (and HF's) `continue_final_message`: the rendered chat cut right after the last message's
-    text, so what would close it is not there and the model continues it."""
-    for content in (final, final.strip()):
-        if content and content in text:
-            return text[: text.rindex(content) + len(content)]
-    message = "continue_final_message: the final message does not appear in the rendered chat"
-    raise APIError(400, message, param="continue_final_message")
 
 
 def _add_token_ids(body: Any, prompt: list[int], tokens: list[int]) -> None:

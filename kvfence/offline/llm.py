@@ -31,8 +31,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvfence.api.errors import APIError
+from kvfence.api.prompts import NO_CHAT_TEMPLATE, bad_words_token_ids, encode_chat, truncate_prompt
 from kvfence.api.protocol import ChatCompletionRequest
-from kvfence.api.server import NO_CHAT_TEMPLATE, bad_words_token_ids, encode_chat, truncate_prompt
 from kvfence.api.tools import template_messages
 from kvfence.cli_options import model_file
 from kvfence.config import EngineConfig
