@@ -388,6 +388,9 @@ def check_http(args: argparse.Namespace) -> Front:
         raise StartupError(
             f"{admin_source}: it is also a tenant key in the API key list; give the admin its own key"
         )
+    if args.log_request_prompts and not args.enable_log_requests:
+        message = "--log-request-prompts: it adds prompts to --enable-log-requests' lines; give both"
+        raise StartupError(message)
     if args.audit_log is not None:
         try:
             args.audit_log.open("a", encoding="utf-8").close()

@@ -126,3 +126,13 @@ def test_the_engine_counts_prompt_tokens_it_computed_and_tokens_it_sampled(tiny:
     engine.generate([prompt], params)  # its three full pages come from the prefix cache
     stats = EngineStats.read(engine)
     assert (stats.prompt_tokens_computed, stats.generation_tokens) == (13 + 6 + 1, 15)
+
+
+def test_prompt_logging_without_the_request_log_is_refused_at_start() -> None:
+    from kvfence.cli import build_parser
+    from kvfence.cli_checks import check_http
+    from kvfence.startup import StartupError
+
+    args = build_parser().parse_args(["serve", "--log-request-prompts"])  # refused before any bind
+    with pytest.raises(StartupError, match=r"--log-request-prompts: .* give both"):
+        check_http(args)
