@@ -86,7 +86,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=positive_int,
         default=defaults.max_num_batched_tokens,
-        help="tokens per step, the chunked-prefill budget (default: %(default)s)",
+        help="tokens per step, the chunked-prefill budget (default: 512 on CPU, 2048 on an accelerator)",
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     _add_fence_options(g)

@@ -177,7 +177,7 @@ class AsyncEngine:
         """The prompt's embedding (engine/embedding.py): float32 [embedding_size], unit norm. Its chunks of
         at most `max_num_batched_tokens` tokens run on the engine thread, between steps; prompts wait for
         each other in arrival order, so a request of many inputs takes turns with the others'."""
-        job = EmbeddingJob(self.engine.model, prompt_token_ids, self.engine.config.max_num_batched_tokens)
+        job = EmbeddingJob(self.engine.model, prompt_token_ids, self.engine.scheduler.max_num_batched_tokens)
         async with self._embedding:
             while not await asyncio.wrap_future(self.call(job.step)):
                 pass

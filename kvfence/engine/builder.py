@@ -175,7 +175,7 @@ def build_parts(
         events,
         faults,
         config.max_num_seqs,
-        config.max_num_batched_tokens,
+        config.step_tokens(model.device.type),
         limits,
         make_drafter(spec) if spec is not None else None,
         spec.num_speculative_tokens if spec is not None else 0,
