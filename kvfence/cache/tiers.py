@@ -4,7 +4,7 @@ and restored into a fresh page of the request that asks, through the fence.
 Contract:
 - `offer` never blocks the step: the page's bytes are queued for a writer thread that seals them and puts
   them in every tier; a full queue drops the page (counted in `dropped`).
-- `fetch` searches the tiers in order (a batch of names a tier) and
+- `fetch` searches the tiers in order (each page's value fetched while the one before it is opened) and
   returns a page's bytes only when a value opens under the tenant's key for exactly that model, layout,
   prefix and place (tier_seal.py); anything else is a miss, counted by tier and reason. It never raises
   for a store's failure.
@@ -16,6 +16,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +76,7 @@ class KVTiers:
                 break
             counters = self.counters[store.spec]
             counters.lookups += len(wanted)
-            for i, value in zip(wanted, store.get_many([names[i] for i in wanted]), strict=True):
+            for i, value in zip(wanted, _prefetched(store, [names[i] for i in wanted]), strict=True):
                 chain, index = pages[i]
                 opened = None if value is None else self.seal.open(tenant, chain, index, slots, value)
                 if isinstance(opened, bytes):
@@ -155,3 +157,17 @@ class KVTiers:
                 self._remember(name)
             finally:
                 self._queue.task_done()
+
+
+def _prefetched(store: TierStore, names: list[bytes]) -> Iterator[bytes | None]:
+    """`store.get` of each name, in order, the next one fetched on a thread of its own while the caller
+    opens this one: a network or disk read waits outside the GIL, beside the cipher and the copy."""
+    if not names:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="kvfence-tier-fetch") as fetcher:
+        pending = fetcher.submit(store.get, names[0])
+        for name in names[1:]:
+            value = pending.result()
+            pending = fetcher.submit(store.get, name)
+            yield value
+        yield pending.result()
