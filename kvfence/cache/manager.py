@@ -23,6 +23,7 @@ from kvfence.cache.pool import KVPool, PageState
 from kvfence.cache.prefix import PrefixCache, extend_chain
 from kvfence.cache.tiers import KVTiers
 from kvfence.trail.events import EventLog
+from kvfence.trail.reasons import STALE_WRITE
 from kvfence.units import cdiv
 
 RESTORE_BATCH = 16  # pages fetched from the tiers in one call (all at once held 94 MB at 4k tokens: slower)
@@ -65,6 +66,9 @@ class KVCacheManager:
         self.prefix = prefix
         self.events = events
         self.tiers = tiers  # sealed KV tiers below the pool (tiers.py); None: the cache ends at the pool
+        # Requests whose restore the fence refused, by id, with the integrity reason: the engine aborts them
+        # before they run (`take_refused_restores`).
+        self._refused_restores: dict[str, str] = {}
         self.page_size = pool.page_size
         self.block_table = BlockTable()  # every record's entries: the rows a step gathers its pages from
 
@@ -132,10 +136,18 @@ class KVCacheManager:
             self.events.emit(seq.request_id, "tier_restored", pages=restored, tokens=len(restored) * size)
         return len(restored)
 
+    def take_refused_restores(self) -> dict[str, str]:
+        """The requests whose tier restore the fence refused since the last call (id -> integrity reason): a
+        restore aimed at a page not the request's own is a bookkeeping fault, and the request must not go on
+        as if nothing happened."""
+        refused, self._refused_restores = self._refused_restores, {}
+        return refused
+
     def _write_restored(self, seq: CachedSequence, page: int, generation: int, page_bytes: bytes) -> bool:
         """A restored page's bytes into `page`: a fenced write of every slot (the page must be the record's
         tenant's alone at `generation`, every slot next in order), as any step's write is. False, nothing
-        written and `write_refused` on the trail, when the fence refuses it."""
+        written, `write_refused` on the trail and the request among `take_refused_restores`, when the fence
+        refuses it."""
         tenant = seq.record.tenant
         if self.prefix is not None and self.prefix.faults.fire("tier_foreign_write"):
             page = self._foreign_page(seq, page)
@@ -150,6 +162,7 @@ class KVCacheManager:
             )
             if not allowed.all():
                 self.events.emit(seq.request_id, "write_refused", page=page, why="tier restore")
+                self._refused_restores[seq.request_id] = STALE_WRITE
                 return False
         self.pool.load_page_bytes(page, page_bytes)
         self.pool.commit_writes(pages, slots)

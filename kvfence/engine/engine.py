@@ -265,14 +265,30 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        outputs = self._abort_refused_restores(batch)
         if not batch.requests:
-            return []
+            return outputs
         self.num_steps += 1
         before = self.prompt_tokens_computed + self.generation_tokens
         result = self.runner.execute(batch.requests, batch.num_new_tokens)
-        outputs = self._apply(batch, result)
+        outputs += self._apply(batch, result)
         self.step_tokens.observe(self.prompt_tokens_computed + self.generation_tokens - before)
         return outputs
+
+    def _abort_refused_restores(self, batch: Batch) -> list[RequestOutput]:
+        """Requests whose tier restore the fence refused at admission end here, aborted for integrity, out
+        of the batch before any of their rows runs."""
+        refused = self.kv_cache.take_refused_restores()
+        if not refused:
+            return []
+        kept = [
+            (r, n)
+            for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
+            if r.request_id not in refused
+        ]
+        batch.requests[:] = [r for r, _ in kept]
+        batch.num_new_tokens[:] = [n for _, n in kept]
+        return [o for rid, reason in refused.items() if (o := self.abort(rid, reason)) is not None]
 
     def _apply(self, batch: Batch, result: StepResult) -> list[RequestOutput]:
         """The step's results, row by row: integrity aborts first, then each surviving row's tokens."""

@@ -249,11 +249,11 @@ def test_a_tier_spec_is_checked_and_a_tier_without_a_key_refused(model: Transfor
         LLMEngine(EngineConfig(num_pages=64, max_model_len=48, kv_tiers=("memory:1MiB",)), model, log=print)
 
 
-@pytest.mark.parametrize("isolation", [False, True], ids=["fence off: leak", "fence on: refused"])
+@pytest.mark.parametrize("isolation", [False, True], ids=["fence off: leak", "fence on: abort"])
 def test_a_restore_written_into_another_requests_page(model: Transformer, isolation: bool) -> None:
     """Fault `tier_foreign_write`: tenant a's restore targets tenant b's running request's page. Fence off,
-    the write lands and b's answer changes; fence on, it is refused (`write_refused` on a's trail, counted):
-    b's answer is its own, and a's is the cold one (its pages computed)."""
+    the write lands and b's answer changes; fence on, it is refused (`write_refused` on a's trail, counted)
+    and a is aborted for integrity (`stale_write`) before any of its rows runs: b's answer is its own."""
     store = MemoryTier("memory:1MiB", 2**20)
     cold = stored(model, store)
     victim_prompt = [(5 * i + 11) % 200 + 1 for i in range(17)]
@@ -270,11 +270,14 @@ def test_a_restore_written_into_another_requests_page(model: Transformer, isolat
         engine.step()
     assert [e.fault for e in engine.faults.effects] == ["tier_foreign_write"]
     refused = [e for e in engine.events.for_request(restorer.request_id) if e["kind"] == "write_refused"]
+    kinds = [e["kind"] for e in engine.events.for_request(restorer.request_id)]
     if isolation:
-        assert victim.output_token_ids == alone and restorer.output_token_ids == cold
+        assert victim.output_token_ids == alone and restorer.output_token_ids == []
         assert refused and engine.pool.refused_writes >= engine.pool.page_size
+        assert restorer.finish_reason == "stale_write" and engine.integrity_aborts["stale_write"] == 1
+        assert "step" not in kinds and kinds.index("write_refused") < kinds.index("aborted")
     else:
-        assert victim.output_token_ids != alone and not refused
+        assert victim.output_token_ids != alone and not refused and restorer.output_token_ids
 
 
 def test_a_cache_salt_splits_a_tenants_cached_kv_and_never_joins_two_tenants(model: Transformer) -> None:
