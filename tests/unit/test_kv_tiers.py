@@ -255,7 +255,7 @@ def test_a_restore_written_into_another_requests_page(model: Transformer, isolat
     the write lands and b's answer changes; fence on, it is refused (`write_refused` on a's trail, counted)
     and a is aborted for integrity (`stale_write`) before any of its rows runs: b's answer is its own."""
     store = MemoryTier("memory:1MiB", 2**20)
-    cold = stored(model, store)
+    stored(model, store)  # the tier holds PROMPT's pages: a's admission restores them
     victim_prompt = [(5 * i + 11) % 200 + 1 for i in range(17)]
     [alone] = [
         r.output_token_ids for r in make_engine(model, max_model_len=64).generate([victim_prompt], PARAMS)
