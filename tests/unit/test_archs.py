@@ -118,6 +118,17 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[li
     return ids[len(prompt) :], logits
 
 
+def assert_engine_matches(model: Transformer, reference: torch.nn.Module, steps: int = 8) -> None:
+    """An engine over `model` (pages of 4, chunks of 8) against transformers' `reference` on `prompts(1)`:
+    the same greedy tokens, logits within the golden tolerance (conftest.assert_same_greedy)."""
+    engine = make_engine(model, num_pages=64, page_size=4, max_num_batched_tokens=8, max_model_len=64)
+    recorder = LogitsRecorder(engine)
+    requests = engine.generate(prompts(1), SamplingParams(max_tokens=steps, ignore_eos=True))
+    for prompt, request in zip(prompts(1), requests, strict=True):
+        tokens, logits = hf_greedy(reference, prompt, steps)
+        assert_same_greedy(request.output_token_ids, recorder.steps[request.request_id], tokens, logits)
+
+
 def prompts(seed: int) -> list[list[int]]:
     """Two prompts sharing a 12-token prefix (prefix-cache hits at page size 4), longer than the window."""
     gen = torch.Generator().manual_seed(seed)
@@ -145,11 +156,4 @@ def test_greedy_tokens_and_logits_match_transformers(
     if blocks and not loaded.config.tie_word_embeddings:  # the table packed apart from the head: every row
         table = loaded.quantized["token_embd.weight"].dequantize()
         assert torch.equal(model.embed(torch.arange(len(table))), table)
-    engine = make_engine(model, num_pages=64, page_size=4, max_num_batched_tokens=8, max_model_len=64)
-    recorder = LogitsRecorder(engine)
-    steps = 8
-    requests = engine.generate(prompts(1), SamplingParams(max_tokens=steps, ignore_eos=True))
-    for prompt, request in zip(prompts(1), requests, strict=True):
-        tokens, logits = hf_greedy(reference, prompt, steps)
-        ours = recorder.steps[request.request_id]
-        assert_same_greedy(request.output_token_ids, ours, tokens, logits)
+    assert_engine_matches(model, reference)

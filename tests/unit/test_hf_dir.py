@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LogitsRecorder, assert_same_greedy, make_engine
-from test_archs import ARCH, SHAPE, hf_greedy, hf_model, prompts
+from conftest import LogitsRecorder, make_engine
+from test_archs import ARCH, SHAPE, assert_engine_matches, hf_model
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
@@ -50,13 +50,7 @@ def test_logits_and_tokens_match_transformers(tmp_path: Path, variant: str) -> N
     assert model.weight_dtype == torch.bfloat16 and model.decode_matmul == "kernel"
     dense = [p.dense for layer in model.layers for p in layer.projections()] + [model.lm_head.dense]
     assert all(w is not None and w.dtype == torch.bfloat16 for w in dense)  # no float32 copy of a weight
-    engine = make_engine(model, num_pages=64, page_size=4, max_num_batched_tokens=8, max_model_len=64)
-    recorder = LogitsRecorder(engine)
-    steps = 8
-    requests = engine.generate(prompts(1), SamplingParams(max_tokens=steps, ignore_eos=True))
-    for prompt, request in zip(prompts(1), requests, strict=True):
-        tokens, logits = hf_greedy(reference, prompt, steps)
-        assert_same_greedy(request.output_token_ids, recorder.steps[request.request_id], tokens, logits)
+    assert_engine_matches(model, reference)
 
 
 def test_sharded_directory_loads_the_same_tensors(tmp_path: Path) -> None:
