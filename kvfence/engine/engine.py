@@ -279,15 +279,7 @@ class LLMEngine:
         """Requests whose tier restore the fence refused at admission end here, aborted for integrity, out
         of the batch before any of their rows runs."""
         refused = self.kv_cache.take_refused_restores()
-        if not refused:
-            return []
-        kept = [
-            (r, n)
-            for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
-            if r.request_id not in refused
-        ]
-        batch.requests[:] = [r for r, _ in kept]
-        batch.num_new_tokens[:] = [n for _, n in kept]
+        batch.drop(refused)
         return [o for rid, reason in refused.items() if (o := self.abort(rid, reason)) is not None]
 
     def _apply(self, batch: Batch, result: StepResult) -> list[RequestOutput]:

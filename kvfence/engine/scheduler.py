@@ -19,6 +19,7 @@ holds plus the free ones allow (a guess never preempts anyone).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass
 
 from kvfence.cache.manager import KVCacheManager
@@ -39,6 +40,16 @@ DRAFT_ROWS = 16
 class Batch:
     requests: list[Request]
     num_new_tokens: list[int]
+
+    def drop(self, request_ids: Container[str]) -> None:
+        """Take the rows of `request_ids` out of the step (they end before running)."""
+        kept = [
+            (r, n)
+            for r, n in zip(self.requests, self.num_new_tokens, strict=True)
+            if r.request_id not in request_ids
+        ]
+        self.requests[:] = [r for r, _ in kept]
+        self.num_new_tokens[:] = [n for _, n in kept]
 
 
 @dataclass(frozen=True)
