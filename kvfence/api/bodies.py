@@ -11,10 +11,19 @@ from kvfence.api.logprobs import ChatLogprobs, CompletionLogprobs
 from kvfence.api.protocol import ToolCall
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # the answer's think block, in tokens (api/reasoning.py `ReasoningCounter`)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Chat's (OpenAI's shape), left out of completions' usage, which has none (a batch's usage is summed
+    # key by key).
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
 
 class CompletionChoice(BaseModel):

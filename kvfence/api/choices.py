@@ -8,7 +8,8 @@ Contracts:
   logprobs, tool calls and finish_reason, as vLLM's; a grammar (structured output, a forced tool call) holds
   every choice, each fork with its own matcher (the engine's). `prompt_logprobs`, and completions' echoed
   prompt, go with every choice.
-- Usage counts the prompt once and the completion tokens of every choice.
+- Usage counts the prompt once and the completion tokens of every choice, and (chat) the reasoning tokens
+  of every choice, each counted by its own `ReasoningCounter`.
 - An abort of any choice, or of the prompt before it forked, fails the whole answer as it would with n=1
   (invariant 8): HTTP 500 without content, or, streaming, an error event and `[DONE]` with no finish after.
 """
@@ -17,17 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from kvfence.api.bodies import ErrorResponse, Usage
+from kvfence.api.bodies import ErrorResponse
 from kvfence.api.errors import APIError, abort_error
 from kvfence.api.protocol import ChatCompletionRequest, GenerationRequest
-from kvfence.api.responses import ChoiceEvents, EngineStreamResponse, Format, _sse, answer
+from kvfence.api.reasoning import ReasoningCounter
+from kvfence.api.responses import ChoiceEvents, EngineStreamResponse, Format, _sse, answer, sum_usage
 from kvfence.api.tools import ToolCallParser
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
@@ -56,11 +58,12 @@ async def respond(
     formats = [_own(fmt) for _ in range(n)]
     parsers = [_parser(body) if tools is not None else None for _ in range(n)]
     if body.stream:
-        choices = [ChoiceEvents(f, p) for f, p in zip(formats, parsers, strict=True)]
+        choices = [ChoiceEvents(f, p, body.include_usage) for f, p in zip(formats, parsers, strict=True)]
         events = _events(first, outputs, choices, fmt, body.include_usage, prompt_logprobs)
         return EngineStreamResponse(events, outputs, headers)
-    finals, texts = await _collect(first, outputs, formats)
-    used = choices_usage(finals.values())
+    counters = [fmt.counter() for _ in range(n)]
+    finals, texts = await _collect(first, outputs, formats, counters)
+    used = sum_usage(finals.values(), fmt.reasoning_tokens(counters))
     bodies = [
         answer(formats[i], "".join(texts[i]), finals[i].finish_reason, used, parsers[i], prompt_logprobs)
         for i in range(n)
@@ -81,17 +84,12 @@ def _parser(body: GenerationRequest) -> ToolCallParser:
     return ToolCallParser(body)
 
 
-def choices_usage(finals: Iterable[RequestOutput]) -> Usage:
-    finals = list(finals)
-    prompt, completion = finals[0].prompt_tokens, sum(o.completion_tokens for o in finals)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
 async def _collect(
-    first: RequestOutput, outputs: _Outputs, formats: list[Format]
+    first: RequestOutput, outputs: _Outputs, formats: list[Format], counters: list[ReasoningCounter | None]
 ) -> tuple[dict[int, RequestOutput], dict[int, list[str]]]:
-    """Every choice's text and final output, its logprobs added to its own format's; APIError at the first
-    abort (closing the stream then aborts the choices still running)."""
+    """Every choice's text and final output, its logprobs added to its own format's and its tokens fed to
+    its own reasoning count; APIError at the first abort (closing the stream then aborts the choices still
+    running)."""
     finals: dict[int, RequestOutput] = {}
     texts: dict[int, list[str]] = defaultdict(list)
     output = first
@@ -100,6 +98,8 @@ async def _collect(
             if output.status is Status.ABORTED:
                 raise abort_error(output)
             texts[output.index].append(output.new_text)
+            if (counter := counters[output.index]) is not None:
+                counter.feed(output.new_token_ids)
             if (logprobs := formats[output.index].logprobs) is not None:
                 logprobs.add(output.logprobs)
             if output.finished:
@@ -134,7 +134,8 @@ async def _events(
             finals[output.index] = output
             if len(finals) == len(choices):
                 if include_usage:
-                    yield _sse(fmt.usage_chunk(choices_usage(finals.values())))
+                    reasoning = fmt.reasoning_tokens(choice.counter for choice in choices)
+                    yield _sse(fmt.usage_chunk(sum_usage(finals.values(), reasoning)))
                 break
         output = await anext(outputs)
     yield _sse("[DONE]")

@@ -8,11 +8,14 @@ Contracts:
 - With a reasoning split (`Format.reasoning`, api/reasoning.py), a chat answer's reasoning goes into
   `reasoning_content` (and `reasoning`), in the message or in deltas of its own ahead of the content, and
   only the rest is content (and read for tool calls).
+- Chat's usage carries `completion_tokens_details.reasoning_tokens`: the answer's tokens that were
+  reasoning, counted token by token as they come (`Format.counter`, api/reasoning.py), 0 without a split;
+  completions' usage has no details.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,7 @@ from kvfence.api.bodies import (
     ChatDelta,
     CompletionChoice,
     CompletionResponse,
+    CompletionTokensDetails,
     ErrorResponse,
     ToolCallDelta,
     Usage,
@@ -36,7 +40,7 @@ from kvfence.api.bodies import (
 from kvfence.api.errors import abort_error
 from kvfence.api.logprobs import LogprobsFormat
 from kvfence.api.protocol import ToolCall
-from kvfence.api.reasoning import Reasoning, ReasoningSplitter
+from kvfence.api.reasoning import Reasoning, ReasoningCounter, ReasoningSplitter
 from kvfence.api.tools import ToolCallParser, finish_reason, whole
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
@@ -66,6 +70,15 @@ class Format:
     def splitter(self) -> ReasoningSplitter | None:
         """A stream's split, one per choice; None without one."""
         return None if self.reasoning is None else self.reasoning.splitter()
+
+    def counter(self) -> ReasoningCounter | None:
+        """A count of one choice's reasoning tokens, fed its token ids as they come; None without a split."""
+        return None if self.reasoning is None else self.reasoning.counter()
+
+    def reasoning_tokens(self, counters: Iterable[ReasoningCounter | None]) -> int | None:
+        """Usage's reasoning tokens over the choices' counts: chat's (0 without a split), None for
+        completions."""
+        return sum(c.tokens for c in counters if c is not None) if self.chat else None
 
     def _logprobs(self) -> Any:
         """The logprobs of the tokens added since the last body or chunk (None without any)."""
@@ -157,11 +170,21 @@ class Format:
         return kind(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
 
 
-def usage(output: RequestOutput) -> Usage:
+def usage(output: RequestOutput, reasoning_tokens: int | None = None) -> Usage:
+    """One answer's usage; `reasoning_tokens` (`Format.reasoning_tokens`): chat's details, None: none."""
+    return sum_usage([output], reasoning_tokens)
+
+
+def sum_usage(finals: Iterable[RequestOutput], reasoning_tokens: int | None = None) -> Usage:
+    """The usage of the choices of one prompt (their final outputs): the prompt once, every completion."""
+    finals = list(finals)
+    prompt, completion = finals[0].prompt_tokens, sum(o.completion_tokens for o in finals)
+    details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     return Usage(
-        prompt_tokens=output.prompt_tokens,
-        completion_tokens=output.completion_tokens,
-        total_tokens=output.prompt_tokens + output.completion_tokens,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        completion_tokens_details=details,
     )
 
 
@@ -179,7 +202,7 @@ async def sse_events(
 ) -> AsyncIterator[str]:
     """The stream body: content deltas, then the finish (or an error event for an aborted request, and no
     normal finish_reason), the optional usage chunk, and `[DONE]`. The chunks are `ChoiceEvents`'."""
-    choice = ChoiceEvents(fmt, tools)
+    choice = ChoiceEvents(fmt, tools, count=include_usage)
     if (opening := choice.opening(prompt_logprobs)) is not None:
         yield _sse(opening)
     output = first
@@ -191,7 +214,7 @@ async def sse_events(
             yield _sse(chunk)
         if output.finished:
             if include_usage:
-                yield _sse(fmt.usage_chunk(usage(output)))
+                yield _sse(fmt.usage_chunk(usage(output, fmt.reasoning_tokens([choice.counter]))))
             break
         output = await anext(outputs)
     yield _sse("[DONE]")
@@ -205,10 +228,12 @@ class ChoiceEvents:
     sent at the end as one `tool_calls` delta, with finish_reason "tool_calls" ("length" when max_tokens cut
     the last call). An echoed prompt (completions) goes first, in a chunk of its own; `prompt_logprobs`
     (vLLM's) with the first chunk. With a reasoning split, reasoning goes out in deltas of its own, before
-    the content."""
+    the content, and (`count`: a usage chunk will tell) `counter` counts its tokens."""
 
-    def __init__(self, fmt: Format, tools: ToolCallParser | None = None) -> None:
+    def __init__(self, fmt: Format, tools: ToolCallParser | None = None, count: bool = True) -> None:
         self.fmt, self.tools, self.splitter = fmt, tools, fmt.splitter()
+        # Without a usage chunk nothing reads the count: no token is decoded a second time for it.
+        self.counter = fmt.counter() if count else None
 
     def opening(self, prompt_logprobs: Any = None) -> BaseModel | None:
         """The chunk before any output: chat's role, completions' echoed prompt; None when there is none."""
@@ -224,6 +249,8 @@ class ChoiceEvents:
         if fmt.logprobs is not None:
             fmt.logprobs.add(output.logprobs)  # sent with the next chunk that goes out
         thought, text = "", output.new_text
+        if self.counter is not None:
+            self.counter.feed(output.new_token_ids)
         if self.splitter is not None:
             thought, text = self.splitter.feed(output.new_text, final=output.finished)
         if thought:

@@ -10,7 +10,8 @@ Contracts:
   state; `background`, `reasoning`, `include`, `prompt`, ...).
 - The answer is one `message` item (its `output_text`) and a `function_call` item per call, after a
   `reasoning` item (its `reasoning_text`) where the server splits reasoning off (--reasoning-parser); a
-  `max_output_tokens` cut gives status `incomplete` with reason `max_output_tokens`.
+  `max_output_tokens` cut gives status `incomplete` with reason `max_output_tokens`. Usage's
+  `output_tokens_details.reasoning_tokens` is chat's `completion_tokens_details.reasoning_tokens`.
 - Streamed: `response.created`, `response.in_progress`, then per item `output_item.added`, its text or
   argument deltas (`reasoning_text` deltas for reasoning) and their `done` events, `output_item.done`,
   and `response.completed` (or
@@ -279,13 +280,15 @@ def call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str,
 
 
 def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The Response's usage from the chat answer's (its reasoning tokens: the think block's, in tokens)."""
     if usage is None:
         return None
+    details = usage.get("completion_tokens_details") or {}
     return {
         "input_tokens": usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
         "total_tokens": usage["total_tokens"],
     }
 

@@ -163,21 +163,23 @@ class _Service:
         )
         grammar = await self._grammar(body, tool_guide(body))
         parser = ToolCallParser(body) if body.tool_mode != "none" else None
-        reasoning = await self._reasoning(prompt, grammar, parser)
+        reasoning = await self._reasoning(prompt, grammar, parser, body.skip_special_tokens)
         return await self._generate(
             body, prompt, tenant, chat=True, grammar=grammar, tools=parser, reasoning=reasoning
         )
 
     async def _reasoning(
-        self, prompt: list[int], grammar: RequestGrammar | None, tools: ToolCallParser | None
+        self, prompt: list[int], grammar: RequestGrammar | None, tools: ToolCallParser | None, skip: bool
     ) -> Reasoning | None:
         """The answer's reasoning split (--reasoning-parser, api/reasoning.py), after the prompt's last
-        tokens; None without a parser, or under a grammar that holds the answer from its first token
+        tokens, its tokens decoded (`skip`: skip_special_tokens) as the engine decodes them for the usage
+        count; None without a parser, or under a grammar that holds the answer from its first token
         (structured output, a forced call): none of it can be reasoning."""
         if self.reasoning_parser is None or (grammar is not None and (tools is None or tools.mode != "auto")):
             return None
-        tail = await run_in_threadpool(self._tokenizer().decode, prompt[-PROMPT_TAIL_TOKENS:], False)
-        return Reasoning(self.reasoning_parser, tail)
+        tokenizer = self._tokenizer()
+        tail = await run_in_threadpool(tokenizer.decode, prompt[-PROMPT_TAIL_TOKENS:], False)
+        return Reasoning(self.reasoning_parser, tail, tokenizer, skip)
 
     async def respond(self, body: ResponsesRequest, tenant: str) -> Response:
         """OpenAI's Responses API, answered by the chat path (api/responses_api.py)."""
@@ -377,19 +379,25 @@ class _Service:
         if body.stream:
             events = sse_events(first, outputs, fmt, body.include_usage, tools, prompt_entries)
             return EngineStreamResponse(events, outputs, headers)
+        counter = fmt.counter()
         async with aclosing(outputs):
             texts, tokens, last = [first.new_text], [*first.new_token_ids], first
             if logprobs is not None:
                 logprobs.add(first.logprobs)
+            if counter is not None:
+                counter.feed(first.new_token_ids)
             async for output in outputs:
                 texts.append(output.new_text)
                 tokens += output.new_token_ids
                 last = output
                 if logprobs is not None:
                     logprobs.add(output.logprobs)
+                if counter is not None:
+                    counter.feed(output.new_token_ids)
         if last.status is Status.ABORTED:
             raise abort_error(last)
-        body_model = answer(fmt, "".join(texts), last.finish_reason, usage(last), tools, prompt_entries)
+        used = usage(last, fmt.reasoning_tokens([counter]))
+        body_model = answer(fmt, "".join(texts), last.finish_reason, used, tools, prompt_entries)
         if body.return_token_ids:
             _add_token_ids(body_model, prompt, tokens)
         return JSONResponse(body_model.model_dump(mode="json"), headers=headers)

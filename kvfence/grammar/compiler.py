@@ -12,7 +12,10 @@ Contracts:
   else Lark (llguidance's dialect); one that is neither is refused naming both syntaxes and where it failed.
 - `\d` in a regular expression is an ASCII digit, `[0-9]` (and `\D` its complement), as in JSON schema
   patterns (ECMA-262) and Python's `re.ASCII`: Rust's syntax, llguidance's, would take any Unicode digit
-  (`🯸`). A pattern that wants those says `\p{Nd}`.
+  (`🯸`). A pattern that wants those says `\p{Nd}`. So is it in a Lark grammar's `/regex/` terminals
+  (`lark_ascii_digits`), and nowhere else in it (a quoted string's `"\d"` is its own matter). GBNF has no
+  `\d` (llama.cpp's escapes are `\x`, `\u`, `\U`, `\t`, `\n`, `\r` and quoted characters): the converter
+  refuses it.
 - JSON is generated compact-but-readable (`", "`, `": "`, no free whitespace): a model cannot pad the
   output with whitespace until it runs out of tokens.
 """
@@ -99,9 +102,10 @@ def is_gbnf(text: str) -> bool:
 
 
 def _lark(text: str) -> str:
-    """`text` as Lark: converted when it is GBNF; ValueError naming where a GBNF grammar fails."""
+    """`text` as Lark: converted when it is GBNF (which has no `\\d`), its regex terminals' digits made ASCII
+    when it is Lark; ValueError naming where a GBNF grammar fails."""
     if not is_gbnf(text):
-        return text
+        return lark_ascii_digits(text)
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     try:
@@ -134,6 +138,24 @@ def ascii_digits(pattern: str) -> str:
         out.append(char)
         i += 1
     return "".join(out)
+
+
+# llguidance's Lark lexemes that may hold a `/` or a `\d` without being a regex terminal, so are copied as
+# they stand: a comment (`//` or `#` to the line's end), a JSON-quoted string (also every string of a
+# `%json {...}` schema), a special token (`<|im_end|>`, `</s>`). Then the regex terminal, `/.../` (at least
+# one character: `//` opens a comment), any escape (`\/`, `\\`) inside, its flags left behind it.
+_LARK_LEXEME = re.compile(r'(?://|#)[^\n]*|"(?:\\.|[^"\\\n])*"|<[^<>\s]+>|/(?P<regex>(?:\\.|[^/\\])+)/')
+
+
+def lark_ascii_digits(grammar: str) -> str:
+    """`grammar` (Lark) with `ascii_digits` applied to each `/regex/` terminal's pattern, and to nothing
+    else."""
+
+    def rewrite(match: re.Match[str]) -> str:
+        regex = match.group("regex")
+        return match.group() if regex is None else f"/{ascii_digits(regex)}/"
+
+    return _LARK_LEXEME.sub(rewrite, grammar)
 
 
 def _syntaxes(guide: Guide) -> str:

@@ -25,7 +25,7 @@ from kvfence.config import EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
 from kvfence.engine.drafter import Drafter
 from kvfence.engine.engine import LLMEngine
-from kvfence.grammar.compiler import GrammarCompiler, GrammarError, Guide, ascii_digits
+from kvfence.grammar.compiler import GrammarCompiler, GrammarError, Guide, ascii_digits, lark_ascii_digits
 from kvfence.grammar.mask import GRAMMAR_ERROR
 from kvfence.grammar.strict import closed, strict_schema
 from kvfence.model.tokenizer import Tokenizer
@@ -702,6 +702,39 @@ def test_a_regex_digit_is_an_ascii_digit(engine: LLMEngine, compiler: GrammarCom
 )
 def test_digit_classes_are_rewritten_only_where_they_are_digits(pattern: str, ascii: str) -> None:
     assert ascii_digits(pattern) == ascii
+
+
+def test_a_lark_regex_digit_is_an_ascii_digit(engine: LLMEngine, compiler: GrammarCompiler) -> None:
+    """guided_grammar's `/regex/` terminals read `\\d` as guided_regex does; a quoted `"\\\\d"` is a backslash
+    and a d; GBNF has no `\\d` to read (llama.cpp's escapes), and says so."""
+    digits = Guide("lark", r"start: /\d+/")
+    assert accepts(compiler, digits, "123")
+    assert not accepts(compiler, digits, "١٢٣") and not accepts(compiler, digits, "🯸")  # Arabic-Indic, 🯸
+    for request in generate(engine, compiler, digits):
+        assert re.fullmatch(r"[0-9]+", request.output_text), request.output_text
+    mixed = Guide("lark", 'start: "\\\\d" NOT_DIGIT /[\\d]/i // a comment: /\\d/\nNOT_DIGIT: /\\D/')
+    assert accepts(compiler, mixed, "\\dx7") and not accepts(compiler, mixed, "\\dx٣")
+    assert not accepts(compiler, mixed, "\\d77") and not accepts(compiler, mixed, "1x7")
+    assert accepts(compiler, Guide("lark", r"start: /\p{Nd}+/"), "١٢٣")  # Unicode digits, when asked for
+    with pytest.raises(GrammarError, match=r"Invalid escape sequence \\d"):
+        compiler.for_guide(Guide("lark", r"root ::= [\d]+"))
+
+
+@pytest.mark.parametrize(
+    ("grammar", "ascii"),
+    [
+        (r"start: /\d+/", "start: /[0-9]+/"),
+        (r"start: /a\/\d/i", r"start: /a\/[0-9]/i"),  # an escaped slash does not end the regex
+        (r"start: /\\d/", r"start: /\\d/"),  # a backslash, then the letter d
+        (r'start: "\\d" /\D/', r'start: "\\d" /[^0-9]/'),  # a quoted string is no regex
+        (r'start: "a/b" /\d/ "c/\"d"', r'start: "a/b" /[0-9]/ "c/\"d"'),
+        ("start: /\\d/ // /\\d/\n# /\\d/", "start: /[0-9]/ // /\\d/\n# /\\d/"),  # comments
+        (r"start: </s> <|im_end|> /[\d_]/", "start: </s> <|im_end|> /[0-9_]/"),  # special tokens
+        (r'%json {"pattern": "^\\d/$"} /\d/', r'%json {"pattern": "^\\d/$"} /[0-9]/'),  # a schema's strings
+    ],
+)
+def test_lark_digits_are_rewritten_only_inside_regex_terminals(grammar: str, ascii: str) -> None:
+    assert lark_ascii_digits(grammar) == ascii
 
 
 OPEN_SCHEMA: dict[str, Any] = {

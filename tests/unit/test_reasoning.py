@@ -1,6 +1,7 @@
 """vLLM's `--reasoning-parser` (api/reasoning.py): a think block split off into `reasoning_content`, whole
 and streamed, from a scripted answer decoded token by token by the engine's own incremental decoder; a
-prompt that closed the block (Qwen 3's enable_thinking false) gives content only; no parser, no change."""
+prompt that closed the block (Qwen 3's enable_thinking false) gives content only; no parser, no change.
+Usage's reasoning_tokens counts the block's tokens (token ids, not characters), in every body and stream."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_grammar import CHATML, tiny_metadata
 
-from kvfence.api.reasoning import PARSERS, Reasoning, check_parser
+from kvfence.api.reasoning import PARSERS, Reasoning, ReasoningCounter, ReasoningSplitter, check_parser
 from kvfence.api.server import build_app
 from kvfence.engine.output import RequestOutput
 from kvfence.model.tokenizer import IncrementalDecoder, Tokenizer
@@ -208,3 +209,126 @@ def test_a_response_has_a_reasoning_item_before_its_message(qwen3: TestClient) -
     final = events[-1]["response"]["output"]
     assert [item["type"] for item in final] == ["reasoning", "message"]
     assert final[1]["content"][0]["text"] == "\n\nParis."
+
+
+@pytest.mark.parametrize(
+    ("parser", "prompt_tail", "pieces", "expected"),
+    [
+        ("qwen3", "", ["<think>", "a", "b", "</think>", "c", "d"], 4),
+        ("qwen3", "", ["<think>", "a", "</", "thi", "nk>", "x"], 5),  # the tag over three tokens
+        ("qwen3", "", ["<think>", "a", "</think>\n\nP", "aris"], 3),  # the tag and content in one token
+        ("qwen3", "", ["\n", "<th", "ink>", "a", "</think>", "b"], 5),
+        ("qwen3", "", ["<think>", "", "é", "</think>", "x"], 4),  # "": a character still incomplete
+        ("qwen3", "", ["<think>", "cut", " by", " max_tokens", " </thi"], 5),  # never closed: all of them
+        ("qwen3", "", ["Par", "is", " <think>", "a", "</think>"], 0),  # no block: content only
+        ("qwen3", "", [" ", " <thi"], 0),
+        ("qwen3", "<think>\n", ["thought", "</think>", "answer"], 2),
+        ("qwen3", "<think>\n\n</think>\n\n", ["<think>", "a", "</think>", "b"], 0),  # the prompt closed it
+        ("deepseek_r1", "", ["thought", "</think>", "answer", "</think>"], 2),
+        ("deepseek_r1", "", ["<think>", "thought", "</think>", "answer"], 3),
+        ("deepseek_r1", "", ["un", "finished"], 2),
+        ("deepseek_r1", "", [" "], 1),
+        ("deepseek_r1", "<think>\n\n</think>\n\n", ["answer", "</think>"], 0),
+    ],
+)
+def test_reasoning_tokens_are_those_up_to_the_closing_tag(
+    parser: str, prompt_tail: str, pieces: list[str], expected: int
+) -> None:
+    """Token i's text is pieces[i]; fed as the engine hands them out, one token an output or several (a
+    verified draft), the count is the same, and no token after the block closed is decoded."""
+    ids = list(range(len(pieces)))
+    for size in (1, 2, 3, len(pieces)):
+        decoded: list[int] = []
+        counter = ReasoningCounter(ReasoningSplitter(parser, prompt_tail), Pieces(pieces, decoded).step)
+        for start in range(0, len(ids), size):
+            counter.feed(ids[start : start + size])
+        assert counter.tokens == expected, (size, decoded)
+        if expected:
+            assert decoded == ids[:expected]  # nothing decoded after the closing token
+
+
+class Pieces:
+    """A decoder's step for a scripted answer: token i's text is pieces[i]; each id decoded is noted."""
+
+    def __init__(self, pieces: list[str], decoded: list[int]) -> None:
+        self.pieces, self.decoded = pieces, decoded
+
+    def step(self, token: int) -> str:
+        self.decoded.append(token)
+        return self.pieces[token]
+
+
+def test_a_counter_needs_the_tokenizer() -> None:
+    with pytest.raises(ValueError, match="tokenizer"):
+        Reasoning("qwen3", "").counter()
+
+
+# ANSWER's think block, "<think>\nParis is in France.</think>": 22 tokens with atomic tags, 35 spelled out.
+BLOCK_TOKENS = {True: 22, False: 35}
+
+
+def closing_token(tok: Tokenizer, token_ids: list[int]) -> int:
+    """How many of `token_ids` it takes for their text to hold </think>: the count, found another way."""
+    return next(k for k in range(1, len(token_ids) + 1) if "</think>" in tok.decode(token_ids[:k], False))
+
+
+def reasoning_tokens(usage: dict[str, Any]) -> int:
+    return usage["completion_tokens_details"]["reasoning_tokens"]
+
+
+def last_usage(reply: Any) -> dict[str, Any]:
+    lines = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    assert lines[-1]["choices"] == [] and lines[-1]["usage"] is not None
+    return lines[-1]["usage"]
+
+
+def test_usage_counts_the_think_blocks_tokens(atomic: bool) -> None:
+    client, engine = serve(atomic, ANSWER, "qwen3")
+    with client:
+        whole = chat(client, return_token_ids=True).json()
+        ids = whole["choices"][0]["token_ids"]
+        assert closing_token(engine.tokenizer, ids) == BLOCK_TOKENS[atomic]
+        assert reasoning_tokens(whole["usage"]) == BLOCK_TOKENS[atomic]
+        assert whole["usage"]["completion_tokens"] == len(ids) > BLOCK_TOKENS[atomic]
+        streamed = chat(client, stream=True, stream_options={"include_usage": True})
+        assert reasoning_tokens(last_usage(streamed)) == BLOCK_TOKENS[atomic]
+
+
+def test_usage_sums_the_reasoning_tokens_of_every_choice(qwen3: TestClient, atomic: bool) -> None:
+    whole = chat(qwen3, n=3).json()["usage"]
+    assert reasoning_tokens(whole) == 3 * BLOCK_TOKENS[atomic]
+    streamed = chat(qwen3, n=3, stream=True, stream_options={"include_usage": True})
+    assert reasoning_tokens(last_usage(streamed)) == 3 * BLOCK_TOKENS[atomic]
+
+
+def test_a_block_that_never_closes_is_all_reasoning(atomic: bool) -> None:
+    client, _ = serve(atomic, "<think>cut short", "qwen3")
+    with client:
+        usage = chat(client).json()["usage"]
+        assert reasoning_tokens(usage) == usage["completion_tokens"] == (10 if atomic else 16)
+
+
+@pytest.mark.parametrize("parser", [*PARSERS, None])
+def test_no_reasoning_tokens_without_a_block(atomic: bool, parser: str | None) -> None:
+    """A prompt that closed the block, or no parser: chat's usage says 0; completions' has no details."""
+    client, _ = serve(atomic, "<think>a</think>Paris." if parser is None else "Paris.", parser)
+    with client:
+        kwargs = {"chat_template_kwargs": {"enable_thinking": False}} if parser else {}
+        assert reasoning_tokens(chat(client, **kwargs).json()["usage"]) == 0
+        streamed = chat(client, stream=True, stream_options={"include_usage": True}, **kwargs)
+        assert reasoning_tokens(last_usage(streamed)) == 0
+        body = {"model": "tiny", "prompt": "x"}
+        completion = client.post("/v1/completions", json=body).json()
+        assert completion["usage"]["completion_tokens"] > 0
+        assert "completion_tokens_details" not in completion["usage"]
+
+
+def test_a_responses_usage_counts_reasoning_tokens(qwen3: TestClient, atomic: bool) -> None:
+    reply = qwen3.post("/v1/responses", json={"model": "tiny", "input": "Capital of France?"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["output_tokens_details"] == {"reasoning_tokens": BLOCK_TOKENS[atomic]}
+    stream = qwen3.post("/v1/responses", json={"model": "tiny", "input": "Capital?", "stream": True})
+    events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.completed"
+    details = events[-1]["response"]["usage"]["output_tokens_details"]
+    assert details == {"reasoning_tokens": BLOCK_TOKENS[atomic]}
