@@ -30,6 +30,7 @@ from kvfence.cli_checks import (
     check_http,
     check_model,
     fault_spec,
+    model_file,
     protection_lines,
 )
 from kvfence.cli_options import (
@@ -41,7 +42,6 @@ from kvfence.cli_options import (
     address_list,
     engine_config,
     kv_plane,
-    model_file,
 )
 from kvfence.config import CapacityError, EngineConfig
 from kvfence.trail.events import EventLog

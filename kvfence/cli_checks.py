@@ -24,7 +24,7 @@ import resource
 import socket
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -107,6 +107,23 @@ def size_bytes(text: str) -> int:
     return size
 
 
+def model_file(text: str) -> Path:
+    """`--model`: a path (a GGUF file or a Hugging Face directory), the name of a packaged model
+    (`pins.PACKAGED_MODELS`) that is not a file here, or a hub id already in the local HF cache."""
+    from kvfence.model.hf_dir import model_path
+    from kvfence.pins import PACKAGED_MODELS, packaged_model
+
+    if text not in PACKAGED_MODELS or Path(text).exists():
+        try:
+            return model_path(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    try:
+        return packaged_model(text)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def speculative_config(text: str) -> SpeculativeConfig:
     """--speculative-config: vLLM's JSON object (argparse's error names what is wrong, never ignores it)."""
     try:
@@ -116,9 +133,12 @@ def speculative_config(text: str) -> SpeculativeConfig:
     if not isinstance(values, dict):
         raise argparse.ArgumentTypeError('a JSON object, e.g. {"method": "ngram", ...}')
     try:
-        return SpeculativeConfig.from_dict(values)
+        config = SpeculativeConfig.from_dict(values)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
+    if config.model is None:
+        return config
+    return replace(config, model=str(model_file(config.model)))
 
 
 def kv_tier(spec: str) -> str:

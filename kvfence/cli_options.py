@@ -16,6 +16,7 @@ from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEO
 from kvfence.cli_checks import (
     fault_spec,
     kv_tier,
+    model_file,
     origin,
     port_number,
     positive_float,
@@ -133,7 +134,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\': draft '
         "tokens from the request's own prompt and output, verified in one forward (greedy output is token "
         "for token what decoding alone gives; sampled output keeps the model's distribution; a grammar "
-        "masks every verified position). Rows with logprobs or n > 1 sample one token a step (default: none)",
+        "masks every verified position). Rows with logprobs or n > 1 sample one token a step. "
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\': a smaller model of the '
+        "same vocabulary (a GGUF, a Hugging Face directory or a packaged name) drafts greedily, its KV in a "
+        "fenced pool of its own holding as many tokens as the model's (default: none)",
     )
     g.add_argument(
         "--kv-tier",
@@ -350,23 +354,6 @@ def add_http_options(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help="top_p of a request that sets none (default: the model's general.sampling.top_p, else 1)",
     )
-
-
-def model_file(text: str) -> Path:
-    """`--model`: a path (a GGUF file or a Hugging Face directory), the name of a packaged model
-    (`pins.PACKAGED_MODELS`) that is not a file here, or a hub id already in the local HF cache."""
-    from kvfence.model.hf_dir import model_path
-    from kvfence.pins import PACKAGED_MODELS, packaged_model
-
-    if text not in PACKAGED_MODELS or Path(text).exists():
-        try:
-            return model_path(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    try:
-        return packaged_model(text)
-    except (OSError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def chat_template_file(text: str) -> str:

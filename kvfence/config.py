@@ -27,9 +27,12 @@ KV_CACHE_DTYPES = ("auto", "float16")
 UNBLOCKED_GGML_TYPES = frozenset({0, 1, 30})
 
 
-# vLLM's --speculative-config keys kvfence reads; any other key is refused by name, never ignored.
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-SPECULATIVE_METHODS = ("ngram",)
+# vLLM's --speculative-config keys kvfence reads, per method; any other key is refused by name, never ignored.
+SPECULATIVE_KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
+    "draft_model": ("method", "num_speculative_tokens", "model"),
+}
+SPECULATIVE_METHODS = tuple(SPECULATIVE_KEYS)
 MAX_SPECULATIVE_TOKENS = 16  # verify rows per request and step: beyond this a draft is mostly wasted work
 
 
@@ -37,12 +40,14 @@ MAX_SPECULATIVE_TOKENS = 16  # verify rows per request and step: beyond this a d
 class SpeculativeConfig:
     """vLLM's `--speculative-config`: `method` "ngram" (prompt lookup) proposes `num_speculative_tokens`
     tokens a step from the request's own tokens, matching n-grams `prompt_lookup_min`..`prompt_lookup_max`
-    long (vLLM's defaults: one given, the other equals it; neither, both 5)."""
+    long (vLLM's defaults: one given, the other equals it; neither, both 5); "draft_model" has the model at
+    `model` (a GGUF file or a Hugging Face directory of the target's vocabulary) propose them."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -54,19 +59,25 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative 'model' is what method 'draft_model' needs, and only it")
 
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> SpeculativeConfig:
-        """The config vLLM's JSON object names (ValueError naming a key kvfence does not read, or a value
-        of the wrong type)."""
+        """The config vLLM's JSON object names (ValueError naming a key kvfence does not read for that
+        method, or a value of the wrong type)."""
         if "method" not in values or "num_speculative_tokens" not in values:
             raise ValueError("a speculative config needs 'method' and 'num_speculative_tokens'")
-        method, ints = values["method"], {k: v for k, v in values.items() if k != "method"}
-        if method not in SPECULATIVE_METHODS:  # first: a draft model's keys are no use without one
+        method = values["method"]
+        if method not in SPECULATIVE_METHODS:  # first: its other keys mean nothing without the method
             cls(str(method), 1)  # its refusal, naming the methods implemented
-        unknown = sorted(set(values) - set(SPECULATIVE_KEYS))
+        unknown = sorted(set(values) - set(SPECULATIVE_KEYS[str(method)]))
         if unknown:
-            raise ValueError(f"speculative config key(s) not supported: {', '.join(unknown)}")
+            raise ValueError(f"speculative config key(s) not supported with {method!r}: {', '.join(unknown)}")
+        model = values.get("model")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError("speculative 'model' must name the draft model's file or directory")
+        ints = {k: v for k, v in values.items() if k not in ("method", "model")}
         for key, value in ints.items():
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"speculative {key!r} must be an integer")
@@ -74,7 +85,8 @@ class SpeculativeConfig:
         low = high if low is None else low
         high = low if high is None else high
         low, high = (5, 5) if low is None else (low, high)
-        return cls(str(method), int(ints["num_speculative_tokens"]), int(low), int(high))
+        k = int(ints["num_speculative_tokens"])
+        return cls(str(method), k, int(low), int(high), model if isinstance(model, str) else None)
 
 
 STEP_TOKENS_CPU = 512

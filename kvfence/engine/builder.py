@@ -22,11 +22,13 @@ from kvfence.cache.tier_seal import MASTER_KEY_BYTES, Layout, TierSeal
 from kvfence.cache.tier_stores import make_store
 from kvfence.cache.tiers import KVTiers
 from kvfence.config import CapacityReport, EngineConfig, capacity_report, check_window
-from kvfence.engine.drafter import make_drafter
+from kvfence.engine.draft_model import DraftModelDrafter
+from kvfence.engine.drafter import Drafter, NgramDrafter
 from kvfence.engine.graphs import CudaGraphBackend, DecodeGraphRunner
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.scheduler import Scheduler, TenantLimits
 from kvfence.engine.trace import PageTrace
+from kvfence.model.tokenizer import Tokenizer
 from kvfence.model.transformer import Transformer
 from kvfence.pins import file_sha256
 from kvfence.startup import StartupError, one_key, read_secret_file, reason
@@ -133,12 +135,69 @@ def read_tier_key(path: Path) -> bytes:
     return key
 
 
+def build_drafter(
+    config: EngineConfig,
+    model: Transformer,
+    tokenizer: Tokenizer | None,
+    pool: KVPool,
+    log: Callable[[str], None],
+) -> Drafter | None:
+    """The drafter `config.speculative` names: prompt lookup, or a draft model loaded here with a pool of its
+    own holding as many tokens as the target's `pool` (ValueError for a draft model kvfence cannot use)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    assert spec.model is not None  # SpeculativeConfig: draft_model names one
+    draft = load_draft_model(Path(spec.model), config, model, tokenizer)
+    dc = draft.config
+    draft_pool = KVPool(
+        dc.num_layers,
+        pool.num_pages,
+        pool.page_size,
+        dc.num_kv_heads,
+        dc.head_dim,
+        pool_dtype(config, draft),
+        model.device,
+    )
+    size = draft_pool.kv.numel() * draft_pool.kv.element_size() / 2**20
+    log(
+        f"draft model: {spec.model} ({dc.num_layers} layers, {draft.activation_dtype} activations), "
+        f"{spec.num_speculative_tokens} drafts a step; its pool {pool.num_pages} pages, {size:.0f} MiB"
+    )
+    catch_up = config.step_tokens(model.device.type)
+    return DraftModelDrafter(draft, draft_pool, fenced=config.isolation, catch_up=catch_up)
+
+
+def load_draft_model(
+    path: Path, config: EngineConfig, target: Transformer, tokenizer: Tokenizer | None
+) -> Transformer:
+    """The draft model at `path`, on the target's device and numerics; refused (ValueError) unless its
+    vocabulary is the target's, token for token, and its window covers the target's."""
+    from kvfence.model.hf_load import load_model
+
+    gguf = load_model(path, dtype=getattr(torch, config.dtype), device=target.device)
+    if gguf.config.vocab_size != target.config.vocab_size or (
+        tokenizer is not None and not Tokenizer.from_gguf(gguf).same_vocabulary(tokenizer)
+    ):
+        raise ValueError(f"draft model {path}: its vocabulary is not the model's (token ids must agree)")
+    window = config.max_model_len or target.config.context_length
+    if gguf.config.context_length < window:
+        raise ValueError(
+            f"draft model {path}: its window ({gguf.config.context_length} tokens) is shorter than the "
+            f"model's ({window}); set --max-model-len {gguf.config.context_length} or less"
+        )
+    return Transformer.from_gguf(gguf, config.decode_attention, config.decode_matmul, config.activation_dtype)
+
+
 def build_parts(
     config: EngineConfig,
     model: Transformer,
     events: EventLog,
     log: Callable[[str], None],
     model_file: Path | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> EngineParts:
     kv_dtype = pool_dtype(config, model)
     capacity = check_start(config, model, kv_dtype, log)
@@ -177,7 +236,7 @@ def build_parts(
         config.max_num_seqs,
         config.step_tokens(model.device.type),
         limits,
-        make_drafter(spec) if spec is not None else None,
+        build_drafter(config, model, tokenizer, pool, log),
         spec.num_speculative_tokens if spec is not None else 0,
     )
     graphs = decode_graphs(config, model, pool, capacity.context_window)

@@ -1,9 +1,12 @@
 """Draft tokens for speculative decoding: what a request's next tokens probably are, proposed for the model
 to verify in one forward over them (runner.py) and accepted only where the target itself picks them.
 
-Contract: `Drafter.propose(tokens, k)` returns at most `k` token ids that follow `tokens` (a request's prompt
-and output so far), possibly none; a proposal is only a guess, so a wrong one costs compute, never output.
-`make_drafter` builds the drafter a `SpeculativeConfig` names; `SpecStats` counts what verification kept.
+Contract: `Drafter.propose(request, k)` returns at most `k` token ids that follow the request's tokens
+(its prompt and output so far), possibly none; a proposal is only a guess, so a wrong one costs compute,
+never output. A drafter that computes its proposals (draft_model.py) does so for a whole step at once in
+`prepare`, before the step's proposals are asked for; `forget` drops what it keeps of a request that left,
+and `take_violations` hands the engine the requests whose draft state the fence refused (it aborts them).
+`SpecStats` counts what verification kept.
 
 `NgramDrafter` is vLLM's prompt lookup ("ngram"): find the longest suffix of the tokens, between
 `prompt_lookup_min` and `prompt_lookup_max` long, that occurred earlier in them, and propose the `k` tokens
@@ -16,18 +19,40 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from kvfence.config import SpeculativeConfig
+
+class Drafted(Protocol):
+    """What a drafter reads of a request."""
+
+    request_id: str
+    tenant: str
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
 
 
 class Drafter(ABC):
     """Proposes draft tokens for one request at a time."""
 
+    def prepare(self, wants: Sequence[tuple[Drafted, int]]) -> None:
+        """A step is about to ask for up to `k` drafts of each (request, k): compute them now, together.
+        Nothing for a drafter whose proposals cost no model."""
+        return None
+
     @abstractmethod
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """At most `k` tokens guessed to follow `tokens`."""
+    def propose(self, request: Drafted, k: int) -> list[int]:
+        """At most `k` tokens guessed to follow the request's tokens."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted: drop what is kept of it (nothing, by default)."""
+        return None
+
+    def take_violations(self) -> dict[str, str]:
+        """Requests whose draft state the fence refused, by id, with the reason, since the last call."""
+        return {}
 
 
 class NgramDrafter(Drafter):
@@ -35,7 +60,8 @@ class NgramDrafter(Drafter):
         assert 1 <= lookup_min <= lookup_max
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose(self, request: Drafted, k: int) -> list[int]:
+        tokens = request.all_token_ids
         if k < 1 or len(tokens) <= self.lookup_min:
             return []
         seq = np.asarray(tokens, dtype=np.int64)
@@ -52,12 +78,6 @@ def _latest_earlier_match(seq: np.ndarray, n: int) -> int | None:
     windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
     hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
     return int(hits[-1]) if hits.size else None
-
-
-def make_drafter(config: SpeculativeConfig) -> Drafter:
-    """The drafter `config.method` names (SpeculativeConfig has refused every other method)."""
-    assert config.method == "ngram", config.method
-    return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 @dataclass

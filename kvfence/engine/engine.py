@@ -87,7 +87,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_file = model_file  # the GGUF the weights came from, None for weights built in memory
         self.events = events or EventLog()
-        parts = build_parts(config, model, self.events, log, model_file)
+        parts = build_parts(config, model, self.events, log, model_file, tokenizer)
         self.capacity, self.max_model_len, self.faults = parts.capacity, parts.max_model_len, parts.faults
         self.pool, self.prefix, self.allocator, self.fence = (
             parts.pool,
@@ -265,7 +265,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        outputs = self._abort_refused_restores(batch)
+        outputs = self._abort_refused(batch)
         if not batch.requests:
             return outputs
         self.num_steps += 1
@@ -275,10 +275,12 @@ class LLMEngine:
         self.step_tokens.observe(self.prompt_tokens_computed + self.generation_tokens - before)
         return outputs
 
-    def _abort_refused_restores(self, batch: Batch) -> list[RequestOutput]:
-        """Requests whose tier restore the fence refused at admission end here, aborted for integrity, out
-        of the batch before any of their rows runs."""
+    def _abort_refused(self, batch: Batch) -> list[RequestOutput]:
+        """Requests whose tier restore the fence refused at admission, or whose draft model's pages it
+        refused while drafting, end here, aborted for integrity, out of the batch before any row runs."""
         refused = self.kv_cache.take_refused_restores()
+        if self.scheduler.drafter is not None:
+            refused |= self.scheduler.drafter.take_violations()
         batch.drop(refused)
         return [o for rid, reason in refused.items() if (o := self.abort(rid, reason)) is not None]
 

@@ -191,7 +191,7 @@ class ModelRunner:
             )
             for row in np.flatnonzero(~is_decode).tolist()
         ]
-        tables = _decode_tables(layout, entries, self.pool.zero_page)
+        tables = decode_tables(layout, entries, self.pool.zero_page)
         sample_rows = np.flatnonzero(sampled)
         spans = 1 + drafts[sample_rows]  # the positions each sampled row is sampled at: its last 1 + drafts
         sampled_at, place = _spans(sample_rows, spans)
@@ -317,7 +317,7 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
     return request.prompt_token_ids[start:end] + request.output_token_ids[: max(end - prompt, 0)]
 
 
-def _decode_tables(layout: StepLayout, rows: np.ndarray, pad_page: int) -> np.ndarray:
+def decode_tables(layout: StepLayout, rows: np.ndarray, pad_page: int) -> np.ndarray:
     """[len(rows), widest] int64: each row's pages from the layout, padded with `pad_page` (the pool's zero
     page: past a row's length nothing is read, the kernel stops at its pages and SDPA gathers the zero page,
     yet the table names no page another request holds)."""

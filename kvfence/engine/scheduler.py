@@ -104,6 +104,8 @@ class Scheduler:
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         preempted = False
         spare = DRAFT_ROWS - len(decode)  # verification rows the step may add
+        if self.drafter is not None:
+            self.drafter.prepare(self._draft_wants(decode, budget, spare))
         for request in decode:  # one token each, as admitted: they keep streams moving
             if budget == 0:
                 break
@@ -144,26 +146,43 @@ class Scheduler:
             budget -= self._add(batch, running, n)
         return batch
 
+    def _draft_wants(self, decode: list[Request], budget: int, spare: int) -> list[tuple[Request, int]]:
+        """The drafts each decode row will ask for this step if the drafter has them: the loop in `schedule`
+        asked in advance, so that a drafter that computes them does so for every row at once."""
+        wants = []
+        for request in decode:
+            k = self._draft_room(request, min(budget - 1, spare))
+            if k > 0:
+                wants.append((request, k))
+            spare, budget = spare - k, budget - 1 - k
+        return wants
+
     def _propose(self, request: Request, budget: int) -> int:
-        """Draft tokens for a decode row to verify this step (`request.draft_token_ids`): at most the
-        configured number, the step's `budget` and its output budget less the one token it always produces,
-        and no more than its own pages and the free ones hold (a guess never preempts anyone). None for a
-        request whose every token must be sampled alone: one with logprobs or forks to start."""
-        request.draft_token_ids = []
+        """Draft tokens for a decode row to verify this step (`request.draft_token_ids`), as many as
+        `_draft_room` allows and the drafter has."""
+        k = self._draft_room(request, budget)
+        request.draft_token_ids = self.drafter.propose(request, k) if self.drafter and k > 0 else []
+        return len(request.draft_token_ids)
+
+    def _draft_room(self, request: Request, budget: int) -> int:
+        """Drafts a decode row may verify: at most the configured number, the step's `budget` and its output
+        budget less the one token it always produces, and no more than its own pages and the free ones hold
+        (a guess never preempts anyone). None for a request whose every token must be sampled alone: one
+        with logprobs or forks to start."""
         if self.drafter is None or request.forks or request.prefill_only:
             return 0
-        if request.params.logprobs is not None:
+        if request.params.logprobs is not None or budget <= 0:
             return 0
         held = (len(request.record) + self.kv_cache.num_free_pages) * self.page_size
-        k = min(
-            self.num_speculative_tokens,
-            budget,
-            request.params.max_tokens - len(request.output_token_ids) - 1,
-            held - request.num_computed_tokens - 1,
+        return max(
+            0,
+            min(
+                self.num_speculative_tokens,
+                budget,
+                request.params.max_tokens - len(request.output_token_ids) - 1,
+                held - request.num_computed_tokens - 1,
+            ),
         )
-        if k > 0:
-            request.draft_token_ids = self.drafter.propose(request.all_token_ids, k)
-        return len(request.draft_token_ids)
 
     def _next_admission(self) -> Request | None:
         if not len(self.waiting):
@@ -256,6 +275,8 @@ class Scheduler:
         """Release every page; the request restarts later from its tokens (prompt + output so far)."""
         self.running.remove(request)
         self.kv_cache.release(request)
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -298,6 +319,8 @@ class Scheduler:
         """The single exit: terminal transition, request out of every queue, pages released — or, with
         `quarantine`, blocked and kept until `drain` confirms no transfer into them is in flight."""
         request.finish(status, reason)
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -272,6 +272,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def same_vocabulary(self, other: Tokenizer) -> bool:
+        """Whether every token has the same id in both (a draft model's proposals are ids of the target's)."""
+        mine = self._backend.get_vocab(with_added_tokens=True)
+        return mine == other._backend.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token texts in `text` (e.g. "<|im_start|>") always map to their
         ids; `add_special_tokens` only adds BOS, and only if the file sets `tokenizer.ggml.add_bos_token`.

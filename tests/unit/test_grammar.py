@@ -10,7 +10,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema_rs
@@ -23,7 +23,7 @@ from kvfence.api.server import build_app
 from kvfence.api.tools import ToolCallParser, forced_schema, template_messages, tool_guide
 from kvfence.config import EngineConfig
 from kvfence.engine.async_engine import AsyncEngine
-from kvfence.engine.drafter import Drafter
+from kvfence.engine.drafter import Drafted, Drafter
 from kvfence.engine.engine import LLMEngine
 from kvfence.grammar.compiler import GrammarCompiler, GrammarError, Guide, ascii_digits, lark_ascii_digits
 from kvfence.grammar.mask import GRAMMAR_ERROR
@@ -563,7 +563,8 @@ class _Continuation(Drafter):
     def __init__(self, paths: list[list[int]]) -> None:
         self.paths = paths
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose(self, request: Drafted, k: int) -> list[int]:
+        tokens = request.all_token_ids
         n = len(tokens)
         path = next((p for p in self.paths if p[:n] == list(tokens)), [])
         drafts = path[n : n + k]

@@ -6,14 +6,15 @@ and a read of it leaks with the fence off and aborts with it on."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 from conftest import make_engine, tiny_model
 
 from kvfence.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-from kvfence.engine.drafter import Drafter, NgramDrafter
+from kvfence.engine.drafter import Drafted, Drafter, NgramDrafter
 from kvfence.engine.engine import LLMEngine
 from kvfence.model.transformer import Transformer
 from kvfence.request import Status
@@ -80,7 +81,8 @@ class Following(Drafter):
         self.paths = [p + o for p, o in zip(prompts, outputs, strict=True)]
         self.wrong_after = wrong_after
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose(self, request: Drafted, k: int) -> list[int]:
+        tokens = request.all_token_ids
         n = len(tokens)
         path = next((p for p in self.paths if p[:n] == list(tokens)), None)
         if path is None:
@@ -95,8 +97,8 @@ class Scripted(Drafter):
     def __init__(self, script: dict[int, list[int]]) -> None:
         self.script = script
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        return self.script.get(len(tokens), [])[:k]
+    def propose(self, request: Drafted, k: int) -> list[int]:
+        return self.script.get(len(request.all_token_ids), [])[:k]
 
 
 def scripted_engine(model: Transformer, script: dict[int, list[int]], **settings: object) -> LLMEngine:
@@ -203,12 +205,21 @@ def test_sampled_output_keeps_the_target_distribution() -> None:
     assert spec[reference[1]] < len(params) * 0.9
 
 
+@dataclass
+class Tokens:
+    """A request as a drafter reads it."""
+
+    all_token_ids: list[int]
+    request_id: str = "r"
+    tenant: str = "t"
+
+
 def test_ngram_drafts_follow_the_latest_earlier_match_of_the_longest_suffix() -> None:
     drafter = NgramDrafter(lookup_min=1, lookup_max=3)
-    assert drafter.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # 3-gram, latest match
-    assert drafter.propose([4, 5, 6, 5], 3) == [6, 5, 6]  # a 1-gram two back: around the loop
-    assert drafter.propose([1, 2, 3], 3) == []  # nothing repeats
-    assert NgramDrafter(lookup_min=2, lookup_max=2).propose([4, 5, 6, 5], 3) == []
+    assert drafter.propose(Tokens([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]), 2) == [7, 1]  # 3-gram, latest match
+    assert drafter.propose(Tokens([4, 5, 6, 5]), 3) == [6, 5, 6]  # a 1-gram two back: around the loop
+    assert drafter.propose(Tokens([1, 2, 3]), 3) == []  # nothing repeats
+    assert NgramDrafter(lookup_min=2, lookup_max=2).propose(Tokens([4, 5, 6, 5]), 3) == []
 
 
 def test_rows_that_must_sample_alone_are_not_drafted() -> None:
@@ -225,7 +236,13 @@ def test_rows_that_must_sample_alone_are_not_drafted() -> None:
 @pytest.mark.parametrize(
     ("given", "refusal"),
     [
-        ({"method": "draft_model", "model": "x.gguf", "num_speculative_tokens": 3}, "not implemented"),
+        ({"method": "eagle", "model": "x.gguf", "num_speculative_tokens": 3}, "not implemented"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "'model'"),
+        (
+            {"method": "draft_model", "model": "x.gguf", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+            "prompt_lookup_max",
+        ),
+        ({"method": "ngram", "model": "x.gguf", "num_speculative_tokens": 3}, "model"),
         (
             {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4},
             "disable_by_batch_size",
