@@ -1,7 +1,13 @@
-"""Speculative decoding (prompt lookup) against the same server without it, side by side in one run.
+"""Speculative decoding (prompt lookup, or a draft model) against the same server without it, side by side
+in one run.
 
     .venv/bin/python bench/speculative.py [--models smollm2,gemma3-270m] [--streams 1,16] [--requests 2]
                                           [--max-tokens 128] [--threads 2] [--spec K,MIN,MAX]
+                                          [--draft-model MODEL]
+
+`--models` takes packaged names or paths (a GGUF, a Hugging Face directory); with `--draft-model` the
+speculating server drafts K tokens with that model (vLLM's draft_model) instead of prompt lookup (its
+results keep the key "ngram": the speculating server).
 
 Two `kvfence serve` processes on the same model, defaults otherwise: one with
 `--speculative-config '{"method": "ngram", ...}'`, one without; the rows alternate between them. Workloads:
@@ -25,12 +31,12 @@ from typing import Any
 import httpx
 from common import exit_status, make_prompts, run_streams, verdict, write_json
 
+from kvfence.cli_checks import model_file
 from kvfence.harness.cluster import cluster
 from kvfence.harness.copy_tasks import copy_prompts
 from kvfence.harness.tables import print_table
 from kvfence.model.gguf import read_header
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.pins import packaged_model
 
 WINDOW = 2048
 PROMPT_LEN = 246  # the fresh workload's, as bench/vs_llama.py's
@@ -63,15 +69,17 @@ def rates(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
 
 
 def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    path = packaged_model(name)
-    tokenizer = Tokenizer(read_header(path)[1])
+    path = model_file(name)
+    tokenizer = Tokenizer.from_hf_dir(path) if path.is_dir() else Tokenizer(read_header(path)[1])
     k, low, high = args.spec
-    spec = {
+    spec: dict[str, Any] = {
         "method": "ngram",
         "num_speculative_tokens": k,
         "prompt_lookup_min": low,
         "prompt_lookup_max": high,
     }
+    if args.draft_model is not None:
+        spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k}
     base = ["--model", str(path), "--num-threads", str(args.threads), "--max-model-len", str(WINDOW)]
     rows = []
     with (
@@ -84,7 +92,7 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         salt = 0
         for workload in ("copy", "fresh"):
             for streams in args.streams:
-                found: dict[str, Any] = {"model": name, "workload": workload, "streams": streams}
+                found: dict[str, Any] = {"model": path.name, "workload": workload, "streams": streams}
                 tokens, seconds = {"plain": 0, "ngram": 0}, {"plain": 0.0, "ngram": 0.0}
                 before = acceptance(servers["ngram"])
                 for system in ("plain", "ngram", "ngram", "plain"):  # A-B-B-A: a steady drift cancels
@@ -129,10 +137,15 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--spec", type=lambda s: [int(x) for x in s.split(",")], default=[4, 2, 4])
+    parser.add_argument(
+        "--draft-model",
+        metavar="MODEL",
+        help="speculate with this draft model (vLLM's draft_model: K of --spec) instead of prompt lookup",
+    )
     args = parser.parse_args()
     rows = [r for name in args.models.split(",") for r in bench_model(name, args)]
     print_table(
-        ["model", "workload", "streams", "plain tok/s", "ngram tok/s", "ratio", "accepted", "per position"],
+        ["model", "workload", "streams", "plain tok/s", "spec tok/s", "ratio", "accepted", "per position"],
         [
             [
                 r["model"], r["workload"], r["streams"], f"{r['plain']:.1f}", f"{r['ngram']:.1f}",
