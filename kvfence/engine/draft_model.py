@@ -32,7 +32,7 @@ from kvfence.cache.fence import Fence, MappingRecord, StepLayout
 from kvfence.cache.pool import KVPool
 from kvfence.config import MAX_SPECULATIVE_TOKENS
 from kvfence.engine.drafter import Drafted, Drafter
-from kvfence.engine.runner import build_layout, decode_tables
+from kvfence.engine.runner import build_layout, decode_tables, row_spans
 from kvfence.model.transformer import PrefillSeq, StepInputs, Transformer
 from kvfence.trail.faults import FaultInjector
 from kvfence.units import cdiv
@@ -167,13 +167,16 @@ class DraftModelDrafter(Drafter):
         self.forget(seq.request_id)
 
     def _inputs(self, rows: list[tuple[DraftSequence, list[int]]], layout: StepLayout) -> StepInputs:
-        """The draft forward's inputs from the validated layout: a row of one token after its context is a
-        decode row, any other a prefill chunk; logits at each row's last token."""
+        """The draft forward's inputs from the validated layout. A row of a few tokens after its context
+        (a verification's kept tokens, or one draft) is decode rows, a position each over the context up to
+        it, as the runner verifies: a forward of only those is one C call over every layer. Any other row (a
+        prompt to catch up on) is a prefill chunk. Logits at each row's last token."""
         device, size = self.model.device, self.pool.page_size
         new = np.array([len(tokens) for _, tokens in rows], dtype=np.int64)
         cached, ends = layout.num_cached, np.cumsum(new)
-        is_decode = (new == 1) & (cached > 0)
+        is_decode = (cached > 0) & (new <= MAX_SPECULATIVE_TOKENS + 1)
         decode = np.flatnonzero(is_decode)
+        entries, steps = row_spans(decode, new[decode])  # each decode position: its row, its place in the row
         prefills = [
             PrefillSeq(
                 int(ends[row] - new[row]),
@@ -185,14 +188,14 @@ class DraftModelDrafter(Drafter):
             )
             for row in np.flatnonzero(~is_decode).tolist()
         ]
-        tables = decode_tables(layout, decode, self.pool.zero_page)
+        tables = decode_tables(layout, entries, self.pool.zero_page)
         return StepInputs(
             input_ids=torch.tensor([t for _, new in rows for t in new], dtype=torch.long, device=device),
             positions=torch.from_numpy(layout.write_positions).to(device),
             slot_mapping=torch.from_numpy(layout.write_pages * size + layout.write_offsets).to(device),
-            decode_rows=torch.from_numpy(ends[decode] - 1).to(device),
+            decode_rows=torch.from_numpy(ends[entries] - new[entries] + steps).to(device),
             decode_block_tables=torch.from_numpy(tables).to(device),
-            decode_context_lens=torch.from_numpy(cached[decode] + 1).to(device),
+            decode_context_lens=torch.from_numpy(cached[entries] + 1 + steps).to(device),
             prefills=prefills,
             logits_rows=torch.from_numpy(ends - 1).to(device),
             zero_page=self.pool.zero_page,

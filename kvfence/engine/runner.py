@@ -178,7 +178,7 @@ class ModelRunner:
             [r.prefill_only for r in requests], dtype=bool
         )
         decode = np.flatnonzero(is_decode)
-        entries, steps = _spans(decode, new[decode])  # each decode position: its row, its place in the row
+        entries, steps = row_spans(decode, new[decode])  # each decode position: its row, its place in the row
         prompt_rows = _prompt_positions(requests, num_new, cached, token_ends)
         prefills = [
             PrefillSeq(
@@ -194,7 +194,7 @@ class ModelRunner:
         tables = decode_tables(layout, entries, self.pool.zero_page)
         sample_rows = np.flatnonzero(sampled)
         spans = 1 + drafts[sample_rows]  # the positions each sampled row is sampled at: its last 1 + drafts
-        sampled_at, place = _spans(sample_rows, spans)
+        sampled_at, place = row_spans(sample_rows, spans)
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.from_numpy(layout.write_positions).to(device),
@@ -218,7 +218,7 @@ class ModelRunner:
         return inputs, sample_rows.tolist(), [(r, position) for _, r, position in prompt_rows]
 
 
-def _spans(rows: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def row_spans(rows: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each of `rows` repeated its width times, and the place of each repeat within its row (0, 1, ...)."""
     repeated = np.repeat(rows, widths)
     return repeated, np.arange(repeated.size) - np.repeat(np.cumsum(widths) - widths, widths)
