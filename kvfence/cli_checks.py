@@ -132,6 +132,12 @@ def speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(f"not JSON ({reason(exc)})") from exc
     if not isinstance(values, dict):
         raise argparse.ArgumentTypeError('a JSON object, e.g. {"method": "ngram", ...}')
+    return speculative_from_dict(values)
+
+
+def speculative_from_dict(values: dict[str, Any]) -> SpeculativeConfig:
+    """vLLM's speculative config as a dict (the CLI's JSON, the offline LLM's `speculative_config`), its
+    draft model named as --model is (ArgumentTypeError naming what is wrong)."""
     try:
         config = SpeculativeConfig.from_dict(values)
     except ValueError as exc:

@@ -16,7 +16,8 @@ Contracts:
 - `sampling_params` None: vLLM's defaults under the model's generation settings (its GGUF's
   general.sampling.*), as the server's defaults; one SamplingParams for all prompts or one per prompt.
 - Engine options are EngineConfig's fields by name (an unknown one is a TypeError naming it), with the
-  CLI's defaults: device "auto", decode steps from CUDA graphs where on CUDA unless `enforce_eager`.
+  CLI's defaults: device "auto", decode steps from CUDA graphs where on CUDA unless `enforce_eager`;
+  vLLM's `speculative_config` dict is `--speculative-config`'s (a ValueError naming what is wrong).
   The engine loads on a thread of its own (load_engine: the caller's thread keeps the only OpenMP pool).
 """
 
@@ -34,7 +35,7 @@ from kvfence.api.errors import APIError
 from kvfence.api.prompts import NO_CHAT_TEMPLATE, bad_words_token_ids, encode_chat, truncate_prompt
 from kvfence.api.protocol import ChatCompletionRequest
 from kvfence.api.tools import template_messages
-from kvfence.cli_options import model_file
+from kvfence.cli_checks import model_file, speculative_from_dict
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine, load_engine
 from kvfence.model.hf_dir import model_metadata
@@ -241,4 +242,9 @@ def engine_config(model: str | Path | None, enforce_eager: bool, options: dict[s
         path = None if model is None else model_file(str(model))
     except argparse.ArgumentTypeError as exc:
         raise ValueError(f"model {model!s}: {exc}") from None
+    if (speculative := settings.pop("speculative_config", None)) is not None:  # vLLM's name and dict
+        try:
+            settings["speculative"] = speculative_from_dict(speculative)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"speculative_config: {exc}") from None
     return EngineConfig(model=path, **settings)

@@ -12,8 +12,9 @@ from conftest import real_engine
 from kvfence.cli_checks import speculative_config
 from kvfence.config import SpeculativeConfig
 from kvfence.engine.draft_model import DraftModelDrafter
+from kvfence.engine.info import engine_info
 from kvfence.model.gguf import GGUFModel
-from kvfence.pins import packaged_model
+from kvfence.pins import file_sha256, packaged_model
 from kvfence.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_model
@@ -41,6 +42,8 @@ def test_a_draft_model_keeps_the_greedy_text_in_fewer_steps(smollm2: GGUFModel) 
             stats = engine.spec_stats
             assert stats.accepted_tokens > 0.7 * stats.draft_tokens
             assert drafter.allocator.num_free_pages == drafter.pool.num_pages
+            pins = engine_info(engine)["speculative"]
+            assert pins["draft_model_sha256"] == file_sha256(smollm2.path) and pins["draft_pool_fenced"]
     assert outputs["draft"] == outputs["plain"]
     assert steps["draft"] < steps["plain"] / 2
 

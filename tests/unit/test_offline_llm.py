@@ -11,6 +11,7 @@ from conftest import make_engine
 import kvfence
 from kvfence.model.transformer import Transformer
 from kvfence.offline import LLM, SamplingParams
+from kvfence.pins import packaged_model
 from kvfence.sampling import SamplingParams as EngineParams
 
 _rng = random.Random(48)
@@ -161,3 +162,9 @@ def test_engine_options_are_engine_config_fields_by_name() -> None:
     assert config.device == "auto" and config.model is None
     with pytest.raises(TypeError, match="tensor_parallel_size"):
         engine_config(None, False, {"tensor_parallel_size": 2})
+    draft = {"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 3}
+    spec = engine_config(None, True, {"speculative_config": draft}).speculative
+    assert spec is not None and (spec.method, spec.num_speculative_tokens) == ("draft_model", 3)
+    assert spec.model == str(packaged_model("smollm2"))  # named as the model is
+    with pytest.raises(ValueError, match=r"speculative_config: .*prompt_lookup_max"):
+        engine_config(None, True, {"speculative_config": {**draft, "prompt_lookup_max": 3}})
