@@ -15,6 +15,7 @@ authenticated channel.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import random
@@ -96,6 +97,8 @@ def run_worker(
     from kvfence.engine.engine import load_engine
 
     role = role_of(name)
+    if role == "prefill":  # it samples one token a request: a drafter (a draft model's weights) would idle
+        config = dataclasses.replace(config, speculative=None)
     if ready is not None:
         _exit_with_parent()
     log = lambda line: print(f"[{name}] {line}", flush=True)  # noqa: E731
