@@ -11,6 +11,12 @@ from kvfence.api.logprobs import ChatLogprobs, CompletionLogprobs
 from kvfence.api.protocol import ToolCall
 
 
+def _absent() -> Any:
+    """A field left out of the body where it is None: vLLM's reasoning fields without a parser, its
+    `return_token_ids` fields on chunks where not asked for, usage's details on completions."""
+    return Field(default=None, exclude_if=lambda value: value is None)
+
+
 class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int  # the answer's think block, in tokens (api/reasoning.py `ReasoningCounter`)
 
@@ -21,9 +27,7 @@ class Usage(BaseModel):
     total_tokens: int
     # Chat's (OpenAI's shape), left out of completions' usage, which has none (a batch's usage is summed
     # key by key).
-    completion_tokens_details: CompletionTokensDetails | None = Field(
-        default=None, exclude_if=lambda value: value is None
-    )
+    completion_tokens_details: CompletionTokensDetails | None = _absent()
 
 
 class CompletionChoice(BaseModel):
@@ -48,18 +52,12 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-def _reasoning() -> Any:
-    """vLLM's reasoning field (`--reasoning-parser`), left out of the body where there is none: without a
-    parser the body is as it was."""
-    return Field(default=None, exclude_if=lambda value: value is None)
-
-
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = _reasoning()
-    reasoning: str | None = _reasoning()  # vLLM's newer name for the same text
+    reasoning_content: str | None = _absent()
+    reasoning: str | None = _absent()  # vLLM's newer name for the same text
 
 
 class ChatChoice(BaseModel):
@@ -97,8 +95,8 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-    reasoning_content: str | None = _reasoning()
-    reasoning: str | None = _reasoning()
+    reasoning_content: str | None = _absent()
+    reasoning: str | None = _absent()
 
 
 class ChatChunkChoice(BaseModel):
@@ -107,6 +105,7 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's, in the first chunk
+    token_ids: list[int] | None = _absent()  # vLLM's `return_token_ids`: this chunk's, when asked for
 
 
 class ChatCompletionChunk(BaseModel):
@@ -116,6 +115,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = _absent()  # vLLM's `return_token_ids`, in the first chunk
 
 
 class ModelCard(BaseModel):

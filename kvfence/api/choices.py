@@ -29,7 +29,15 @@ from kvfence.api.bodies import ErrorResponse
 from kvfence.api.errors import APIError, abort_error
 from kvfence.api.protocol import ChatCompletionRequest, GenerationRequest
 from kvfence.api.reasoning import ReasoningCounter
-from kvfence.api.responses import ChoiceEvents, EngineStreamResponse, Format, _sse, answer, sum_usage
+from kvfence.api.responses import (
+    ChoiceEvents,
+    EngineStreamResponse,
+    Format,
+    _sse,
+    add_token_ids,
+    answer,
+    sum_usage,
+)
 from kvfence.api.tools import ToolCallParser
 from kvfence.engine.output import RequestOutput
 from kvfence.request import Status
@@ -62,12 +70,15 @@ async def respond(
         events = _events(first, outputs, choices, fmt, body.include_usage, prompt_logprobs)
         return EngineStreamResponse(events, outputs, headers)
     counters = [fmt.counter() for _ in range(n)]
-    finals, texts = await _collect(first, outputs, formats, counters)
+    finals, texts, ids = await _collect(first, outputs, formats, counters)
     used = sum_usage(finals.values(), fmt.reasoning_tokens(counters))
     bodies = [
         answer(formats[i], "".join(texts[i]), finals[i].finish_reason, used, parsers[i], prompt_logprobs)
         for i in range(n)
     ]
+    if fmt.prompt_ids is not None:  # vLLM's return_token_ids: each choice's own, the prompt's once
+        for i, one in enumerate(bodies):
+            add_token_ids(one, fmt.prompt_ids, ids[i])
     merged = bodies[0]
     merged.choices = [_at(b, i).choices[0] for i, b in enumerate(bodies)]  # type: ignore[attr-defined]
     return JSONResponse(merged.model_dump(mode="json"), headers=headers)
@@ -86,18 +97,20 @@ def _parser(body: GenerationRequest) -> ToolCallParser:
 
 async def _collect(
     first: RequestOutput, outputs: _Outputs, formats: list[Format], counters: list[ReasoningCounter | None]
-) -> tuple[dict[int, RequestOutput], dict[int, list[str]]]:
-    """Every choice's text and final output, its logprobs added to its own format's and its tokens fed to
-    its own reasoning count; APIError at the first abort (closing the stream then aborts the choices still
-    running)."""
+) -> tuple[dict[int, RequestOutput], dict[int, list[str]], dict[int, list[int]]]:
+    """Every choice's text, token ids and final output, its logprobs added to its own format's and its
+    tokens fed to its own reasoning count; APIError at the first abort (closing the stream then aborts the
+    choices still running)."""
     finals: dict[int, RequestOutput] = {}
     texts: dict[int, list[str]] = defaultdict(list)
+    ids: dict[int, list[int]] = defaultdict(list)
     output = first
     async with aclosing(outputs):
         while True:
             if output.status is Status.ABORTED:
                 raise abort_error(output)
             texts[output.index].append(output.new_text)
+            ids[output.index] += output.new_token_ids
             if (counter := counters[output.index]) is not None:
                 counter.feed(output.new_token_ids)
             if (logprobs := formats[output.index].logprobs) is not None:
@@ -105,7 +118,7 @@ async def _collect(
             if output.finished:
                 finals[output.index] = output
                 if len(finals) == len(formats):
-                    return finals, texts
+                    return finals, texts, ids
             output = await anext(outputs)
 
 

@@ -11,6 +11,10 @@ Contracts:
 - Chat's usage carries `completion_tokens_details.reasoning_tokens`: the answer's tokens that were
   reasoning, counted token by token as they come (`Format.counter`, api/reasoning.py), 0 without a split;
   completions' usage has no details.
+- vLLM's `return_token_ids` (`Format.prompt_ids` set): the body carries the prompt's ids (chat: on the body,
+  completions: on the choice) and each choice's own; a stream the prompt's with each choice's first chunk
+  and, on every chunk, the choice's ids since its chunk before (all of a choice's chunks' ids, in order,
+  are its tokens).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class Format:
     logprobs: LogprobsFormat | None = None  # the request asked for logprobs: each body and chunk has its own
     echo: str | None = None  # completions' `echo`: the prompt, written before the answer
     reasoning: Reasoning | None = None  # chat under --reasoning-parser: how <think> is split off
+    prompt_ids: list[int] | None = None  # vLLM's `return_token_ids`: the prompt's ids (None: not asked)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole answer's (reasoning, content); no reasoning (None) without a split or a think block."""
@@ -188,6 +193,19 @@ def sum_usage(finals: Iterable[RequestOutput], reasoning_tokens: int | None = No
     )
 
 
+def add_token_ids(body: Any, prompt: list[int] | None, tokens: list[int]) -> None:
+    """vLLM's `return_token_ids` on a one-choice body or chunk: the choice's `tokens` and, unless None, the
+    prompt's ids (chat: on the body, completions: on the choice)."""
+    choice = body.choices[0]
+    choice.token_ids = tokens
+    if prompt is None:
+        return
+    if isinstance(choice, CompletionChoice):
+        choice.prompt_token_ids = prompt
+    else:
+        body.prompt_token_ids = prompt
+
+
 def _sse(payload: BaseModel | str) -> str:
     return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
 
@@ -234,17 +252,37 @@ class ChoiceEvents:
         self.fmt, self.tools, self.splitter = fmt, tools, fmt.splitter()
         # Without a usage chunk nothing reads the count: no token is decoded a second time for it.
         self.counter = fmt.counter() if count else None
+        # `return_token_ids`: the ids not yet on a chunk (text held back keeps its ids back too), and the
+        # prompt's until the first chunk carries them.
+        self._ids: list[int] | None = None if fmt.prompt_ids is None else []
+        self._prompt_ids = fmt.prompt_ids
 
     def opening(self, prompt_logprobs: Any = None) -> BaseModel | None:
         """The chunk before any output: chat's role, completions' echoed prompt; None when there is none."""
         if self.fmt.chat:
-            return self.fmt.chunk("", role=True, prompt_logprobs=prompt_logprobs)
+            return self._with_ids([self.fmt.chunk("", role=True, prompt_logprobs=prompt_logprobs)])[0]
         if self.fmt.echo is not None or prompt_logprobs is not None:
-            return self.fmt.chunk(self.fmt.echo or "", prompt_logprobs=prompt_logprobs)
+            return self._with_ids([self.fmt.chunk(self.fmt.echo or "", prompt_logprobs=prompt_logprobs)])[0]
         return None
 
     def feed(self, output: RequestOutput) -> list[BaseModel]:
         """The chunks one output of this choice (not an abort) makes; with its last, the finish."""
+        if self._ids is not None:
+            self._ids += output.new_token_ids
+        return self._with_ids(self._chunks(output))
+
+    def _with_ids(self, chunks: list[BaseModel]) -> list[BaseModel]:
+        """`return_token_ids`: the ids not yet sent (and the prompt's, the first time) on the first chunk,
+        none on the rest."""
+        if self._ids is None or not chunks:
+            return chunks
+        add_token_ids(chunks[0], self._prompt_ids, self._ids)
+        for chunk in chunks[1:]:
+            add_token_ids(chunk, None, [])
+        self._ids, self._prompt_ids = [], None
+        return chunks
+
+    def _chunks(self, output: RequestOutput) -> list[BaseModel]:
         fmt, tools, chunks = self.fmt, self.tools, []
         if fmt.logprobs is not None:
             fmt.logprobs.add(output.logprobs)  # sent with the next chunk that goes out

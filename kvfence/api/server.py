@@ -54,7 +54,7 @@ from kvfence.api.metrics import Metrics
 from kvfence.api.prompts import NO_CHAT_TEMPLATE, bad_words_token_ids, encode_chat, truncate_prompt
 from kvfence.api.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from kvfence.api.reasoning import Reasoning, check_parser
-from kvfence.api.responses import EngineStreamResponse, Format, answer, sse_events, usage
+from kvfence.api.responses import EngineStreamResponse, Format, add_token_ids, answer, sse_events, usage
 from kvfence.api.responses_api import EventStream, ResponseBuilder, ResponsesRequest, to_chat
 from kvfence.api.stats_log import RequestLog, StatsLogger
 from kvfence.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
@@ -370,7 +370,8 @@ class _Service:
         echo = await self._echo(body, prompt)
         if logprobs is not None and echo is not None and first.prompt_logprobs is not None:
             logprobs.add_prompt(prompt, first.prompt_logprobs)
-        fmt = Format(request_id, self.model_name, chat, int(time.time()), logprobs, echo, reasoning)
+        ids = prompt if body.return_token_ids else None
+        fmt = Format(request_id, self.model_name, chat, int(time.time()), logprobs, echo, reasoning, ids)
         headers = {"x-request-id": request_id}
         asked = body.prompt_logprobs is not None and first.prompt_logprobs is not None
         prompt_entries = prompt_logprobs(self.engine.tokenizer, first.prompt_logprobs) if asked else None
@@ -399,7 +400,7 @@ class _Service:
         used = usage(last, fmt.reasoning_tokens([counter]))
         body_model = answer(fmt, "".join(texts), last.finish_reason, used, tools, prompt_entries)
         if body.return_token_ids:
-            _add_token_ids(body_model, prompt, tokens)
+            add_token_ids(body_model, prompt, tokens)
         return JSONResponse(body_model.model_dump(mode="json"), headers=headers)
 
     async def _echo(self, body: GenerationRequest, prompt: list[int]) -> str | None:
@@ -424,9 +425,6 @@ class _Service:
             if bad := [token for token in tokens if token >= vocab]:
                 message = f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})"
                 raise APIError(400, message, param=param)
-        if body.return_token_ids and (body.stream or body.num_choices > 1):
-            message = "return_token_ids: supported without stream and with n = 1 only on this server"
-            raise APIError(400, message, param="return_token_ids")
         if body.logprobs_wanted() is not None and not getattr(self.engine, "supports_logprobs", False):
             raise APIError(400, "logprobs are not supported by this deployment", param="logprobs")
         if body.prompt_logprobs is not None and not getattr(self.engine, "supports_prompt_logprobs", False):
@@ -439,17 +437,6 @@ class _Service:
         if not events:
             raise APIError(404, f"no audit trail for request '{request_id}'", code="request_not_found")
         return {"request_id": request_id, "events": events}
-
-
-def _add_token_ids(body: Any, prompt: list[int], tokens: list[int]) -> None:
-    """vLLM's `return_token_ids`: the prompt's ids (chat: on the body, completions: on the choice) and the
-    choice's own."""
-    choice = body.choices[0]
-    choice.token_ids = tokens
-    if hasattr(choice, "prompt_token_ids"):
-        choice.prompt_token_ids = prompt
-    else:
-        body.prompt_token_ids = prompt
 
 
 def build_app(

@@ -5,6 +5,7 @@ return_tokens_as_token_ids, continue_final_message); and a list of prompts in /v
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -151,6 +152,39 @@ def test_return_token_ids_and_tokens_as_token_ids(url: str) -> None:
     assert [entry["token"] for entry in chat["choices"][0]["logprobs"]["content"]] == [
         f"token_id:{t}" for t in ids
     ]
+
+
+def stream_chunks(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{url}{path}", json=body | {"stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_return_token_ids_streams_each_chunks_ids_and_the_prompts_once(url: str, path: str) -> None:
+    """Streamed, every choice's chunks carry its ids since its chunk before (together: the ids a body
+    returns, and they decode to its text), the prompt's with its first chunk only; n = 2 alike, each
+    choice its own, streamed and not."""
+    chat = path.endswith("chat/completions")
+    body: dict[str, Any] = {"max_tokens": 8, "return_token_ids": True}
+    body |= {"messages": QUESTION} if chat else {"prompt": PROMPT}
+    whole = ok(url, path, body)
+    prompt = whole["prompt_token_ids"] if chat else whole["choices"][0]["prompt_token_ids"]
+    chunks = stream_chunks(url, path, body)
+    carried = [c.get("prompt_token_ids") if chat else c["choices"][0].get("prompt_token_ids") for c in chunks]
+    assert carried[0] == prompt and not any(carried[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+    sampled = body | {"n": 2, "temperature": 1.0, "seed": 7}
+    both = ok(url, path, sampled)["choices"]
+    texts = [c["message"]["content"] if chat else c["text"] for c in both]
+    assert [detokenize(url, c["token_ids"]) for c in both] == texts
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in stream_chunks(url, path, sampled):
+        for choice in chunk["choices"]:
+            streamed[choice["index"]] += choice["token_ids"]
+    assert [streamed[0], streamed[1]] == [c["token_ids"] for c in both]
 
 
 def test_continue_final_message_continues_the_assistants_text(url: str) -> None:
