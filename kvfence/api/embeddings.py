@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvfence.api.errors import APIError
+from kvfence.api.prompts import truncate_prompt
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
@@ -100,6 +104,35 @@ class EmbeddingResponse(BaseModel):
     model: str
     data: list[Embedding]
     usage: EmbeddingUsage
+
+
+def embedding_prompt(
+    body: EmbeddingRequest,
+    index: int,
+    item: str | list[int],
+    encode: Callable[[str, bool], list[int]],
+    window: int,
+    vocab: int,
+) -> list[int]:
+    """One input's token ids: `encode`d (strings), inside the vocabulary (ids), cut to vLLM's
+    `truncate_prompt_tokens` (its last N tokens) and within the window (APIError 400 naming `input`)."""
+    where = f"input[{index}]"
+    if isinstance(item, str):
+        prompt = encode(item, body.add_special_tokens)
+    else:
+        prompt = item
+        if any(not 0 <= token < vocab for token in prompt):
+            raise APIError(400, f"{where}: token ids must be in [0, {vocab})", param="input")
+    prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, window)
+    if not prompt:
+        raise APIError(400, f"{where}: the input has no tokens", param="input")
+    if len(prompt) > window:
+        message = (
+            f"This model's maximum context length is {window} tokens. However, {where} has "
+            f"{len(prompt)} tokens. Shorten it, or set truncate_prompt_tokens."
+        )
+        raise APIError(400, message, code="context_length_exceeded", param="input")
+    return prompt
 
 
 def embedding_response(

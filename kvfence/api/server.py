@@ -1,11 +1,10 @@
-"""The OpenAI-compatible HTTP front: the app, its routes, and the service that turns requests into engine
-generations.
+"""The OpenAI-compatible HTTP front: the app and the service that turns requests into engine generations.
 
-The other jobs live beside it: auth.py (API key -> tenant, the admin key), body_limit.py (413 before a large
-body is read), errors.py (OpenAI-shaped errors), responses.py (JSON bodies and SSE streams), metrics.py
-(Prometheus), protocol.py (the request and response models), tokenize.py (vLLM's token endpoints),
-responses_api.py (OpenAI's /v1/responses over chat), embeddings.py (OpenAI's /v1/embeddings) and
-stats_log.py (vLLM's periodic stats line, the per-request log).
+The other jobs live beside it: routes.py (the endpoints, each a call of the service), auth.py (API key ->
+tenant, the admin key), body_limit.py (413 before a large body is read), errors.py (OpenAI-shaped errors),
+responses.py (JSON bodies and SSE streams), metrics.py (Prometheus), protocol.py (the request and response
+models), tokenize.py (vLLM's token endpoints), responses_api.py (OpenAI's /v1/responses over chat),
+embeddings.py (OpenAI's /v1/embeddings) and stats_log.py (vLLM's periodic stats line, the per-request log).
 
 Contracts:
 - A request id (`cmpl-…` / `chatcmpl-…`) is the response `id`, the `x-request-id` header and the key of
@@ -35,19 +34,18 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from kvfence.api.auth import Auth, Tenant, admin, metrics_reader
+from kvfence.api.auth import Auth
 from kvfence.api.bodies import ModelCard, ModelList
 from kvfence.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from kvfence.api.choices import check_choices
 from kvfence.api.choices import respond as respond_choices
-from kvfence.api.embeddings import EmbeddingRequest, embedding_response
+from kvfence.api.embeddings import EmbeddingRequest, embedding_prompt, embedding_response
 from kvfence.api.errors import APIError, abort_error, install_error_handlers
 from kvfence.api.logprobs import LogprobsFormat, prompt_logprobs
 from kvfence.api.metrics import Metrics
@@ -56,20 +54,20 @@ from kvfence.api.protocol import ChatCompletionRequest, CompletionRequest, Gener
 from kvfence.api.reasoning import Reasoning, check_parser
 from kvfence.api.responses import EngineStreamResponse, Format, add_token_ids, answer, sse_events, usage
 from kvfence.api.responses_api import EventStream, ResponseBuilder, ResponsesRequest, to_chat
+from kvfence.api.routes import add_routes
 from kvfence.api.stats_log import RequestLog, StatsLogger
 from kvfence.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from kvfence.api.tools import ToolCallParser, template_messages, tool_guide
 from kvfence.engine.async_engine import Embedder, EngineClient
 from kvfence.engine.engine import AdmissionError
 from kvfence.grammar.compiler import GrammarCompiler, GrammarError, Guide, RequestGrammar
-from kvfence.pins import package_version
 from kvfence.request import Status
 from kvfence.sampling import SamplingDefaults
 
 PROMPT_TAIL_TOKENS = 16  # read for an open or closed think block the template wrote (Qwen 3's takes 4)
 
 
-class _Service:
+class Service:
     """Turns validated requests into engine requests and engine outputs into responses."""
 
     request_log: RequestLog | None = None  # --enable-log-requests (api/stats_log.py)
@@ -241,34 +239,17 @@ class _Service:
         if body.dimensions is not None and body.dimensions != size:
             message = f"dimensions: only {size} (the model's hidden size) is supported, not {body.dimensions}"
             raise APIError(400, message, param="dimensions")
-        prompts = [await self._embedding_prompt(body, i, item) for i, item in enumerate(body.inputs())]
+        encode, window, vocab = self._encode, self.max_model_len, engine.vocab_size
+        prompts = [
+            await run_in_threadpool(embedding_prompt, body, i, item, encode, window, vocab)
+            for i, item in enumerate(body.inputs())
+        ]
         request_id = f"embd-{uuid.uuid4().hex}"
         vectors = [await engine.embed(prompt) for prompt in prompts]
         tokens = sum(len(prompt) for prompt in prompts)
         self.metrics.embedded(tokens)
         answer = embedding_response(request_id, self.model_name, vectors, body.encoding_format, tokens)
         return JSONResponse(answer.model_dump(mode="json"), headers={"x-request-id": request_id})
-
-    async def _embedding_prompt(self, body: EmbeddingRequest, index: int, item: str | list[int]) -> list[int]:
-        """One input's token ids: encoded (strings), inside the vocabulary (ids), cut to vLLM's
-        `truncate_prompt_tokens` (its last N tokens) and within the window."""
-        window, where = self.max_model_len, f"input[{index}]"
-        if isinstance(item, str):
-            prompt = await run_in_threadpool(self._tokenizer().encode, item, body.add_special_tokens)
-        else:
-            prompt, vocab = item, self.engine.vocab_size
-            if any(not 0 <= token < vocab for token in prompt):
-                raise APIError(400, f"{where}: token ids must be in [0, {vocab})", param="input")
-        prompt = truncate_prompt(prompt, body.truncate_prompt_tokens, self.max_model_len)
-        if not prompt:
-            raise APIError(400, f"{where}: the input has no tokens", param="input")
-        if len(prompt) > window:
-            message = (
-                f"This model's maximum context length is {window} tokens. However, {where} has "
-                f"{len(prompt)} tokens. Shorten it, or set truncate_prompt_tokens."
-            )
-            raise APIError(400, message, code="context_length_exceeded", param="input")
-        return prompt
 
     def check_model(self, model: str | None) -> None:
         """A request naming another model than the served one is a 404 (None: the served one)."""
@@ -305,6 +286,9 @@ class _Service:
         except GrammarError as exc:
             code = "invalid_json_schema" if guide.kind == "json" else "invalid_grammar"
             raise APIError(400, f"{param}: {exc}", code=code, param=param.split(".")[0]) from exc
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer().encode(text, add_special_tokens))
 
     def _tokenizer(self) -> Any:
         tokenizer = self.engine.tokenizer
@@ -481,7 +465,7 @@ def build_app(
     app = FastAPI(title="kvfence", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.auth = Auth(api_keys, admin_key)
     metrics = Metrics(engine, model_name, engine.max_model_len, metrics_compat)
-    service = _Service(engine, model_name, metrics, sampling or SamplingDefaults(), reasoning_parser)
+    service = Service(engine, model_name, metrics, sampling or SamplingDefaults(), reasoning_parser)
     service.request_log = request_log
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
@@ -493,77 +477,5 @@ def build_app(
             allow_headers=["authorization", "content-type"],
             expose_headers=["x-request-id"],
         )
-    _add_routes(app, service)
+    add_routes(app, service)
     return app
-
-
-def _add_routes(app: FastAPI, service: _Service) -> None:
-    """The endpoints: health, models, the generation endpoints, embeddings, vLLM's token endpoints, the
-    admin-only audit pair, metrics."""
-    engine, metrics = service.engine, service.metrics
-
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health(request: Request) -> Response:
-        """503 while the engine thread (or the router's I/O thread) is dead: nothing could be served.
-        HEAD: the status alone, no body."""
-        status = 200 if engine.alive else 503
-        if request.method == "HEAD":
-            return Response(status_code=status)
-        return JSONResponse({"status": "ok" if status == 200 else "dead"}, status_code=status)
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
-        """vLLM's (SageMaker's) liveness probe: /health's answer."""
-        status = 200 if engine.alive else 503
-        return JSONResponse({"status": "ok" if status == 200 else "dead"}, status_code=status)
-
-    @app.get("/v1/models")
-    async def models(_: Tenant) -> ModelList:
-        return await service.models()
-
-    @app.get("/v1/models/{model_id}")
-    async def model(model_id: str, _: Tenant) -> ModelCard:
-        return await service.model(model_id)
-
-    @app.get("/version")
-    async def version(_: Tenant) -> dict[str, str]:
-        return {"version": package_version() or "unknown"}
-
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, tenant: Tenant) -> Response:
-        return await service.respond(body, tenant)
-
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, _: Tenant) -> Response:
-        return await service.embed(body)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, _: Tenant) -> TokenizeResponse:
-        return await service.tokenize(body)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, _: Tenant) -> DetokenizeResponse:
-        return await service.detokenize(body)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, tenant: Tenant) -> Response:
-        return await service.complete(body, tenant)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, tenant: Tenant) -> Response:
-        return await service.chat(body, tenant)
-
-    @app.get("/v1/audit/requests/{request_id}", dependencies=[Depends(admin)])
-    async def audit(request_id: str) -> dict[str, Any]:
-        return await service.audit(request_id)
-
-    @app.get("/v1/audit/info", dependencies=[Depends(admin)])
-    async def audit_info() -> dict[str, Any]:
-        """What pins this service (code, model sha256, pools, window), reported by the engines."""
-        return await run_in_threadpool(engine.info)
-
-    @app.get("/metrics", dependencies=[Depends(metrics_reader)])
-    async def scrape() -> Response:
-        # Collecting waits on the engine thread: keep it off the event loop.
-        text = await run_in_threadpool(metrics.exposition)
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
