@@ -396,23 +396,38 @@ static void strip(const int format, const float *x, int64_t x_stride, int64_t ro
     }
 }
 
-/* One row of x as int8 per block of 32: codes q, scale d, and the sums of q (the offsets' term) per half
- * block of 16 (a weight group of 16 takes one, of 32 both). */
-static void quantize_row(const float *x, int64_t n, int8_t *q, float *d, int32_t *sum) {
-    for (int64_t b = 0; b < n / DOT_BLOCK; b++) {
-        const float *xb = x + b * DOT_BLOCK;
-        float amax = 0.f;
-        for (int i = 0; i < DOT_BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t total[2] = {0, 0};
-        for (int i = 0; i < DOT_BLOCK; i++) {
-            const int32_t v = (int32_t)nearbyintf(xb[i] * inverse);
-            q[b * DOT_BLOCK + i] = (int8_t)v;
-            total[i / HALF_BLOCK] += v;
-        }
-        d[b] = scale;
-        sum[2 * b] = total[0], sum[2 * b + 1] = total[1];
+/* One block of 32 values of x as int8: codes q, scale *d, and the sums of q per half block of 16 (a weight
+ * group of 16 takes one, of 32 both). */
+static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *sum) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(KVF_PORTABLE)
+    /* The scalar loop's arithmetic in two vectors, so the same bytes: the max of |x| (order-free), each
+     * x * inverse rounded to the nearest even by the conversion (nearbyintf's default mode). */
+    const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + HALF_BLOCK);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128((__m128i *)(q + HALF_BLOCK), _mm512_cvtsepi32_epi8(qhi));
+    sum[0] = _mm512_reduce_add_epi32(qlo), sum[1] = _mm512_reduce_add_epi32(qhi);
+#else
+    float amax = 0.f;
+    for (int i = 0; i < DOT_BLOCK; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    sum[0] = sum[1] = 0;
+    for (int i = 0; i < DOT_BLOCK; i++) {
+        const int32_t v = (int32_t)nearbyintf(x[i] * inverse);
+        q[i] = (int8_t)v;
+        sum[i / HALF_BLOCK] += v;
     }
+#endif
+    *d = amax / 127.f;
+}
+
+/* One row of x as int8 per block of 32 (quantize_block's codes, scales and half-block sums). */
+static void quantize_row(const float *x, int64_t n, int8_t *q, float *d, int32_t *sum) {
+    for (int64_t b = 0; b < n / DOT_BLOCK; b++)
+        quantize_block(x + b * DOT_BLOCK, q + b * DOT_BLOCK, d + b, sum + 2 * b);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(KVF_PORTABLE)
@@ -666,19 +681,25 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
         free(q), free(d), free(qsum);
         return KVF_NO_MEMORY;
     }
-    for (int64_t r = 0; r < rows; r++)
-        quantize_row(x + r * x_stride, in_features, q + r * in_features, d + r * blocks, qsum + r * 2 * blocks);
     const int64_t scale_bytes = format & KVF_HALF ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features * out_features >= KVF_PARALLEL_WORK)
-    for (int64_t p = 0; p < panels; p++) {
-        const uint8_t *c = (const uint8_t *)codes + p * in_features * (format & KVF_NIBBLES ? PANEL / 2 : PANEL);
-        const char *s = (const char *)scales + p * groups * PANEL * scale_bytes;
-        const char *o = offsets ? (const char *)offsets + p * groups * PANEL * scale_bytes : NULL;
-        for (int64_t first = 0; first < rows; first += dot_tile_rows(rows - first)) {
-            const int n = dot_tile_rows(rows - first);
-            DOT_TILE_FNS[dot_variant(format)][n == 8 ? 0 : n == 4 ? 1 : n == 2 ? 2 : 3](
-                q + first * in_features, d + first * blocks, qsum + first * 2 * blocks, c, s, o, in_features,
-                y + first * out_features + p * PANEL, out_features);
+    /* One team for both loops: the rows are quantized across the threads (each row alone: the same bytes
+     * whichever thread does it), and the barrier between the loops hands every panel all of them. */
+#pragma omp parallel num_threads(num_threads) if (rows * in_features * out_features >= KVF_PARALLEL_WORK)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            quantize_row(x + r * x_stride, in_features, q + r * in_features, d + r * blocks, qsum + r * 2 * blocks);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const uint8_t *c = (const uint8_t *)codes + p * in_features * (format & KVF_NIBBLES ? PANEL / 2 : PANEL);
+            const char *s = (const char *)scales + p * groups * PANEL * scale_bytes;
+            const char *o = offsets ? (const char *)offsets + p * groups * PANEL * scale_bytes : NULL;
+            for (int64_t first = 0; first < rows; first += dot_tile_rows(rows - first)) {
+                const int n = dot_tile_rows(rows - first);
+                DOT_TILE_FNS[dot_variant(format)][n == 8 ? 0 : n == 4 ? 1 : n == 2 ? 2 : 3](
+                    q + first * in_features, d + first * blocks, qsum + first * 2 * blocks, c, s, o, in_features,
+                    y + first * out_features + p * PANEL, out_features);
+            }
         }
     }
     free(q), free(d), free(qsum);
