@@ -167,7 +167,7 @@ class Scheduler:
     def _draft_room(self, request: Request, budget: int) -> int:
         """Drafts a decode row may verify: at most the configured number, the step's `budget` and its output
         budget less the one token it always produces, and no more than its own pages and the free ones hold
-        (a guess never preempts anyone). None for a request whose every token must be sampled alone: one
+        (a guess never preempts anyone). 0 for a request whose every token must be sampled alone: one
         with logprobs or forks to start."""
         if self.drafter is None or request.forks or request.prefill_only:
             return 0
