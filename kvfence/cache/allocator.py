@@ -103,17 +103,11 @@ class PageAllocator:
 
         Tail pages are released first so that, among a request's cached pages, the deepest are evicted
         first: a shorter prefix is more likely to be shared. An entry whose page has moved on to a new
-        generation (or was freed under it), or that another tenant owns (pages are shared within a tenant
-        only), holds no reference any more and is skipped: a stale or corrupted record can never release a
-        page that belongs to someone else.
+        generation (or was freed under it) holds no reference any more and is skipped: a stale record can
+        never release a page that now belongs to someone else.
         """
-        pool = self.pool
         for page, generation in zip(reversed(record.pages), reversed(record.generations), strict=True):
-            if (
-                pool.generation[page] != generation
-                or self.refcount[page] == 0
-                or pool.owner[page] != record.tenant
-            ):
+            if self.pool.generation[page] != generation or self.refcount[page] == 0:
                 self.stale_releases += 1
                 continue
             self._drop_reference(page)

@@ -97,20 +97,21 @@ def test_a_draft_pool_without_room_drafts_nothing_and_changes_nothing() -> None:
 
 
 def _point_at_other_draft_page(drafter: DraftModelDrafter, victim: Request, owner: Request) -> bool:
-    """The victim's first draft page swapped for the owner's (its page and generation in the victim's
-    record), as a draft bookkeeping bug would map it: False until both hold pages."""
+    """The victim's first draft entry names the owner's first page at the generation before the owner's,
+    as a stale mapping would (the victim held that page once, then lost it, its record not told): False
+    until both hold pages. Releasing the victim skips it (not its generation), so the owner keeps its page."""
     mine, theirs = drafter.sequences.get(victim.request_id), drafter.sequences.get(owner.request_id)
     if mine is None or theirs is None or not len(mine.record) or not len(theirs.record):
         return False
     page, generation = theirs.record.entry(0)
     drafter.table.pages[mine.record.row, 0] = page
-    drafter.table.generations[mine.record.row, 0] = generation
+    drafter.table.generations[mine.record.row, 0] = generation - 1
     return True
 
 
 @pytest.mark.parametrize("isolation", [False, True], ids=["fence off: leak", "fence on: abort"])
 def test_a_draft_sequence_mapped_to_another_tenants_page(isolation: bool) -> None:
-    """Tenant a's draft sequence maps tenant b's first draft page. Fence off: a's drafts are computed over
+    """Tenant a's draft sequence maps tenant b's first draft page (stale). Fence off: a's drafts come from
     b's KV (they differ from a clean run's at the same step; its output is still its own, the target
     verifies every draft). Fence on: the fence refuses the draft forward and a is aborted for integrity;
     b ends with its own tokens."""
