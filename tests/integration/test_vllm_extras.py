@@ -153,7 +153,6 @@ REFUSED = {
     "bad_words": [" "],  # no word
     "stop_token_ids": [10**9],
     "logits_processors": ["x"],
-    "return_token_ids": True,  # with stream (below)
     "prompt_embeds": "AAAA",
     "guided_whitespace_pattern": " *",
     "request_id": "mine",
@@ -184,8 +183,7 @@ def test_every_vllm_extra_works_or_is_refused_by_name(url: str, path: str) -> No
     body = {"messages": QUESTION} if "chat" in path else {"prompt": PROMPT}
     refused = REFUSED | (CHAT_REFUSED if "chat" in path else {})
     for name, value in refused.items():
-        stream = {"stream": True} if name == "return_token_ids" else {}
-        response = post(url, path, body | {"max_tokens": 2, name: value} | stream)
+        response = post(url, path, body | {"max_tokens": 2, name: value})
         assert response.status_code == 400, (name, response.text)
         assert response.json()["error"]["param"] == name, response.text
     plain = post(url, path, body | {"max_tokens": 4}).json()["choices"][0]
