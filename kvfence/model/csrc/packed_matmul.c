@@ -59,7 +59,11 @@
 #define HALF_BLOCK 16
 #define MAX_TILE 8
 #ifndef KVF_PARALLEL_WORK
-#define KVF_PARALLEL_WORK (4L << 20) /* multiply-adds below which one thread does a product alone */
+/* Multiply-adds below which one thread does a product alone: a smaller one finishes in the time a second
+ * thread takes to join. 4M kept a decode row of SmolLM2's or Gemma 3 270M's projections on one of two
+ * cores; at 256K, in process, one stream decodes at 271-292 against 231-240 tok/s (SmolLM2) and 139-140
+ * against 105-113 (Gemma), 4 and 16 rows alike or better. */
+#define KVF_PARALLEL_WORK (256L << 10)
 #endif
 
 #if defined(__AVX512F__) && !defined(KVF_PORTABLE)
@@ -734,9 +738,7 @@ int packed_matmul(const float *x, int64_t x_stride, int64_t rows, const void *co
     const int strips = rows >= STRIP_MIN_ROWS && group <= MAX_GROUP;
     float *xt = NULL;
     if (!strips && (xt = tiles_transposed(x, x_stride, rows, in_features)) == NULL) return KVF_NO_MEMORY;
-    /* Threads only where each gets enough to do: a small product (one decode row of a small model's
-     * projection) finishes in the time a second thread takes to join, and on a machine with as many
-     * threads as cores a thread the kernel preempts stalls the others at the join. */
+    /* Threads only where each gets enough to do (KVF_PARALLEL_WORK). */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features * out_features >= KVF_PARALLEL_WORK)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t code_bytes = format & KVF_NIBBLES ? PANEL / 2 : PANEL, scale_bytes = format & KVF_HALF ? 2 : 4;
