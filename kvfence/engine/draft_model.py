@@ -32,8 +32,8 @@ from kvfence.cache.fence import Fence, MappingRecord, StepLayout
 from kvfence.cache.pool import KVPool
 from kvfence.config import MAX_SPECULATIVE_TOKENS
 from kvfence.engine.drafter import Drafted, Drafter
-from kvfence.engine.runner import build_layout, decode_tables, row_spans
-from kvfence.model.transformer import PrefillSeq, StepInputs, Transformer
+from kvfence.engine.runner import build_layout, decode_tables, prefill_seqs, row_spans
+from kvfence.model.transformer import StepInputs, Transformer
 from kvfence.trail.faults import FaultInjector
 from kvfence.units import cdiv
 
@@ -177,17 +177,7 @@ class DraftModelDrafter(Drafter):
         is_decode = (cached > 0) & (new <= MAX_SPECULATIVE_TOKENS + 1)
         decode = np.flatnonzero(is_decode)
         entries, steps = row_spans(decode, new[decode])  # each decode position: its row, its place in the row
-        prefills = [
-            PrefillSeq(
-                int(ends[row] - new[row]),
-                int(ends[row]),
-                int(cached[row] + new[row]),
-                torch.from_numpy(layout.pages[layout.starts[row] : layout.starts[row + 1]]).to(device)
-                if cached[row]
-                else None,
-            )
-            for row in np.flatnonzero(~is_decode).tolist()
-        ]
+        prefills = prefill_seqs(layout, np.flatnonzero(~is_decode), new, ends, device)
         tables = decode_tables(layout, entries, self.pool.zero_page)
         return StepInputs(
             input_ids=torch.tensor([t for _, new in rows for t in new], dtype=torch.long, device=device),

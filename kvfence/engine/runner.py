@@ -180,17 +180,7 @@ class ModelRunner:
         decode = np.flatnonzero(is_decode)
         entries, steps = row_spans(decode, new[decode])  # each decode position: its row, its place in the row
         prompt_rows = _prompt_positions(requests, num_new, cached, token_ends)
-        prefills = [
-            PrefillSeq(
-                int(token_ends[row] - new[row]),
-                int(token_ends[row]),
-                int(cached[row] + new[row]),
-                torch.from_numpy(layout.pages[layout.starts[row] : layout.starts[row + 1]]).to(device)
-                if cached[row]
-                else None,
-            )
-            for row in np.flatnonzero(~is_decode).tolist()
-        ]
+        prefills = prefill_seqs(layout, np.flatnonzero(~is_decode), new, token_ends, device)
         tables = decode_tables(layout, entries, self.pool.zero_page)
         sample_rows = np.flatnonzero(sampled)
         spans = 1 + drafts[sample_rows]  # the positions each sampled row is sampled at: its last 1 + drafts
@@ -216,6 +206,25 @@ class ModelRunner:
             zero_page=self.pool.zero_page,
         )
         return inputs, sample_rows.tolist(), [(r, position) for _, r, position in prompt_rows]
+
+
+def prefill_seqs(
+    layout: StepLayout, rows: np.ndarray, new: np.ndarray, token_ends: np.ndarray, device: torch.device
+) -> list[PrefillSeq]:
+    """The prefill chunk of each of `rows` (the step's `new` tokens a row, ending at `token_ends`): its
+    tokens in the step, its context, and its pages where it attends over cached ones."""
+    cached = layout.num_cached
+    return [
+        PrefillSeq(
+            int(token_ends[row] - new[row]),
+            int(token_ends[row]),
+            int(cached[row] + new[row]),
+            torch.from_numpy(layout.pages[layout.starts[row] : layout.starts[row + 1]]).to(device)
+            if cached[row]
+            else None,
+        )
+        for row in rows.tolist()
+    ]
 
 
 def row_spans(rows: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
