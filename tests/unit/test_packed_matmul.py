@@ -73,13 +73,24 @@ def test_kernel_matches_a_float64_matmul(kernel: packed_matmul.PackedMatmulKerne
     assert (kernel(x, packed) - reference).abs().max() < 1e-5
 
 
-def test_a_row_is_computed_the_same_whatever_the_batch(kernel: packed_matmul.PackedMatmulKernel) -> None:
-    _, quantized = quantized_weight(64, 128, gguf.GGMLQuantizationType.Q4_1)
-    packed = PackedWeight.pack([quantized])
-    assert packed is not None
+@pytest.mark.parametrize(
+    ("kind", "dot"),
+    [
+        (gguf.GGMLQuantizationType.Q4_1, False),
+        (gguf.GGMLQuantizationType.Q4_1, True),  # int8 rows, nibbles: tiles of every height up to 8
+        (gguf.GGMLQuantizationType.Q8_0, True),  # int8 rows, byte codes
+    ],
+    ids=["float", "dot nibbles", "dot bytes"],
+)
+def test_a_row_is_computed_the_same_whatever_the_batch(
+    kernel: packed_matmul.PackedMatmulKernel, kind: gguf.GGMLQuantizationType, dot: bool
+) -> None:
+    _, quantized = quantized_weight(64, 128, kind)
+    packed = PackedWeight.pack([quantized], dot=dot)
+    assert packed is not None and bool(packed.format & packed_matmul.DOT) == dot
     x = torch.randn(19, 128, generator=torch.Generator().manual_seed(3))
     batched = kernel(x, packed)
-    for rows in (1, 2, 3, 5, 8, 11, 16):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16):
         for first in (0, 19 - rows):
             assert torch.equal(kernel(x[first : first + rows], packed), batched[first : first + rows])
 
@@ -117,6 +128,8 @@ def test_strided_rows_give_the_contiguous_result(kernel: packed_matmul.PackedMat
         (gguf.GGMLQuantizationType.Q8_0, False),  # int8 codes
         (gguf.GGMLQuantizationType.Q4_0, True),  # integer dot products, offsets computed
         (gguf.GGMLQuantizationType.Q4_1, True),
+        (gguf.GGMLQuantizationType.Q8_0, True),  # byte codes times int8 rows, offsets left out
+        (gguf.GGMLQuantizationType.Q5_1, True),  # byte codes with offsets
     ],
     ids=lambda v: v.name if isinstance(v, gguf.GGMLQuantizationType) else ("dot" if v else "float"),
 )
@@ -133,8 +146,9 @@ def test_every_build_gives_the_same_bits(
     _, quantized = quantized_weight(64, 96, kind)
     packed = PackedWeight.pack([quantized], dot=dot)
     assert packed is not None and bool(packed.format & packed_matmul.DOT) == dot
-    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(5))  # tiles of 8 and 5 rows, or 4s and 1
     assert torch.equal(other(x, packed), kernel(x, packed))
+    assert torch.equal(other(x[:5], packed), kernel(x[:5], packed))  # a speculative step's 5 rows: one tile
 
 
 def test_pack_fuses_parts_and_refuses_what_it_cannot_hold() -> None:

@@ -534,10 +534,41 @@ static inline __attribute__((always_inline)) void block_sums(const int rows, con
 }
 #endif
 
-#if defined(__AVX2__) && defined(KVF_VECTORS) /* AVX2 without F16C has no vector path above */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(KVF_PORTABLE)
+/* Byte codes: one block's sums over steps of 4 k, each two 64-byte lines (columns 0-15, 16-31) of 16
+ * columns x 4 codes, a line a vector: |c| (unsigned) times q with c's sign, one dot4 a line and row. Why
+ * not the AVX2 path's 256-bit lines: an LM head of byte codes (Gemma 3's 262144 x 640) is the largest
+ * product of a step, and with 5 rows (a speculative step's) that path took twice the time of one row. */
+static inline __attribute__((always_inline)) void byte_block_sums(const int rows, const int8_t *codes,
+                                                                  const int8_t *q, int64_t q_stride,
+                                                                  int first, int last,
+                                                                  vec sums[MAX_TILE][2]) {
+    __m512i acc[MAX_TILE][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512();
+    for (int t = first / 4; t < last / 4; t++) {
+        __m512i magnitude[2];
+        __mmask64 negative[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512i c = _mm512_loadu_si512((const void *)(codes + (2 * t + h) * 64));
+            magnitude[h] = _mm512_abs_epi8(c); /* -128 gives 0x80: 128 read unsigned */
+            negative[h] = _mm512_movepi8_mask(c);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            int32_t k;
+            memcpy(&k, q + m * q_stride + t * 4, sizeof k);
+            const __m512i four = _mm512_set1_epi32(k);
+            for (int h = 0; h < 2; h++)
+                acc[m][h] = dot4(acc[m][h], magnitude[h], _mm512_mask_sub_epi8(four, negative[h], zero, four));
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int h = 0; h < 2; h++) sums[m][h] = _mm512_cvtepi32_ps(acc[m][h]);
+}
+#elif defined(__AVX2__) && defined(KVF_VECTORS) /* AVX2 without F16C has no vector path above */
 /* Byte codes: one block's sums over 8 steps of 4 k, each two 64-byte lines (columns 0-15, 16-31) of 16
- * columns x 4 codes, 32 bytes (8 columns) at a time. AVX-512 machines run this too (256-bit, the same
- * integers): their byte-code weights are a model's minority, its 4-bit ones take block_sums above. */
+ * columns x 4 codes, 32 bytes (8 columns) at a time. */
 static inline __attribute__((always_inline)) void byte_block_sums(const int rows, const int8_t *codes,
                                                                   const int8_t *q, int64_t q_stride,
                                                                   int first, int last,
@@ -627,12 +658,19 @@ typedef void (*dot_tile_fn)(const int8_t *, const float *, const int32_t *, cons
 #ifndef DOT_TILE_MAX
 #define DOT_TILE_MAX MAX_TILE
 #endif
+/* Every tile height up to DOT_TILE_MAX, so that a speculative step's K + 1 rows (5 for K = 4) are one tile
+ * reading each panel once, not a tile of 4 and another of 1 (Gemma 3's LM head: 5.2 ms against 4.1 for 8
+ * rows). */
 #if DOT_TILE_MAX >= 8
-#define DOT_TILES(FORMAT) DOT_TILE(8, FORMAT) DOT_TILE(4, FORMAT) DOT_TILE(2, FORMAT) DOT_TILE(1, FORMAT)
-#define DOT_TILE_8(FORMAT) dot_tile_8_##FORMAT
+#define DOT_TILES(FORMAT)                                                                                \
+    DOT_TILE(8, FORMAT) DOT_TILE(7, FORMAT) DOT_TILE(6, FORMAT) DOT_TILE(5, FORMAT) DOT_TILE(4, FORMAT)  \
+    DOT_TILE(3, FORMAT) DOT_TILE(2, FORMAT) DOT_TILE(1, FORMAT)
+#define DOT_ROW(FORMAT)                                                                                  \
+    {dot_tile_1_##FORMAT, dot_tile_2_##FORMAT, dot_tile_3_##FORMAT, dot_tile_4_##FORMAT,                 \
+     dot_tile_5_##FORMAT, dot_tile_6_##FORMAT, dot_tile_7_##FORMAT, dot_tile_8_##FORMAT}
 #else /* AVX2: block_sums holds 4 rows, and dot_tile_rows asks for no more */
-#define DOT_TILES(FORMAT) DOT_TILE(4, FORMAT) DOT_TILE(2, FORMAT) DOT_TILE(1, FORMAT)
-#define DOT_TILE_8(FORMAT) NULL
+#define DOT_TILES(FORMAT) DOT_TILE(4, FORMAT) DOT_TILE(3, FORMAT) DOT_TILE(2, FORMAT) DOT_TILE(1, FORMAT)
+#define DOT_ROW(FORMAT) {dot_tile_1_##FORMAT, dot_tile_2_##FORMAT, dot_tile_3_##FORMAT, dot_tile_4_##FORMAT}
 #endif
 DOT_TILES(0)
 DOT_TILES(1)
@@ -646,19 +684,9 @@ DOT_TILES(18)
 DOT_TILES(19)
 DOT_TILES(24)
 DOT_TILES(26)
-static const dot_tile_fn DOT_TILE_FNS[12][4] = { /* [dot_variant(format)][tile] */
-    {DOT_TILE_8(0), dot_tile_4_0, dot_tile_2_0, dot_tile_1_0},
-    {DOT_TILE_8(1), dot_tile_4_1, dot_tile_2_1, dot_tile_1_1},
-    {DOT_TILE_8(2), dot_tile_4_2, dot_tile_2_2, dot_tile_1_2},
-    {DOT_TILE_8(3), dot_tile_4_3, dot_tile_2_3, dot_tile_1_3},
-    {DOT_TILE_8(8), dot_tile_4_8, dot_tile_2_8, dot_tile_1_8},
-    {DOT_TILE_8(10), dot_tile_4_10, dot_tile_2_10, dot_tile_1_10},
-    {DOT_TILE_8(16), dot_tile_4_16, dot_tile_2_16, dot_tile_1_16},
-    {DOT_TILE_8(17), dot_tile_4_17, dot_tile_2_17, dot_tile_1_17},
-    {DOT_TILE_8(18), dot_tile_4_18, dot_tile_2_18, dot_tile_1_18},
-    {DOT_TILE_8(19), dot_tile_4_19, dot_tile_2_19, dot_tile_1_19},
-    {DOT_TILE_8(24), dot_tile_4_24, dot_tile_2_24, dot_tile_1_24},
-    {DOT_TILE_8(26), dot_tile_4_26, dot_tile_2_26, dot_tile_1_26},
+static const dot_tile_fn DOT_TILE_FNS[12][DOT_TILE_MAX] = { /* [dot_variant(format)][tile height - 1] */
+    DOT_ROW(0),  DOT_ROW(1),  DOT_ROW(2),  DOT_ROW(3),  DOT_ROW(8),  DOT_ROW(10),
+    DOT_ROW(16), DOT_ROW(17), DOT_ROW(18), DOT_ROW(19), DOT_ROW(24), DOT_ROW(26),
 };
 
 /* DOT_TILE_FNS' row: the storage bits (nibbles, half scales), byte codes in groups of 16, then the same
@@ -668,9 +696,9 @@ static int dot_variant(int64_t format) {
     return zero + (format & KVF_GROUP16 ? 4 + !!(format & KVF_HALF) : (int)(format & (KVF_NIBBLES | KVF_HALF)));
 }
 
-/* As tile_rows, never more than this path's block_sums holds. */
+/* All that remain, up to what this path's block_sums holds. */
 static int dot_tile_rows(int64_t remaining) {
-    return remaining >= DOT_TILE_MAX ? DOT_TILE_MAX : tile_rows(remaining);
+    return remaining >= DOT_TILE_MAX ? DOT_TILE_MAX : (int)remaining;
 }
 
 static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void *codes, const void *scales,
@@ -700,7 +728,7 @@ static int dot_matmul(const float *x, int64_t x_stride, int64_t rows, const void
             const char *o = offsets ? (const char *)offsets + p * groups * PANEL * scale_bytes : NULL;
             for (int64_t first = 0; first < rows; first += dot_tile_rows(rows - first)) {
                 const int n = dot_tile_rows(rows - first);
-                DOT_TILE_FNS[dot_variant(format)][n == 8 ? 0 : n == 4 ? 1 : n == 2 ? 2 : 3](
+                DOT_TILE_FNS[dot_variant(format)][n - 1](
                     q + first * in_features, d + first * blocks, qsum + first * 2 * blocks, c, s, o, in_features,
                     y + first * out_features + p * PANEL, out_features);
             }
