@@ -66,6 +66,8 @@ class KVCacheManager:
         self.prefix = prefix
         self.events = events
         self.tiers = tiers  # sealed KV tiers below the pool (tiers.py); None: the cache ends at the pool
+        self._page_nbytes = pool.token_bytes * pool.page_size
+        self._scratch = bytearray()  # restores open pages here (_restore_scratch)
         # Requests whose restore the fence refused, by id, with the integrity reason: the engine aborts them
         # before they run (`take_refused_restores`).
         self._refused_restores: dict[str, str] = {}
@@ -120,11 +122,13 @@ class KVCacheManager:
         logical = first
         while logical < wanted:  # a batch at a time: a few MiB of plaintext held, not the whole prefix
             batch = [(seq.page_hashes[i], i) for i in range(logical, min(logical + RESTORE_BATCH, wanted))]
-            found = self.tiers.fetch(seq.tenant, batch, size)
-            for page_bytes in found:
+            scratch = self._restore_scratch(len(batch))
+            run = self.tiers.fetch(seq.tenant, batch, size, scratch)
+            for i in range(run):
                 if not self.allocate(seq, (logical + 1) * size):
                     break
                 page, generation = seq.record.entry(logical)
+                page_bytes = scratch[i * self._page_nbytes : (i + 1) * self._page_nbytes]
                 if not self._write_restored(seq, page, generation, page_bytes):
                     break  # the fresh page is the record's, unwritten: prefill writes it
                 restored.append(page)
@@ -136,6 +140,14 @@ class KVCacheManager:
             self.events.emit(seq.request_id, "tier_restored", pages=restored, tokens=len(restored) * size)
         return len(restored)
 
+    def _restore_scratch(self, pages: int) -> memoryview:
+        """`pages` pages' worth of the one buffer restores open pages into (the engine thread's alone):
+        a fresh buffer per page cost a page fault per 4 KiB of it."""
+        wanted = pages * self._page_nbytes
+        if len(self._scratch) < wanted:
+            self._scratch = bytearray(wanted)
+        return memoryview(self._scratch)[:wanted]
+
     def take_refused_restores(self) -> dict[str, str]:
         """The requests whose tier restore the fence refused since the last call (id -> integrity reason): a
         restore aimed at a page not the request's own is a bookkeeping fault, and the request must not go on
@@ -143,7 +155,9 @@ class KVCacheManager:
         refused, self._refused_restores = self._refused_restores, {}
         return refused
 
-    def _write_restored(self, seq: CachedSequence, page: int, generation: int, page_bytes: bytes) -> bool:
+    def _write_restored(
+        self, seq: CachedSequence, page: int, generation: int, page_bytes: memoryview
+    ) -> bool:
         """A restored page's bytes into `page`: a fenced write of every slot (the page must be the record's
         tenant's alone at `generation`, every slot next in order), as any step's write is. False, nothing
         written, `write_refused` on the trail and the request among `take_refused_restores`, when the fence
@@ -195,8 +209,10 @@ class KVCacheManager:
             page, _ = seq.record.entry(logical)
             if self._holds(seq.record, logical) and not self.prefix.is_cached(page):
                 chain = seq.page_hashes[logical]
-                if self.prefix.insert(page, chain) and self.tiers is not None:
-                    self.tiers.offer(seq.tenant, chain, logical, self.page_size, self.pool.page_bytes(page))
+                tiers = self.tiers
+                stored = tiers is None or tiers.holds(seq.tenant, chain)
+                if self.prefix.insert(page, chain) and not stored:
+                    tiers.offer(seq.tenant, chain, logical, self.page_size, self.pool.page_bytes(page))
         seq.num_published_pages = full
 
     def _holds(self, record: MappingRecord, logical: int) -> bool:

@@ -120,9 +120,11 @@ class KVPool:
                 digest.update(half)
         return digest.intdigest()
 
-    def load_page_bytes(self, page: int, payload: bytes, slots: int | None = None) -> None:
-        """Inverse of `page_bytes`. Unfenced: the caller has authorised the write (or isolation is off)."""
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv.dtype)
+    def load_page_bytes(self, page: int, payload: bytes | memoryview, slots: int | None = None) -> None:
+        """Inverse of `page_bytes`. Unfenced: the caller has authorised the write (or isolation is off). A
+        writable buffer is read in place; read-only bytes are copied once (torch reads only writable ones)."""
+        source = payload if isinstance(payload, memoryview) and not payload.readonly else bytearray(payload)
+        data = torch.frombuffer(source, dtype=torch.uint8).view(self.kv.dtype)
         target = self.kv[:, :, page, :slots]
         target.copy_(data.view(target.shape))
 

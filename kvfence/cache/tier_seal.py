@@ -8,7 +8,7 @@ Contract:
   that page): the store sees neither token ids nor the tenant, and two tenants' names for the same prompt
   differ.
 - A value is AES-256-GCM under the tenant's sealing key, a fresh random nonce before it, the associated
-  data binding tenant, model, layout, chain hash, page index in the prefix and written slots. `open`
+  data binding tenant, model, layout, chain hash, page index in the prefix and written slots. `open_into`
   gives the plaintext only when all of them match and nothing was changed; otherwise the reason, and
   the caller treats it as a miss.
 """
@@ -86,14 +86,20 @@ class TierSeal:
         nonce = os.urandom(NONCE_BYTES)
         return nonce + aead.encrypt(nonce, page, self._associated(tenant, chain_hash, index, slots))
 
-    def open(self, tenant: str, chain_hash: int, index: int, slots: int, value: bytes) -> bytes | str:
-        """The page's bytes, or why the value cannot be used."""
+    def open_into(
+        self, tenant: str, chain_hash: int, index: int, slots: int, value: bytes, out: memoryview
+    ) -> str | None:
+        """Open `value` into `out`, exactly the page's length: None when it opened, else why it cannot be
+        used (then `out` holds bytes that must not be read). A value of any other length cannot be a seal
+        of this page: the layout fixes a page's length."""
         if len(value) < NONCE_BYTES + TAG_BYTES:
             return TOO_SHORT
+        if len(value) != NONCE_BYTES + len(out) + TAG_BYTES:
+            return DOES_NOT_OPEN
         _, aead = self._tenant(tenant)
         try:
-            return aead.decrypt(
-                value[:NONCE_BYTES], value[NONCE_BYTES:], self._associated(tenant, chain_hash, index, slots)
-            )
+            associated = self._associated(tenant, chain_hash, index, slots)
+            aead.decrypt_into(value[:NONCE_BYTES], value[NONCE_BYTES:], associated, out)
         except InvalidTag:
             return DOES_NOT_OPEN
+        return None

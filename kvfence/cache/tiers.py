@@ -64,35 +64,38 @@ class KVTiers:
         except queue.Full:
             self.dropped += 1
 
-    def fetch(self, tenant: str, pages: list[tuple[int, int]], slots: int) -> list[bytes]:
-        """The bytes of the longest run of `pages` ((chain hash, index in the prefix), in order) that the
-        tiers hold in values that open: each page from the first tier whose value opens; the run ends at
-        the first page none has."""
+    def holds(self, tenant: str, chain_hash: int) -> bool:
+        """Whether this server stored or restored that page lately: offering it again would copy a page
+        that `offer` then drops (a restored prefix's pages are published like any other)."""
+        return self._is_known(self.seal.name(tenant, chain_hash))
+
+    def fetch(self, tenant: str, pages: list[tuple[int, int]], slots: int, into: memoryview) -> int:
+        """The longest run of `pages` ((chain hash, index in the prefix), in order) that the tiers hold in
+        values that open, page i's bytes opened into `into`'s i-th page-long slice: each page from the
+        first tier whose value opens; the run ends at the first page none has. Returns the run's length.
+        `into` is the caller's, reused from call to call: no buffer is allocated per page."""
+        size = len(into) // len(pages)
         names = [self.seal.name(tenant, chain) for chain, _ in pages]
-        found: list[bytes | None] = [None] * len(pages)
+        found = [False] * len(pages)
         for store in self.stores:
-            wanted = [i for i, page in enumerate(found) if page is None]
+            wanted = [i for i, page in enumerate(found) if not page]
             if not wanted:
                 break
             counters = self.counters[store.spec]
             counters.lookups += len(wanted)
             for i, value in zip(wanted, _prefetched(store, [names[i] for i in wanted]), strict=True):
                 chain, index = pages[i]
-                opened = None if value is None else self.seal.open(tenant, chain, index, slots, value)
-                if isinstance(opened, bytes):
+                out = into[i * size : (i + 1) * size]
+                why = None if value is None else self.seal.open_into(tenant, chain, index, slots, value, out)
+                if value is not None and why is None:
                     counters.hits += 1
-                    found[i] = opened
+                    found[i] = True
                     self._remember(names[i])
                 else:
                     counters.misses += 1
-                    if isinstance(opened, str):
-                        counters.rejected[opened] += 1
-        run = []
-        for page in found:
-            if page is None:
-                break
-            run.append(page)
-        return run
+                    if why is not None:
+                        counters.rejected[why] += 1
+        return found.index(False) if False in found else len(found)
 
     def flush(self) -> None:
         """Wait until every page offered so far is stored (tests; a shutdown that keeps the tier warm)."""

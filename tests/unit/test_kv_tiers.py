@@ -67,12 +67,21 @@ def stored(model: Transformer, store: TierStore, tenant: str = "a") -> list[int]
     return tokens
 
 
-def test_a_prefix_stored_by_one_engine_is_restored_by_another_for_its_tenant_only(model: Transformer) -> None:
+def test_a_prefix_stored_by_one_engine_is_restored_by_another_for_its_tenant_only(
+    model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = MemoryTier("memory:1MiB", 2**20)
     cold = stored(model, store)
     engine = engine_with(model, store)
+    tiers = engine.kv_cache.tiers
+    assert tiers is not None
+    offered: list[int] = []
+    monkeypatch.setattr(tiers, "offer", lambda *args: offered.append(args[2]))
     tokens, restored = answer(engine, "a")
     assert tokens == cold and len(restored) == 10  # every full page of the prompt, the last token computed
+    # The restored pages are published to the prefix cache, not copied to be stored again: only page 10,
+    # which this request's prompt and answer filled, is offered.
+    assert offered == [10]
     totals = engine.kv_cache.tiers.totals()  # type: ignore[union-attr]
     assert totals["hits"] == {"memory": 10}
     stats = EngineStats.read(engine)  # vLLM's external prefix-cache series count tokens
