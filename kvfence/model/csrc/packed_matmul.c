@@ -58,6 +58,10 @@
 #define DOT_BLOCK 32 /* activations quantized per 32 of k */
 #define HALF_BLOCK 16
 #define MAX_TILE 8
+/* dot_tile asks for the codes this many blocks ahead (4 KiB of nibbles): the hardware's stream prefetch
+ * alone left a decode step's products waiting on memory, the more so the more rows a tile holds (SmolLM2's
+ * 120 products at 6 rows 2.86-3.02 -> 2.35-2.41 ms, 8 rows 3.5 -> 2.65, 1 row 2.2 -> 2.0-2.2). */
+#define PREFETCH_BLOCKS 8
 #ifndef KVF_PARALLEL_WORK
 /* Multiply-adds below which one thread does a product alone: a smaller one finishes in the time a second
  * thread takes to join. 4M kept a decode row of SmolLM2's or Gemma 3 270M's projections on one of two
@@ -618,7 +622,12 @@ static inline __attribute__((always_inline)) void dot_tile(const int rows, const
     const int per_block = format & KVF_GROUP16 ? 2 : 1, span = DOT_BLOCK / per_block;
     vec total[MAX_TILE][2], sums[MAX_TILE][2];
     for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = vec_zero();
+    const int64_t block_bytes = format & KVF_NIBBLES ? DOT_BLOCK * PANEL / 2 : DOT_BLOCK * PANEL;
     for (int64_t b = 0; b < blocks; b++) {
+        /* past the panel: the next one's codes (they follow it), or past the weights (a prefetch never
+         * faults; the address is formed as an integer) */
+        const uintptr_t ahead = (uintptr_t)codes + (uintptr_t)((b + PREFETCH_BLOCKS) * block_bytes);
+        for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch((const void *)(ahead + line));
         for (int g = 0; g < per_block; g++) {
             if (format & KVF_NIBBLES)
                 block_sums(rows, codes + b * DOT_BLOCK * PANEL / 2, q + b * DOT_BLOCK, in_features, sums);
