@@ -5,7 +5,8 @@ in one run.
                                           [--max-tokens 128] [--threads 2] [--spec K,MIN,MAX]
                                           [--draft-model MODEL]
 
-`--models` takes packaged names or paths (a GGUF, a Hugging Face directory); with `--draft-model` the
+`--spec` defaults to 5,2,4: vLLM's documented prompt-lookup example (5 speculative tokens, n-grams of up
+to 4), matching n-grams from 2 tokens. `--models` takes packaged names or paths (a GGUF, a Hugging Face directory); with `--draft-model` the
 speculating server drafts K tokens with that model (vLLM's draft_model) instead of prompt lookup (its
 results keep the key "ngram": the speculating server).
 
@@ -136,7 +137,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2, help="requests per stream in each run (default 2)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--spec", type=lambda s: [int(x) for x in s.split(",")], default=[4, 2, 4])
+    parser.add_argument("--spec", type=lambda s: [int(x) for x in s.split(",")], default=[5, 2, 4])
     parser.add_argument(
         "--draft-model",
         metavar="MODEL",
