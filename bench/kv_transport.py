@@ -16,6 +16,8 @@ prefill side, the way the handoff does it, checks included, until decode says th
         `xxh3`: the same landing and copy-in with an xxh3 checksum instead (no AEAD: what sealing costs).
         `runs`: source and target pages consecutive, as fresh pools hand them out; `scattered`: both
         drawn at random, one descriptor per page; `write only`: post -> DONE alone.
+  nixl cma  the same with `--landing-cma`: both landing processes under one uid, dumpable to it, so that
+        UCX moves pages by cross-memory attach instead of TCP (landing_identity.py says what it costs).
   zmq   per page: prefill reads and hashes it, sends a `Page` frame over loopback TCP; decode receives,
         parses, re-hashes and writes it into its pool, then answers. `curve` is the transport as shipped
         (every disaggregated socket is CURVE), `plain` the same without encryption.
@@ -57,7 +59,8 @@ RESULTS = Path(__file__).parent / "results" / "kv_transport.json"
 BOUNDS = Bounds(1 << 20, 1 << 20)
 SEALS = ("aes-gcm", "xxh3")
 ROWS = tuple(
-    f"nixl {seal} {shape}{only}"
+    f"nixl{mode} {seal} {shape}{only}"
+    for mode in ("", " cma")
     for seal in SEALS
     for shape in ("runs", "scattered")
     for only in ("", ", write only")
@@ -65,6 +68,7 @@ ROWS = tuple(
 ROWS += ("zmq curve", "zmq plain")
 KEY_FILE = "KVFENCE_BENCH_SEAL_KEY"  # the run's one key, given to the spawned decode side by environment
 PREFILL, DECODE = "tcp://127.0.0.1:39151", "tcp://127.0.0.1:39152"  # fixed: CURVE's allow-list names them
+CMA_UID = 0x4B550001  # the `nixl cma` rows' landing processes' one uid (--landing-uid)
 
 
 def new_pool() -> KVPool:
@@ -72,8 +76,9 @@ def new_pool() -> KVPool:
     return KVPool(layers, pages, slots, heads, dim, torch.float32, "cpu")
 
 
-def landing(name: str, pool: KVPool) -> LandingAgent:
-    return LandingAgent(name, *area_shape(pool), interface_of("127.0.0.1"))
+def landing(name: str, pool: KVPool, cma: bool) -> LandingAgent:
+    uid = CMA_UID if cma else None
+    return LandingAgent(name, *area_shape(pool), interface_of("127.0.0.1"), uid, cma=cma)
 
 
 def run_key() -> bytes:
@@ -111,11 +116,13 @@ def copy_in(area: Any, pool: KVPool, target: int, seal: str, checksum: int, scra
     return ok
 
 
-def decode_side(conn: Connection, transport: str, keys: TransportKeys | None, address: str) -> None:
+def decode_side(
+    conn: Connection, transport: str, keys: TransportKeys | None, address: str, cma: bool
+) -> None:
     """The decode process: announce the landing area, then copy in each request the prefill side names."""
     torch.set_num_threads(1)
     pool = new_pool()
-    agent = landing("bench-decode", pool) if transport == "nixl" else None
+    agent = landing("bench-decode", pool, cma) if transport == "nixl" else None
     rx = ZmqConnector(address, keys) if agent is None else None
     conn.send((agent.metadata(), agent.layout) if agent else address)
     landed: list[Any] = []
@@ -146,9 +153,11 @@ def decode_side(conn: Connection, transport: str, keys: TransportKeys | None, ad
     (agent or rx).close()  # type: ignore[union-attr]
 
 
-def nixl_rows(conn: Connection, source: KVPool, pages: int, requests: int) -> dict[str, list[float]]:
+def nixl_rows(
+    conn: Connection, source: KVPool, pages: int, requests: int, cma: bool
+) -> dict[str, list[float]]:
     metadata, layout = conn.recv()
-    agent = landing("bench-prefill", source)
+    agent = landing("bench-prefill", source, cma)
     peer = agent.add_peer(metadata)
     rng = random.Random(0)
     times: dict[str, list[float]] = defaultdict(list)
@@ -158,7 +167,7 @@ def nixl_rows(conn: Connection, source: KVPool, pages: int, requests: int) -> di
         scattered = list(zip(*drawn, strict=True))
         for seal in SEALS:
             for shape, pairs in (("runs", runs), ("scattered", scattered)):
-                name = f"nixl {seal} {shape}"
+                name = f"nixl{' cma' if cma else ''} {seal} {shape}"
                 start = time.perf_counter()
                 sums = [stage(agent.area, source, s, t, seal) for s, t in pairs]
                 posted = time.perf_counter()
@@ -196,15 +205,18 @@ def zmq_times(
     return times
 
 
-def measure(transport: str, source: KVPool, pages: int, requests: int, curve: bool = False) -> Any:
+def measure(
+    transport: str, source: KVPool, pages: int, requests: int, curve: bool = False, cma: bool = False
+) -> Any:
     keys = ephemeral([("prefill", "prefill", PREFILL), ("decode", "decode", DECODE)])
     rx_keys, tx_keys = (keys["decode"], keys["prefill"]) if curve else (None, None)
     here, there = mp.Pipe()
-    child = mp.get_context("spawn").Process(target=decode_side, args=(there, transport, rx_keys, DECODE))
+    args = (there, transport, rx_keys, DECODE, cma)
+    child = mp.get_context("spawn").Process(target=decode_side, args=args)
     child.start()
     try:
         if transport == "nixl":
-            return nixl_rows(here, source, pages, requests)
+            return nixl_rows(here, source, pages, requests, cma)
         return zmq_times(here, source, pages, requests, tx_keys)
     finally:
         here.send(None)
@@ -225,8 +237,8 @@ def run(pages: int = 16, requests: int = 20) -> dict[str, Any]:
     page_size = len(source.page_bytes(0))
     out: dict[str, Any] = {"pages_per_request": pages, "page_bytes": page_size, "requests": requests}
     first: dict[str, float] = {}
-    if nixl_available():  # first: the zmq rows' CURVE threads must not share its process
-        for name, times in measure("nixl", source, pages, requests).items():
+    for cma in (False, True) if nixl_available() else ():  # first: the zmq rows' CURVE threads must not
+        for name, times in measure("nixl", source, pages, requests, cma=cma).items():  # share its process
             if name.endswith(", first request"):
                 first[name.removesuffix(", first request")] = times[0] * 1e3
             else:
@@ -235,25 +247,24 @@ def run(pages: int = 16, requests: int = 20) -> dict[str, Any]:
         times = measure("zmq", source, pages, requests, curve=curve)
         out[name], first[name] = summarize(times["steady"], pages, page_size), times["first request"][0] * 1e3
     out["first_request_ms"] = first
-    if nixl_available():
-        for shape in ("runs", "scattered"):
-            for zmq in ("zmq curve", "zmq plain"):
-                out[f"nixl aes-gcm {shape} / {zmq}"] = (
-                    out[f"nixl aes-gcm {shape}"]["gb_per_s"] / out[zmq]["gb_per_s"]
-                )
-            out[f"nixl aes-gcm {shape} / nixl xxh3 {shape}"] = (
-                out[f"nixl aes-gcm {shape}"]["gb_per_s"] / out[f"nixl xxh3 {shape}"]["gb_per_s"]
-            )
+    for nixl, shape in ((n, s) for n in ("nixl", "nixl cma") for s in ("runs", "scattered")):
+        if f"{nixl} aes-gcm {shape}" not in out:
+            continue  # NIXL not installed
+        sealed = out[f"{nixl} aes-gcm {shape}"]["gb_per_s"]
+        for zmq in ("zmq curve", "zmq plain"):
+            out[f"{nixl} aes-gcm {shape} / {zmq}"] = sealed / out[zmq]["gb_per_s"]
+        checksummed = out[f"{nixl} xxh3 {shape}"]["gb_per_s"]
+        out[f"{nixl} aes-gcm {shape} / {nixl} xxh3 {shape}"] = sealed / checksummed
     return out
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"KV transport, {result['pages_per_request']}-page requests ({result['page_bytes']} B a page)"]
-    lines.append(f"{'transport':36} {'GB/s':>8} {'ms/page':>9}")
+    lines.append(f"{'transport':40} {'GB/s':>8} {'ms/page':>9}")
     for name in ROWS:
         if name in result:
             row = result[name]
-            lines.append(f"{name:36} {row['gb_per_s']:8.2f} {row['per_page_ms']:9.3f}")
+            lines.append(f"{name:40} {row['gb_per_s']:8.2f} {row['per_page_ms']:9.3f}")
     first = result.get("first_request_ms", {})
     lines += [f"first request, {name}: {ms:.1f} ms" for name, ms in first.items()]
     ratios = [key for key in result if " / " in key]

@@ -6,9 +6,9 @@ in one run.
                                           [--draft-model MODEL]
 
 `--spec` defaults to 5,2,4: vLLM's documented prompt-lookup example (5 speculative tokens, n-grams of up
-to 4), matching n-grams from 2 tokens. `--models` takes packaged names or paths (a GGUF, a Hugging Face directory); with `--draft-model` the
-speculating server drafts K tokens with that model (vLLM's draft_model) instead of prompt lookup (its
-results keep the key "ngram": the speculating server).
+to 4), matching n-grams from 2 tokens. `--models` takes packaged names or paths (a GGUF, a Hugging Face
+directory); with `--draft-model` the speculating server drafts K tokens with that model (vLLM's
+draft_model) instead of prompt lookup (its results keep the key "ngram": the speculating server).
 
 Two `kvfence serve` processes on the same model, defaults otherwise: one with
 `--speculative-config '{"method": "ngram", ...}'`, one without; the rows alternate between them. Workloads:

@@ -102,7 +102,7 @@ def _sealed_area(slots: int, slot_bytes: int) -> tuple[int, mmap.mmap]:
 class LandingAgent:
     """A `OneSidedAgent` whose NIXL agent runs in a landing process over a shared [slots, slot_bytes] area."""
 
-    program: tuple[str, ...] = ("-m", "kvfence.disagg.landing_process")  # then FD SOCK SLOTS SLOT_BYTES UID
+    program: tuple[str, ...] = ("-m", "kvfence.disagg.landing_process")  # FD SOCK SLOTS SLOT_BYTES UID CMA
 
     def __init__(
         self,
@@ -113,12 +113,15 @@ class LandingAgent:
         uid: int | None = None,
         log_dir: Path | None = None,
         deadline_s: float = CALL_DEADLINE_S,
+        cma: bool = False,
     ) -> None:
         refusal = separation_refusal()
         if refusal is not None:
             raise RuntimeError(refusal)
         self.name, self.interface, self.deadline_s = name, interface, deadline_s
-        self.uid = landing_uid(uid, os.getpid())
+        if cma and uid is None:
+            raise ValueError("cross-memory attach needs every landing process under one uid: name it")
+        self.uid, self.cma = landing_uid(uid, os.getpid()), cma
         self._fd, self._map = _sealed_area(slots, slot_bytes)
         self.area = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, slot_bytes)
         self.log_path = self._log_file(log_dir or Path(tempfile.gettempdir()) / "kvfence-landing")
@@ -141,8 +144,8 @@ class LandingAgent:
         ours, theirs = socket.socketpair()
         slots, slot_bytes = self.area.shape
         argv = [sys.executable, *self.program, str(self._fd), str(theirs.fileno())]
-        argv += [str(slots), str(slot_bytes), str(self.uid)]
-        env = landing_env({"UCX_NET_DEVICES": self.interface} if self.interface else {})
+        argv += [str(slots), str(slot_bytes), str(self.uid), str(int(self.cma))]
+        env = landing_env({"UCX_NET_DEVICES": self.interface} if self.interface else {}, self.cma)
         logfd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             self._process = subprocess.Popen(
@@ -283,6 +286,7 @@ class LandingAgent:
             "pid": self.pid,
             "uid": self.uid,
             "ucx_interface": self.interface or "every interface",
+            "cross_memory_attach": self.cma,
             "pool_registered": False,
             "seal": SEAL,
             "restarts": self.restarts,

@@ -1,9 +1,10 @@
 """The landing process itself: maps the worker's area, gives up every privilege, then serves the wire.
 
 Started by `landing.LandingAgent` as `python -m kvfence.disagg.landing_process FD SOCK SLOTS SLOT_BYTES
-UID`, as root and with the allow-listed environment (`landing_identity.landing_env`). In this order:
+UID CMA`, as root and with the allow-listed environment (`landing_identity.landing_env`). In this order:
 1. import NIXL and map the area (a sealed memfd: it can be written, never grown or shrunk);
-2. drop to its own uid, no groups, not dumpable, no core files (`landing_identity.drop_privileges`);
+2. drop to its own uid, no groups, not dumpable (with CMA 1: dumpable to that uid), no core files
+   (`landing_identity.drop_privileges`);
 3. read the worker's START call (its agent's name travels there, never in argv) and only then create the
    NIXL agent and register the area;
 4. answer calls until CLOSE or until the worker's end of the socket closes.
@@ -86,10 +87,10 @@ class Landing:
             return 1, f"{type(exc).__name__}: {exc}".encode()[: wire.MAX_ERROR]
 
 
-def main(fd: int, sock_fd: int, slots: int, slot_bytes: int, uid: int) -> None:
+def main(fd: int, sock_fd: int, slots: int, slot_bytes: int, uid: int, cma: int) -> None:
     load_api()  # imported while the interpreter can still read every path it needs
     area = np.frombuffer(mmap.mmap(fd, slots * slot_bytes), dtype=np.uint8).reshape(slots, slot_bytes)
-    drop_privileges(uid)
+    drop_privileges(uid, dumpable=cma == 1)
     sock = socket.socket(fileno=sock_fd)
     seq, op, body = read_call(sock)
     if op is not Op.START:
@@ -109,4 +110,4 @@ def main(fd: int, sock_fd: int, slots: int, slot_bytes: int, uid: int) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(arg) for arg in sys.argv[1:6]))
+    main(*(int(arg) for arg in sys.argv[1:7]))

@@ -78,7 +78,7 @@ def kv_agent(name: str, engine: HandoffEngine, plane: KvPlane, bind: str) -> Lan
         print(f"[{name}] KV pages go as ZeroMQ frames, not NIXL: {refusal}", flush=True)
         return None
     name = f"kvfence-{role_of(name)}-{os.getpid()}"
-    return LandingAgent(name, *area_shape(engine.pool), interface, plane.landing_uid)
+    return LandingAgent(name, *area_shape(engine.pool), interface, plane.landing_uid, cma=plane.landing_cma)
 
 
 def run_worker(

@@ -6,12 +6,15 @@ from __future__ import annotations
 import pytest
 from conftest import make_engine
 
+from kvfence.cli import build_parser
+from kvfence.cli_options import kv_plane
 from kvfence.disagg import landing_identity
 from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.launch import kv_agent, nixl_refusal
 from kvfence.disagg.nixl_transport import nixl_available
 from kvfence.disagg.plane import KvPlane
 from kvfence.model.transformer import Transformer
+from kvfence.startup import StartupError
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed: always ZeroMQ")
 
@@ -52,3 +55,14 @@ def test_a_server_that_is_not_root_gets_no_landing_process(
 
 def test_zmq_asks_for_nothing(engine: HandoffEngine) -> None:
     assert kv_agent("decode", engine, KvPlane("zmq"), "tcp://0.0.0.0:5555") is None
+
+
+def test_cross_memory_attach_needs_the_landing_processes_one_uid_named() -> None:
+    """--landing-cma shares a uid among landing processes: which one is the operator's to say, never a
+    default (a default would be some worker's own)."""
+    parser = build_parser()
+    with pytest.raises(StartupError, match="--landing-uid"):
+        kv_plane(parser.parse_args(["serve", "--landing-cma"]))
+    plane = kv_plane(parser.parse_args(["serve", "--landing-cma", "--landing-uid", "1263861761"]))
+    assert (plane.landing_uid, plane.landing_cma) == (1263861761, True)
+    assert kv_plane(parser.parse_args(["serve"])).landing_cma is False

@@ -180,13 +180,41 @@ def test_no_process_but_root_reaches_a_landing_process() -> None:
         victim_fd = int(victim.stdout.readline())
         assert attack(agent.uid, victim.pid, victim_fd) == "pidfd_getfd,ptrace,mem,environ"
         assert agent.pid is not None
-        socket_fd = int(Path(f"/proc/{agent.pid}/cmdline").read_bytes().split(b"\0")[-5])  # public argv
+        socket_fd = int(Path(f"/proc/{agent.pid}/cmdline").read_bytes().split(b"\0")[-6])  # public argv
         for uid in (NOBODY, agent.uid):
             assert attack(uid, agent.pid, socket_fd) == "refused"
     finally:
         victim.kill()
         victim.wait()
         agent.close()
+
+
+def test_cross_memory_attach_is_opt_in_and_shares_a_uid_among_landing_processes_only() -> None:
+    """--landing-cma: both landing processes under the one uid named, dumpable to it, UCX free to pick
+    cross-memory attach; pages move. Its cost, shown: a process of that uid now reaches the other landing
+    process (ptrace, mem, environ), while nobody still gets nothing; /proc says dumpable, so the plane is
+    not reported sealed. Without a uid named, refused."""
+    with pytest.raises(ValueError, match="one uid"):
+        LandingAgent("unnamed", 4, 64, "lo", cma=True)
+    uid = 0x4B550002
+    sender = LandingAgent("cma-sender", 4, 64, "lo", uid=uid, cma=True)
+    receiver = LandingAgent("cma-receiver", 4, 64, "lo", uid=uid, cma=True)
+    try:
+        assert sender.pid is not None and receiver.pid is not None
+        assert uids(sender.pid) == uids(receiver.pid) == [uid] * 4
+        assert b"UCX_TLS=^cma" not in Path(f"/proc/{sender.pid}/environ").read_bytes()
+        sender.area[:] = 7
+        write = sender.write(sender.add_peer(receiver.metadata()), receiver.layout, [(0, 2)], "r1")
+        assert wait_written(sender, receiver, write) == "DONE" and (receiver.area[2] == 7).all()
+        described = receiver.describe()
+        assert described["cross_memory_attach"] is True
+        assert described["conditions"] == {"separate_uid": True, "not_dumpable": False, "one_interface": True}
+        socket_fd = int(Path(f"/proc/{receiver.pid}/cmdline").read_bytes().split(b"\0")[-6])
+        assert attack(uid, receiver.pid, socket_fd) == "pidfd_getfd,ptrace,mem,environ"
+        assert attack(NOBODY, receiver.pid, socket_fd) == "refused"
+    finally:
+        sender.close()
+        receiver.close()
 
 
 WORKER_MAPS = """
