@@ -181,7 +181,11 @@ class Fence:
         # their addresses go into csrc/fence.c's `struct pool` once, not as arguments of every check.
         arrays = (pool.generation, pool.owner, pool.state, pool.written, pool.holders, self._next_slot)
         self._pool = _PoolArrays(
-            pool.generation.size, pool.page_size, int(PageState.OWNED), *(_pointer(a) for a in arrays)
+            pool.generation.size,
+            pool.page_size,
+            int(PageState.OWNED),
+            *(_pointer(a) for a in arrays),
+            *_kv_geometry(pool),
         )
         self._pool_address = ctypes.addressof(self._pool)
         self._reasons = np.zeros(64, dtype=np.int8)  # the C check's verdict per row, grown when needed
@@ -248,11 +252,20 @@ class Fence:
             page, generation = record.entry(logical)
             start = max(keep - logical * size, 0)
             stop = min(end - logical * size, size)
-            if not self.pool.take_back(page, generation, record.tenant, start, stop):
+            if not self._take_back(page, generation, record.tenant, start, stop):
                 refused = DRAFT_ROLLBACK_REFUSED
                 break
         self.stats.seconds += time.perf_counter() - started  # the fence's share of a step includes it
         return refused
+
+    def _take_back(self, page: int, generation: int, tenant: int, start: int, end: int) -> bool:
+        """`KVPool.take_back`, in csrc/fence.c where it is built and the pool is in host memory."""
+        if self._native is None or not self._pool.kv:
+            return self.pool.take_back(page, generation, tenant, start, end)
+        if self._native.take_back(self._pool_address, page, generation, tenant, start, end):
+            return True
+        self.pool.refused_writes += 1
+        return False
 
     def _check_reads(self, layout: StepLayout) -> dict[int, str]:
         """Rows whose reads fail, as csrc/fence.c judges them: a page id outside [0, num_pages) fails
@@ -309,6 +322,17 @@ def _pointer(array: np.ndarray) -> int:
     return int(array.ctypes.data)
 
 
+def _kv_geometry(pool: KVPool) -> tuple[int, int, int, int, int]:
+    """csrc/fence.c's view of the KV bytes: (address, blocks, block stride, page stride, slot bytes), the
+    address 0 where the pool is not in host memory."""
+    kv = pool.kv  # allocated once with the pool, contiguous: K/V blocks of every layer one stride apart
+    if kv.device.type != "cpu" or not kv.is_contiguous():
+        return 0, 0, 0, 0, 0
+    size = kv.element_size()
+    strides = (kv.stride(1) * size, kv.stride(2) * size, kv.stride(3) * size)
+    return kv.data_ptr(), kv.shape[0] * kv.shape[1], *strides
+
+
 class _PoolArrays(ctypes.Structure):
     """csrc/fence.c's `struct pool`."""
 
@@ -318,8 +342,9 @@ class _PoolArrays(ctypes.Structure):
         ("owned", ctypes.c_int64),
         *(
             (name, ctypes.c_void_p)
-            for name in ("generation", "owner", "state", "written", "holders", "next_slot")
+            for name in ("generation", "owner", "state", "written", "holders", "next_slot", "kv")
         ),
+        *((name, ctypes.c_int64) for name in ("blocks", "block_stride", "page_stride", "slot_bytes")),
     ]
 
 

@@ -116,3 +116,39 @@ def test_a_layout_pointing_outside_itself_is_refused_before_anything_is_read(sec
     getattr(layout, section)[-1] += 1_000
     with pytest.raises(ValueError, match="malformed step layout"):
         Fence(pool).validate_step(layout)
+
+
+def test_the_c_rollback_takes_back_what_the_pool_would_and_refuses_what_it_would() -> None:
+    """Random rollbacks (mostly the tenant's own written tail, else another generation, tenant, state,
+    a shared page, a range that is not the tail, a page id outside the pool) on two copies of a random
+    pool of two layers: the C rollback and `KVPool.take_back` agree on every verdict, every byte of the
+    KV (the taken-back slots zeroed in each layer's K and V, nothing else touched), `written` and the
+    refused-write count."""
+    rng = np.random.default_rng(23)
+    verdicts = set()
+    for _ in range(300):
+        pools = [KVPool(2, PAGES, PAGE_SIZE, 1, 2, torch.float32, torch.device("cpu")) for _ in range(2)]
+        state = random_pool(rng)
+        kv = torch.from_numpy(rng.standard_normal(pools[0].kv.shape).astype(np.float32))
+        for pool in pools:
+            for name in ("generation", "owner", "state", "written", "holders"):
+                getattr(pool, name)[:] = getattr(state, name)
+            pool.kv.copy_(kv)
+        page = int(rng.choice([int(rng.integers(0, PAGES)), -1, PAGES]))
+        inside = 0 <= page < PAGES
+        tail = inside and rng.random() < 0.8
+        end = int(state.written[page]) if tail else int(rng.integers(0, PAGE_SIZE + 2))
+        start = int(rng.integers(-1, max(end, 1)))
+        generation = int(state.generation[page]) if inside and rng.random() < 0.8 else 7
+        tenant = int(state.owner[page]) if inside and rng.random() < 0.8 else 9
+        fence = Fence(pools[0])
+        assert fence._native is not None and fence._pool.kv
+        native = fence._take_back(page, generation, tenant, start, end)
+        reference = pools[1].take_back(page, generation, tenant, start, end)
+        assert native == reference
+        assert torch.equal(pools[0].kv, pools[1].kv) and np.array_equal(pools[0].written, pools[1].written)
+        assert pools[0].refused_writes == pools[1].refused_writes == (not reference)
+        if reference:
+            assert (pools[0].kv[:, :, page, start:end] == 0).all() and pools[0].written[page] == start
+        verdicts.add(reference)
+    assert verdicts == {True, False}

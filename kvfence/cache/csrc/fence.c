@@ -1,5 +1,7 @@
 /* The fence's batched validation (cache/fence.py) in one call over a step's layout: a Python extension
- * module, `kvfence_fence.validate(flat, rows, writes, pool, reasons) -> (bad rows, refused writes)`.
+ * module, `kvfence_fence.validate(flat, rows, writes, pool, reasons) -> (bad rows, refused writes)`; and a
+ * draft rollback, `kvfence_fence.take_back(pool, page, generation, tenant, start, end) -> bool`:
+ * `KVPool.take_back`'s rule and effect (tested against it) on a pool in host memory.
  *
  * Contract: the verdict of `Fence._numpy_verdict` for the same layout and pool, row by row (tested
  * against it on random layouts): reasons[r] is the first violation of row r in the order STALE_GENERATION,
@@ -16,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 enum { CLEAN = 0, STALE_GENERATION = 1, FOREIGN_OWNER = 2, UNWRITTEN_READ = 3, STALE_WRITE = 4 };
 
@@ -23,8 +26,13 @@ struct pool {
     int64_t num_pages, page_size, owned;
     const int64_t *generation, *owner;
     const int8_t *state;
-    const int64_t *written, *holders;
+    int64_t *written; /* take_back moves it back; nothing else here writes it */
+    const int64_t *holders;
     int64_t *next_slot; /* [num_pages] scratch of check_writes, the fence's own */
+    /* The KV bytes, [blocks (layer, K or V), pages, slots, ...] `block_stride`, `page_stride` and
+     * `slot_bytes` apart; NULL where the pool is not in host memory (take_back is not called then). */
+    char *kv;
+    int64_t blocks, block_stride, page_stride, slot_bytes;
 };
 
 struct layout {
@@ -151,8 +159,39 @@ static PyObject *validate(PyObject *module, PyObject *const *args, Py_ssize_t na
     return result;
 }
 
+/* Slots [start, end) of `page` taken back for `tenant`, as `KVPool.take_back` does: allowed only for the
+ * tenant holding the page alone at `generation`, for its written tail (written == end); then zeroed in
+ * every block and `written` moved back to `start`. Why in C: after a forward pass the numpy checks and the
+ * strided assignment took ~35 us a rollback, most of the fence's share of a speculative step. */
+static PyObject *take_back(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "take_back(pool, page, generation, tenant, start, end)");
+        return NULL;
+    }
+    struct pool *p = PyLong_AsVoidPtr(args[0]);
+    const int64_t page = PyLong_AsLongLong(args[1]), generation = PyLong_AsLongLong(args[2]);
+    const int64_t tenant = PyLong_AsLongLong(args[3]);
+    const int64_t start = PyLong_AsLongLong(args[4]), end = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (p->kv == NULL) {
+        PyErr_SetString(PyExc_ValueError, "take_back: the pool is not in host memory");
+        return NULL;
+    }
+    const int allowed = page >= 0 && page < p->num_pages && 0 <= start && start < end &&
+                        end <= p->page_size && p->generation[page] == generation && p->owner[page] == tenant &&
+                        p->state[page] == p->owned && p->holders[page] <= 1 && p->written[page] == end;
+    if (!allowed) Py_RETURN_FALSE;
+    char *first = p->kv + page * p->page_stride + start * p->slot_bytes;
+    const size_t run = (size_t)((end - start) * p->slot_bytes); /* the slots lie one after another */
+    for (int64_t b = 0; b < p->blocks; b++) memset(first + b * p->block_stride, 0, run);
+    p->written[page] = start;
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"validate", (PyCFunction)(void (*)(void))validate, METH_FASTCALL, "The step's verdict (see fence.c)."},
+    {"take_back", (PyCFunction)(void (*)(void))take_back, METH_FASTCALL, "A draft rollback (see fence.c)."},
     {NULL, NULL, 0, NULL},
 };
 
