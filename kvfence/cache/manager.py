@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -21,10 +21,12 @@ from kvfence.cache.block_table import BlockTable
 from kvfence.cache.fence import MappingRecord
 from kvfence.cache.pool import KVPool, PageState
 from kvfence.cache.prefix import PrefixCache, extend_chain
-from kvfence.cache.tiers import KVTiers
 from kvfence.trail.events import EventLog
 from kvfence.trail.reasons import STALE_WRITE
 from kvfence.units import cdiv
+
+if TYPE_CHECKING:  # built by engine/builder.py only where a tier is named
+    from kvfence.cache.tiers import KVTiers
 
 RESTORE_BATCH = 16  # pages fetched from the tiers in one call (all at once held 94 MB at 4k tokens: slower)
 

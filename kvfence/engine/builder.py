@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +19,6 @@ from kvfence.cache.fence import Fence
 from kvfence.cache.manager import KVCacheManager
 from kvfence.cache.pool import KVPool
 from kvfence.cache.prefix import PrefixCache
-from kvfence.cache.tier_seal import MASTER_KEY_BYTES, Layout, TierSeal
-from kvfence.cache.tier_stores import make_store
-from kvfence.cache.tiers import KVTiers
 from kvfence.config import CapacityReport, EngineConfig, capacity_report, check_window
 from kvfence.engine.draft_model import DraftModelDrafter
 from kvfence.engine.drafter import Drafter, NgramDrafter
@@ -35,6 +33,9 @@ from kvfence.startup import StartupError, one_key, read_secret_file, reason
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
 from kvfence.units import cdiv
+
+if TYPE_CHECKING:  # the tiers' modules load only where a tier is named (build_tiers)
+    from kvfence.cache.tiers import KVTiers
 
 
 @dataclass
@@ -114,6 +115,11 @@ def build_tiers(
         raise ValueError("--kv-tier needs --kv-tier-key-file: a file of 64 hex digits (openssl rand -hex 32)")
     if model_file is None:
         raise ValueError("a KV tier names its entries by the model file's sha256: load the model from a file")
+    # Here, not at the top: their cipher library (cryptography, ~6 MiB resident) is for servers with tiers.
+    from kvfence.cache.tier_seal import Layout, TierSeal
+    from kvfence.cache.tier_stores import make_store
+    from kvfence.cache.tiers import KVTiers
+
     key = read_tier_key(config.kv_tier_key_file)
     mc = model.config
     dtype = str(pool.kv.dtype).removeprefix("torch.")
@@ -124,6 +130,8 @@ def build_tiers(
 
 def read_tier_key(path: Path) -> bytes:
     """The master key of the KV tiers: 64 hex digits in a file only its owner may read (StartupError)."""
+    from kvfence.cache.tier_seal import MASTER_KEY_BYTES  # as build_tiers' imports
+
     option = "--kv-tier-key-file"
     text = one_key(read_secret_file(path, option), f"{option} {path}")
     try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -328,3 +330,17 @@ def answer_salted(
         engine.step()
     kinds = [e["kind"] for e in engine.events.for_request(request.request_id)]
     return request.output_token_ids, [k for k in kinds if k in ("prefix_hit", "tier_restored")]
+
+
+def test_a_server_without_tiers_loads_no_cipher_library() -> None:
+    """cryptography (~6 MiB resident) loads with the first tier named, not with the server or an engine
+    built without one: the 1B file's server must fit 1.5 x file + pool."""
+    code = (
+        "import sys, kvfence.cli, kvfence.api.server\n"
+        "from kvfence.engine.builder import build_tiers\n"
+        "from kvfence.config import EngineConfig\n"
+        "assert build_tiers(EngineConfig(), None, None, None) is None\n"
+        "print('cryptography' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split()[-1] == "False", run.stderr[-2000:]
