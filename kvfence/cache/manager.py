@@ -125,16 +125,15 @@ class KVCacheManager:
         while logical < wanted:  # a batch at a time: a few MiB of plaintext held, not the whole prefix
             batch = [(seq.page_hashes[i], i) for i in range(logical, min(logical + RESTORE_BATCH, wanted))]
             scratch = self._restore_scratch(len(batch))
-            run = self.tiers.fetch(seq.tenant, batch, size, scratch)
-            for i in range(run):
-                if not self.allocate(seq, (logical + 1) * size):
+            placed: list[tuple[int, int]] = []  # (page, generation) of each fresh page, in order
+            for _ in range(self.tiers.fetch(seq.tenant, batch, size, scratch)):
+                if not self.allocate(seq, (logical + len(placed) + 1) * size):
                     break
-                page, generation = seq.record.entry(logical)
-                page_bytes = scratch[i * self._page_nbytes : (i + 1) * self._page_nbytes]
-                if not self._write_restored(seq, page, generation, page_bytes):
-                    break  # the fresh page is the record's, unwritten: prefill writes it
-                restored.append(page)
-                logical += 1
+                placed.append(seq.record.entry(logical + len(placed)))
+            if self._write_restored(seq, placed, scratch):
+                restored += [page for page, _ in placed]
+                logical += len(placed)
+            # else: the fresh pages are the record's, unwritten (prefill writes them); the request is aborted
             if logical < batch[-1][1] + 1:  # a miss, or a page that could not be placed: the run ends
                 break
         self.tiers.restore_seconds += time.perf_counter() - started
@@ -158,29 +157,32 @@ class KVCacheManager:
         return refused
 
     def _write_restored(
-        self, seq: CachedSequence, page: int, generation: int, page_bytes: memoryview
+        self, seq: CachedSequence, placed: list[tuple[int, int]], scratch: memoryview
     ) -> bool:
-        """A restored page's bytes into `page`: a fenced write of every slot (the page must be the record's
-        tenant's alone at `generation`, every slot next in order), as any step's write is. False, nothing
-        written, `write_refused` on the trail and the request among `take_refused_restores`, when the fence
-        refuses it."""
-        tenant = seq.record.tenant
+        """Restored pages' bytes (page i at `scratch`'s i-th page-long slice) into the `placed` pages: one
+        fenced write of every slot of them all (each page must be the record's tenant's alone at its
+        generation, every slot next in order), as any step's write is. False, nothing written,
+        `write_refused` on the trail and the request among `take_refused_restores`, when the fence refuses
+        any of it."""
+        if not placed:
+            return True
+        targets = [page for page, _ in placed]
         if self.prefix is not None and self.prefix.faults.fire("tier_foreign_write"):
-            page = self._foreign_page(seq, page)
-        slots = np.arange(self.page_size, dtype=np.int64)
-        pages = np.full(self.page_size, page, dtype=np.int64)
+            targets[0] = self._foreign_page(seq, targets[0])
+        size = self.page_size
+        pages = np.repeat(np.array(targets, dtype=np.int64), size)
+        slots = np.tile(np.arange(size, dtype=np.int64), len(targets))
         if self.fenced:
-            allowed = self.pool.authorize_writes(
-                pages,
-                np.full(self.page_size, generation, dtype=np.int64),
-                np.full(self.page_size, tenant, dtype=np.int64),
-                slots,
-            )
+            generations = np.repeat(np.array([g for _, g in placed], dtype=np.int64), size)
+            tenants = np.full(pages.size, seq.record.tenant, dtype=np.int64)
+            allowed = self.pool.authorize_writes(pages, generations, tenants, slots)
             if not allowed.all():
-                self.events.emit(seq.request_id, "write_refused", page=page, why="tier restore")
+                refused = int(pages[int(np.argmin(allowed))])
+                self.events.emit(seq.request_id, "write_refused", page=refused, why="tier restore")
                 self._refused_restores[seq.request_id] = STALE_WRITE
                 return False
-        self.pool.load_page_bytes(page, page_bytes)
+        for i, page in enumerate(targets):
+            self.pool.load_page_bytes(page, scratch[i * self._page_nbytes : (i + 1) * self._page_nbytes])
         self.pool.commit_writes(pages, slots)
         return True
 
