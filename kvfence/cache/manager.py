@@ -214,8 +214,8 @@ class KVCacheManager:
             if self._holds(seq.record, logical) and not self.prefix.is_cached(page):
                 chain = seq.page_hashes[logical]
                 tiers = self.tiers
-                stored = tiers is None or tiers.holds(seq.tenant, chain)
-                if self.prefix.insert(page, chain) and not stored:
+                new_here = tiers is not None and not tiers.holds(seq.tenant, chain)  # not what a tier gave
+                if self.prefix.insert(page, chain) and new_here:
                     tiers.offer(seq.tenant, chain, logical, self.page_size, self.pool.page_bytes(page))
         seq.num_published_pages = full
 

@@ -5,10 +5,10 @@ Contract:
 - `offer` never blocks the step: the page's bytes are queued for a writer thread that seals them and puts
   them in every tier; a full queue drops the page (counted in `dropped`).
 - `fetch` searches the tiers in order (each page's value fetched while the one before it is opened) and
-  returns a page's bytes only when a value opens under the tenant's key for exactly that model, layout,
-  prefix and place (tier_seal.py); anything else is a miss, counted by tier and reason. It never raises
-  for a store's failure.
-- What `fetch` returns enters a pool only as a fenced write (KVCacheManager's restore), never otherwise.
+  opens a page into the caller's buffer only when a value opens under the tenant's key for exactly that
+  model, layout, prefix and place (tier_seal.py); anything else is a miss, counted by tier and reason. It
+  never raises for a store's failure.
+- What `fetch` opens enters a pool only as a fenced write (KVCacheManager's restore), never otherwise.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class KVTiers:
         names = [self.seal.name(tenant, chain) for chain, _ in pages]
         found = [False] * len(pages)
         for store in self.stores:
-            wanted = [i for i, page in enumerate(found) if not page]
+            wanted = [i for i, hit in enumerate(found) if not hit]
             if not wanted:
                 break
             counters = self.counters[store.spec]

@@ -15,8 +15,9 @@ The landing process is reachable through UCX, so it is treated as hostile from i
   nixl` is refused there (`separation_refusal`) and `auto` takes the sealed ZeroMQ transport.
 - Opt-in cross-memory attach (`cma`, `--landing-cma`, which needs `--landing-uid`): the landing processes
   of a deployment share that one uid (never a worker's) and stay dumpable to it, so that UCX moves pages
-  between two of them with one process_vm_writev instead of TCP (bench/kv_transport.py: a 16-page WRITE
-  6.6 against 2.6 GB/s, a sealed request 2.29x CURVE ZeroMQ against 1.64x). The cost: a process of that
+  between two of them with one process_vm_writev instead of TCP (bench/kv_transport.py, two runs: a
+  16-page WRITE 5.2-6.6 against 2.6-2.9 GB/s, a sealed request 2.02-2.29x CURVE ZeroMQ against
+  1.57-1.64x). The cost: a process of that
   uid (a landing process taken over through UCX) may ptrace every other landing process and read its
   memory: sealed pages, no key and no plaintext, and it could already forge writes into them through
   UCX; no other uid gains anything. `not_dumpable` is then false, and the data plane is not reported
