@@ -137,7 +137,7 @@ class GGUFModel:
 
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
-    metadata: dict[str, object]
+    metadata: Mapping[str, object]
     path: Path
     quantized: Mapping[str, QuantizedWeight] = field(default_factory=dict)
     quantization: dict[str, int] = field(default_factory=dict)
@@ -181,12 +181,12 @@ def load_gguf(
     return GGUFModel(config, tensors, metadata, path, quantized, dict(sorted(kinds.items())))
 
 
-def read_header(path: str | Path) -> tuple[ModelConfig, dict[str, object]]:
+def read_header(path: str | Path) -> tuple[ModelConfig, Mapping[str, object]]:
     """Config and metadata without reading any tensor data (enough for a tokenizer: the router)."""
     return _header(GGUFFile(Path(path)))
 
 
-def _header(file: GGUFFile) -> tuple[ModelConfig, dict[str, object]]:
+def _header(file: GGUFFile) -> tuple[ModelConfig, Mapping[str, object]]:
     """The config, checked against the file's tensors, and every key/value pair of the file."""
     shapes = {info.name: info.shape for info in file.tensors}
     arch = architecture(file.metadata.get("general.architecture"))

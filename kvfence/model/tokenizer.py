@@ -158,20 +158,26 @@ class Tokenizer:
                 f"unsupported GGUF tokenizer model {tokenizer_model!r}: "
                 "only byte-level BPE ('gpt2') and SentencePiece ('llama')"
             )
-        # The vocab's texts are read here and not kept: the backend holds them (49,152 strings are 3.4 MiB).
+        template = chat_template if chat_template is not None else metadata.get("tokenizer.chat_template")
+        self._setup(*self._read_vocab(metadata, _DEFAULT_ADD_BOS[str(tokenizer_model)]), template)
+
+    @classmethod
+    def _read_vocab(
+        cls, metadata: Mapping[str, object], default_bos: bool
+    ) -> tuple[tokenizers.Tokenizer, int, int | None, bool, int, set[int]]:
+        """The backend and the ids `_setup` takes. The vocab's texts are read here and not kept (the backend
+        holds them; 49,152 strings are 3.4 MiB): they are gone before `_setup` compiles the template, whose
+        objects would otherwise share allocator arenas with them and keep those from being returned."""
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
         token_types: list[int] = list(metadata["tokenizer.ggml.token_type"])
         eos = int(metadata["tokenizer.ggml.eos_token_id"])
-        default_bos = _DEFAULT_ADD_BOS[str(tokenizer_model)]
-        template = chat_template if chat_template is not None else metadata.get("tokenizer.chat_template")
-        self._setup(
-            self._build_backend(metadata, tokens, token_types),
+        return (
+            cls._build_backend(metadata, tokens, token_types),
             len(tokens),
             _optional_int(metadata.get("tokenizer.ggml.bos_token_id")),
             bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos)),
             eos,
             _end_of_generation_ids(eos, metadata, tokens, token_types),
-            template,
         )
 
     def _setup(

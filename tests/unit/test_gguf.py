@@ -146,6 +146,30 @@ def test_a_string_array_reads_back_whole_and_a_cut_one_is_refused(tmp_path: Path
             GGUFFile(path)
 
 
+def test_an_array_is_read_at_each_lookup_and_left_out_without_arrays(tmp_path: Path) -> None:
+    """The header's arrays are not held: each lookup reads a new list (a caller's edit never shows in the
+    next); `in`, `len` and the keys count them; `arrays=False` leaves them out."""
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_token_list(["a", "b"])
+    writer.add_array("numbers", [1, 2, 3])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    metadata = GGUFFile(path).metadata
+    first = metadata["tokenizer.ggml.tokens"]
+    first.append("edited")
+    assert metadata["tokenizer.ggml.tokens"] == ["a", "b"] and metadata["numbers"] == [1, 2, 3]
+    assert "numbers" in metadata and len(metadata) == len(list(metadata)) == 3
+    assert dict(metadata) == {
+        "general.architecture": "llama",
+        "tokenizer.ggml.tokens": ["a", "b"],
+        "numbers": [1, 2, 3],
+    }
+    without = GGUFFile(path, arrays=False).metadata
+    assert "numbers" not in without and dict(without) == {"general.architecture": "llama"}
+
+
 def test_non_llama_architecture_is_rejected(tmp_path: Path) -> None:
     _write_tiny_gguf(tmp_path / "other.gguf", "gpt2", _tiny_llama_tensors())
     with pytest.raises(ValueError, match="architecture 'gpt2'"):
