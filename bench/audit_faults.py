@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from common import load_weights, write_json
 
-from kvfence.audit.cli import add_arguments, run
+from kvfence.audit.cli import run
+from kvfence.audit.options import add_arguments
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.harness.cluster import cluster

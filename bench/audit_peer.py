@@ -23,7 +23,8 @@ from typing import Any
 
 from common import add_llama_server_options, write_json
 
-from kvfence.audit.cli import add_arguments, run
+from kvfence.audit.cli import run
+from kvfence.audit.options import add_arguments
 from kvfence.cli_options import model_file
 from kvfence.harness.key_files import audit_key_args
 from kvfence.harness.peers import llama_server, llama_server_binary

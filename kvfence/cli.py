@@ -231,6 +231,12 @@ def _keys_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    from kvfence.audit import cli as audit_cli  # its HTTP client loads here, not in every command
+
+    return audit_cli.run(args)
+
+
 def _lab(args: argparse.Namespace) -> int:
     from kvfence.audit import lab  # the lab runs engines: torch
 
@@ -413,11 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate_keys.set_defaults(run=_keys_generate)
 
-    from kvfence.audit import cli as audit_cli  # HTTP only: no torch
+    from kvfence.audit.options import add_arguments as add_audit_arguments
 
     audit_parser = commands.add_parser("audit", help="the five acceptance checks against a running server")
-    audit_cli.add_arguments(audit_parser)
-    audit_parser.set_defaults(run=audit_cli.run)
+    add_audit_arguments(audit_parser)
+    audit_parser.set_defaults(run=_audit)
 
     lab_parser = commands.add_parser("lab", help="the four-request isolation lab on the real model")
     lab_parser.add_argument("--model", type=model_file, help="GGUF file (default: the packaged SmolLM2)")

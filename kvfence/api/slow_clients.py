@@ -137,5 +137,9 @@ def uvicorn_config(
     if max_connections < 1:
         raise ValueError(f"max_connections must be positive, got {max_connections}")
     return uvicorn.Config(
-        app, http=protocol_class(read_timeout_s, max_connections), limit_concurrency=max_connections, **kwargs
+        app,
+        http=protocol_class(read_timeout_s, max_connections),
+        ws="none",  # no endpoint speaks WebSocket: an upgrade is answered as plain HTTP, its library unloaded
+        limit_concurrency=max_connections,
+        **kwargs,
     )

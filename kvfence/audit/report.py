@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from kvfence.audit.client import Exchange
+from kvfence.audit.options import DEFAULT_PAGE_SIZE
 from kvfence.audit.probes import Boundary
 from kvfence.audit.result import INCONCLUSIVE, CheckResult
 from kvfence.audit.trail import ACQUIRE, ENGINE, Event, Trail, by_where, event_pages, tenant_of
-
-DEFAULT_PAGE_SIZE = 16
 
 
 class ProgressBar:

@@ -22,8 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvfence.api.server import build_app
-from kvfence.audit.cli import add_arguments, admin_key, run, tenant_keys
+from kvfence.audit.cli import admin_key, run, tenant_keys
 from kvfence.audit.client import ProbeClient, Target, check_test_address
+from kvfence.audit.options import add_arguments
 from kvfence.audit.pinned import check_pinned
 from kvfence.audit.prefix_timing import probe_prefix_timing
 from kvfence.engine.async_engine import AsyncEngine

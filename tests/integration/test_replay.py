@@ -25,8 +25,9 @@ import torch
 from conftest import LogitsRecorder, real_engine
 
 from kvfence.audit.canaries import new_canary, victim_prompt
-from kvfence.audit.cli import add_arguments, run
+from kvfence.audit.cli import run
 from kvfence.audit.client import ProbeClient, Target, discover
+from kvfence.audit.options import add_arguments
 from kvfence.audit.replay import REPLAY_MAX_TOKENS, REPLAY_PROMPTS, run_replay
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine

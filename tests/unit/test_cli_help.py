@@ -1,6 +1,6 @@
 """`--help` tells an operator what runs: every option that defaults to something says so, in units a
 person reads, and every `kvfence serve` option has a row in the README's options table (so the table
-cannot drift from the parser again)."""
+cannot drift from the parser again); and building the parser loads no command's libraries."""
 
 from __future__ import annotations
 
@@ -100,3 +100,18 @@ def test_no_abbreviations_and_origins_checked(
     assert exit.value.code == 2 and error in capsys.readouterr().err
     parsed = build_parser().parse_args(["serve", "--allowed-origins", "*", "https://a.example:8443"])
     assert parsed.allowed_origins == ["*", "https://a.example:8443"]
+
+
+def test_the_parser_every_command_builds_loads_no_audit_client() -> None:
+    """`kvfence serve` builds the whole parser, `audit` included: the audit's HTTP client (httpx, with rich
+    and pygments, ~10 MiB resident) loads only when `kvfence audit` runs."""
+    code = (
+        "import sys\n"
+        "from kvfence.cli import build_parser\n"
+        "args = build_parser().parse_args(['audit', '--url', 'http://127.0.0.1:9'])\n"
+        "print('httpx' in sys.modules, args.run.__module__)\n"
+        "import kvfence.audit.cli\n"
+        "print('httpx' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["False", "kvfence.cli", "True"], run.stderr[-2000:]
