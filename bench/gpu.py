@@ -136,7 +136,7 @@ def checked(name: str, passed: bool, detail: str) -> Row:
 
 
 def fault_cases(model: Transformer) -> types.ModuleType:
-    """tests/unit/test_fence_faults.py's scenarios. Its conftest needs fastapi and the tiny model, so a stub
+    """tests/unit/test_fence_faults.py's scenarios. Its conftest needs starlette and the tiny model, so a stub
     conftest gives it only `make_engine` over the real model; where pytest is missing, a stub of the one
     decorator the module uses at import."""
 
@@ -356,9 +356,9 @@ def server_mode_rows(
 ) -> list[Row]:
     """W1 prompts streamed at each of SERVER_CLIENTS concurrent clients to a server started with `flags`
     (bench/disagg.py's client: TPOT = (last chunk - first text chunk) / (tokens - 1))."""
-    if importlib.util.find_spec("fastapi") is None:
-        return [(f"server{label} TPOT", "skipped", "fastapi missing: `kvfence serve` cannot start")]
-    from kvfence.harness.cluster import cluster  # needs fastapi
+    if importlib.util.find_spec("uvicorn") is None:
+        return [(f"server{label} TPOT", "skipped", "uvicorn missing: `kvfence serve` cannot start")]
+    from kvfence.harness.cluster import cluster  # needs uvicorn
 
     waves, max_tokens = (1, 16) if quick else (4, W1.max_tokens)
     window = W1.prompt_len + max_tokens

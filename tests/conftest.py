@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
@@ -277,6 +277,6 @@ def assert_same_greedy(
             return
 
 
-def serving(app: FastAPI) -> AbstractContextManager[str]:
+def serving(app: ASGIApp) -> AbstractContextManager[str]:
     """`app` under uvicorn on a free loopback port, in a thread (kvfence.harness.server); yields its URL."""
     return serve_app(app)

@@ -6,16 +6,15 @@ Contracts:
   "default".
 - The admin-only endpoints open to the admin key alone (compared in constant time): a tenant's key gets
   403, anything else 401, and with no admin key configured they refuse everyone with a 403 saying so.
-- The route dependencies (`Tenant`, `admin`) read the app's own `Auth` from `app.state.auth`.
+- Each endpoint (routes.py) calls its check on the app's one `Auth` before it reads the body.
 """
 
 from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Annotated
 
-from fastapi import Depends, Request
+from starlette.requests import Request
 
 from kvfence.api.errors import APIError
 
@@ -65,19 +64,3 @@ def _bearer_key(request: Request) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return key.strip() or None
-
-
-# Route dependencies read the app's own Auth (module level, so FastAPI can resolve the annotations).
-def _tenant(request: Request) -> str:
-    return request.app.state.auth.tenant(request)
-
-
-def admin(request: Request) -> None:
-    request.app.state.auth.admin(request)
-
-
-def metrics_reader(request: Request) -> None:
-    request.app.state.auth.metrics(request)
-
-
-Tenant = Annotated[str, Depends(_tenant)]

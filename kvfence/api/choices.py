@@ -22,8 +22,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from starlette.responses import JSONResponse, Response
 
 from kvfence.api.bodies import ErrorResponse
 from kvfence.api.errors import APIError, abort_error

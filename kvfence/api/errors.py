@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ExceptionHandler
 
 from kvfence.api.bodies import ErrorDetail, ErrorResponse
 from kvfence.engine.output import RequestOutput
@@ -96,39 +97,42 @@ def abort_error(output: RequestOutput) -> APIError:
     )
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error, ours or the framework's, leaves in OpenAI's shape."""
+def invalid_body(exc: ValidationError) -> APIError:
+    """A 400 for a body its model refused: every field's complaint, the first field as `param`."""
+    errors = exc.errors()
+    message = "; ".join(_describe_validation_error(e) for e in errors) or "invalid request"
+    param = next((p for p in errors[0]["loc"][:1] if isinstance(p, str)), None) if errors else None
+    return APIError(400, message, param=param)
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+
+def exception_handlers() -> dict[Any, ExceptionHandler]:
+    """The app's handlers: every error, ours or the framework's (an unknown route or method, a crash),
+    leaves in OpenAI's shape."""
+
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
         return _error_response(exc.status, exc.detail, exc.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        message = "; ".join(_describe_validation_error(e) for e in errors) or "invalid request"
-        param = next((p for p in errors[0]["loc"][1:2] if isinstance(p, str)), None) if errors else None
-        return _error_response(400, ErrorDetail(message=message, type="invalid_request_error", param=param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
         detail = ErrorDetail(
             message=f"{request.method} {request.url.path}: {exc.detail}", type=error_type(exc.status_code)
         )
         return _error_response(exc.status_code, detail, exc.headers)
 
-    @app.exception_handler(Exception)
     async def crash(_: Request, exc: Exception) -> JSONResponse:
         return _error_response(
             500, ErrorDetail(message=f"internal error: {type(exc).__name__}", type="server_error")
         )
 
+    return {APIError: api_error, StarletteHTTPException: http_error, Exception: crash}
+
 
 UNKNOWN_PARAMETER = "unknown parameter (neither OpenAI's nor a vLLM extra this server implements)"
 
 
-def _describe_validation_error(error: dict[str, Any]) -> str:
-    where = ".".join(str(part) for part in error["loc"][1:])  # loc[0] is "body"
+def _describe_validation_error(error: Any) -> str:
+    where = ".".join(str(part) for part in error["loc"])
     message = str(error["msg"]).removeprefix("Value error, ")
     if error.get("type") == "extra_forbidden":
         message = UNKNOWN_PARAMETER

@@ -23,8 +23,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvfence.api.bodies import (

@@ -1,34 +1,92 @@
-"""The HTTP endpoints of the OpenAI-compatible front, each a thin call of the service (server.py) behind
-its dependency: the API keys (`Tenant`), the admin key (audit), the metrics reader (/metrics); /health and
-/ping open."""
+"""The HTTP endpoints of the OpenAI-compatible front, each a thin call of the service (server.py) after its
+check: the API keys name the tenant (auth.py), the admin key opens the audit pair, the metrics reader
+/metrics; /health, /ping and /openapi.json are open.
+
+Contracts:
+- The key is checked before the body is read: a caller without one learns nothing of what it sent.
+- A JSON body becomes its request model here (`read_body`): bytes that are not JSON (or nest past the
+  parser's depth) and fields the model refuses are a 400 in OpenAI's shape (errors.py), the first refused
+  field as `param`.
+- A model answer leaves as JSON by its field aliases (`schema`, `json`), as OpenAI spells them.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from kvfence.api.auth import Tenant, admin, metrics_reader
-from kvfence.api.bodies import ModelCard, ModelList
+from kvfence.api.auth import Auth
 from kvfence.api.embeddings import EmbeddingRequest
+from kvfence.api.errors import APIError, invalid_body
+from kvfence.api.openapi import openapi_document
 from kvfence.api.protocol import ChatCompletionRequest, CompletionRequest
 from kvfence.api.responses_api import ResponsesRequest
-from kvfence.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from kvfence.api.tokenize import DetokenizeRequest, TokenizeRequest
 from kvfence.pins import package_version
 
 if TYPE_CHECKING:
     from kvfence.api.server import Service
 
+Body = TypeVar("Body", bound=BaseModel)
+Handler = Callable[[Request], Awaitable[Response]]
 
-def add_routes(app: FastAPI, service: Service) -> None:
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One path: its methods, its handler and the model its JSON body must be (None: no body)."""
+
+    path: str
+    methods: tuple[str, ...]
+    handler: Handler
+    body: type[BaseModel] | None = None
+
+
+async def read_body(request: Request, model: type[Body]) -> Body:
+    """The request's JSON body as `model`; a 400 (`APIError`) for anything else."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested past the parser's depth
+        raise APIError(400, f"the body is not valid JSON ({type(exc).__name__}: {exc})") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_body(exc) from None
+
+
+def as_json(answer: BaseModel | dict[str, Any]) -> JSONResponse:
+    return JSONResponse(
+        answer.model_dump(mode="json", by_alias=True) if isinstance(answer, BaseModel) else answer
+    )
+
+
+def routes(service: Service, auth: Auth) -> list[Route]:
     """The endpoints: health, models, the generation endpoints, embeddings, vLLM's token endpoints, the
-    admin-only audit pair, metrics."""
+    admin-only audit pair, metrics, and the OpenAPI document describing them."""
+    endpoints = _endpoints(service, auth)
+    document: list[dict[str, Any]] = []  # built on the first ask: schema generation costs memory
+
+    async def openapi(_: Request) -> Response:
+        if not document:
+            document.append(openapi_document("kvfence", package_version() or "unknown", endpoints))
+        return JSONResponse(document[0])
+
+    endpoints.append(Endpoint("/openapi.json", ("GET",), openapi))
+    return [Route(e.path, e.handler, methods=list(e.methods)) for e in endpoints]
+
+
+def _endpoints(service: Service, auth: Auth) -> list[Endpoint]:
     engine, metrics = service.engine, service.metrics
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request) -> Response:
         """503 while the engine thread (or the router's I/O thread) is dead: nothing could be served.
         HEAD: the status alone, no body."""
@@ -37,59 +95,75 @@ def add_routes(app: FastAPI, service: Service) -> None:
             return Response(status_code=status)
         return JSONResponse({"status": "ok" if status == 200 else "dead"}, status_code=status)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
+    async def ping(_: Request) -> Response:
         """vLLM's (SageMaker's) liveness probe: /health's answer."""
         status = 200 if engine.alive else 503
         return JSONResponse({"status": "ok" if status == 200 else "dead"}, status_code=status)
 
-    @app.get("/v1/models")
-    async def models(_: Tenant) -> ModelList:
-        return await service.models()
+    async def models(request: Request) -> Response:
+        auth.tenant(request)
+        return as_json(await service.models())
 
-    @app.get("/v1/models/{model_id}")
-    async def model(model_id: str, _: Tenant) -> ModelCard:
-        return await service.model(model_id)
+    async def model(request: Request) -> Response:
+        auth.tenant(request)
+        return as_json(await service.model(request.path_params["model_id"]))
 
-    @app.get("/version")
-    async def version(_: Tenant) -> dict[str, str]:
-        return {"version": package_version() or "unknown"}
+    async def version(request: Request) -> Response:
+        auth.tenant(request)
+        return as_json({"version": package_version() or "unknown"})
 
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, tenant: Tenant) -> Response:
-        return await service.respond(body, tenant)
+    async def responses(request: Request) -> Response:
+        tenant = auth.tenant(request)
+        return await service.respond(await read_body(request, ResponsesRequest), tenant)
 
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, _: Tenant) -> Response:
-        return await service.embed(body)
+    async def embeddings(request: Request) -> Response:
+        auth.tenant(request)
+        return await service.embed(await read_body(request, EmbeddingRequest))
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, _: Tenant) -> TokenizeResponse:
-        return await service.tokenize(body)
+    async def tokenize(request: Request) -> Response:
+        auth.tenant(request)
+        return as_json(await service.tokenize(await read_body(request, TokenizeRequest)))
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, _: Tenant) -> DetokenizeResponse:
-        return await service.detokenize(body)
+    async def detokenize(request: Request) -> Response:
+        auth.tenant(request)
+        return as_json(await service.detokenize(await read_body(request, DetokenizeRequest)))
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, tenant: Tenant) -> Response:
-        return await service.complete(body, tenant)
+    async def completions(request: Request) -> Response:
+        tenant = auth.tenant(request)
+        return await service.complete(await read_body(request, CompletionRequest), tenant)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, tenant: Tenant) -> Response:
-        return await service.chat(body, tenant)
+    async def chat_completions(request: Request) -> Response:
+        tenant = auth.tenant(request)
+        return await service.chat(await read_body(request, ChatCompletionRequest), tenant)
 
-    @app.get("/v1/audit/requests/{request_id}", dependencies=[Depends(admin)])
-    async def audit(request_id: str) -> dict[str, Any]:
-        return await service.audit(request_id)
+    async def audit(request: Request) -> Response:
+        auth.admin(request)
+        return as_json(await service.audit(request.path_params["request_id"]))
 
-    @app.get("/v1/audit/info", dependencies=[Depends(admin)])
-    async def audit_info() -> dict[str, Any]:
+    async def audit_info(request: Request) -> Response:
         """What pins this service (code, model sha256, pools, window), reported by the engines."""
-        return await run_in_threadpool(engine.info)
+        auth.admin(request)
+        return as_json(await run_in_threadpool(engine.info))
 
-    @app.get("/metrics", dependencies=[Depends(metrics_reader)])
-    async def scrape() -> Response:
+    async def scrape(request: Request) -> Response:
+        auth.metrics(request)
         # Collecting waits on the engine thread: keep it off the event loop.
         text = await run_in_threadpool(metrics.exposition)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    return [
+        Endpoint("/health", ("GET", "HEAD"), health),
+        Endpoint("/ping", ("GET", "POST"), ping),
+        Endpoint("/v1/models", ("GET",), models),
+        Endpoint("/v1/models/{model_id}", ("GET",), model),
+        Endpoint("/version", ("GET",), version),
+        Endpoint("/v1/responses", ("POST",), responses, ResponsesRequest),
+        Endpoint("/v1/embeddings", ("POST",), embeddings, EmbeddingRequest),
+        Endpoint("/tokenize", ("POST",), tokenize, TokenizeRequest),
+        Endpoint("/detokenize", ("POST",), detokenize, DetokenizeRequest),
+        Endpoint("/v1/completions", ("POST",), completions, CompletionRequest),
+        Endpoint("/v1/chat/completions", ("POST",), chat_completions, ChatCompletionRequest),
+        Endpoint("/v1/audit/requests/{request_id}", ("GET",), audit),
+        Endpoint("/v1/audit/info", ("GET",), audit_info),
+        Endpoint("/metrics", ("GET",), scrape),
+    ]

@@ -34,11 +34,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, Response
 
 from kvfence.api.auth import Auth
 from kvfence.api.bodies import ModelCard, ModelList
@@ -46,7 +47,7 @@ from kvfence.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from kvfence.api.choices import check_choices
 from kvfence.api.choices import respond as respond_choices
 from kvfence.api.embeddings import EmbeddingRequest, embedding_prompt, embedding_response
-from kvfence.api.errors import APIError, abort_error, install_error_handlers
+from kvfence.api.errors import APIError, abort_error, exception_handlers
 from kvfence.api.logprobs import LogprobsFormat, prompt_logprobs
 from kvfence.api.metrics import Metrics
 from kvfence.api.prompts import NO_CHAT_TEMPLATE, bad_words_token_ids, encode_chat, truncate_prompt
@@ -54,7 +55,7 @@ from kvfence.api.protocol import ChatCompletionRequest, CompletionRequest, Gener
 from kvfence.api.reasoning import Reasoning, check_parser
 from kvfence.api.responses import EngineStreamResponse, Format, add_token_ids, answer, sse_events, usage
 from kvfence.api.responses_api import EventStream, ResponseBuilder, ResponsesRequest, to_chat
-from kvfence.api.routes import add_routes
+from kvfence.api.routes import routes
 from kvfence.api.stats_log import RequestLog, StatsLogger
 from kvfence.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from kvfence.api.tools import ToolCallParser, template_messages, tool_guide
@@ -435,7 +436,7 @@ def build_app(
     reasoning_parser: str | None = None,
     stats_interval_s: float | None = None,
     request_log: RequestLog | None = None,
-) -> FastAPI:
+) -> Starlette:
     """The HTTP app. It owns the engine thread: `engine.start()` on startup, `engine.shutdown()` on exit.
 
     `api_keys` maps key -> tenant (None: auth off, every request is tenant "default"); `admin_key` opens
@@ -450,7 +451,7 @@ def build_app(
     """
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
         engine.start()
         ticks = None
         if stats_interval_s is not None:
@@ -462,20 +463,22 @@ def build_app(
                 ticks.cancel()
             engine.shutdown()
 
-    app = FastAPI(title="kvfence", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.auth = Auth(api_keys, admin_key)
     metrics = Metrics(engine, model_name, engine.max_model_len, metrics_compat)
     service = Service(engine, model_name, metrics, sampling or SamplingDefaults(), reasoning_parser)
     service.request_log = request_log
-    install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    middleware = [Middleware(BodySizeLimit, max_body_bytes=max_body_bytes)]
     if allowed_origins:  # outermost: a preflight is answered before any other check
-        app.add_middleware(
+        cors = Middleware(
             CORSMiddleware,
             allow_origins=list(allowed_origins),
             allow_methods=["GET", "POST"],
             allow_headers=["authorization", "content-type"],
             expose_headers=["x-request-id"],
         )
-    add_routes(app, service)
-    return app
+        middleware.insert(0, cors)
+    return Starlette(
+        routes=routes(service, Auth(api_keys, admin_key)),
+        middleware=middleware,
+        exception_handlers=exception_handlers(),
+        lifespan=lifespan,
+    )

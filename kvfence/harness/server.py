@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import ASGIApp
 
 from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, uvicorn_config
 
@@ -44,7 +44,7 @@ class ServerThread:
 
 
 def serve(
-    app: FastAPI,
+    app: ASGIApp,
     start_timeout_s: float = START_TIMEOUT_S,
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
@@ -73,7 +73,7 @@ def serve(
 
 
 @contextlib.contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
+def serving(app: ASGIApp) -> Iterator[str]:
     """`app` under uvicorn on a free loopback port, in a thread; yields its URL, stops it on exit."""
     server = serve(app)
     try:

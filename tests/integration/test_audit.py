@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 from conftest import real_engine, serving
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from kvfence.api.server import build_app
 from kvfence.audit.cli import admin_key, run, tenant_keys
@@ -211,7 +213,7 @@ STAND_IN_ADMIN = "stand-in-admin"
 
 def stand_in(
     leaky: bool, load_sensitive: bool = False, declares: bool = False, gap: float | None = None
-) -> FastAPI:
+) -> Starlette:
     """A minimal OpenAI-compatible server. It counts words as tokens and refuses prompt + max_tokens
     beyond its window with a 400. The leaky one answers every request with the previous prompt another
     API key sent (as a recycled, unfenced KV page would); the clean one answers deterministically, except
@@ -220,31 +222,22 @@ def stand_in(
     at /v1/audit/info (admin key STAND_IN_ADMIN), and has no audit trails. `gap` set: it answers logprobs
     (when asked), scripted so that at every step the other answer's word trails the chosen one by `gap`
     nats; without it, no logprobs (the field is ignored)."""
-    app = FastAPI()
     last_prompt: dict[str, str] = {}
     in_flight = [0]
 
-    if declares:
+    async def info(request: Request) -> Response:
+        if request.headers.get("authorization") != f"Bearer {STAND_IN_ADMIN}":
+            return JSONResponse({"error": {"message": "admin only"}}, status_code=403)
+        return JSONResponse({"mode": "single", "pools": {"single": {"batch_invariant": True}}})
 
-        @app.get("/v1/audit/info")
-        async def info(request: Request) -> Response:
-            if request.headers.get("authorization") != f"Bearer {STAND_IN_ADMIN}":
-                return JSONResponse({"error": {"message": "admin only"}}, status_code=403)
-            return JSONResponse({"mode": "single", "pools": {"single": {"batch_invariant": True}}})
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": "stand-in",
-                    "object": "model",
-                    "max_model_len": STAND_IN_WINDOW,
-                    "batch_invariant": declares,
-                }
-            ],
+    async def models(_: Request) -> Response:
+        card = {
+            "id": "stand-in",
+            "object": "model",
+            "max_model_len": STAND_IN_WINDOW,
+            "batch_invariant": declares,
         }
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def generate(request: Request, chat: bool) -> Response:
         body = await request.json()
@@ -271,15 +264,18 @@ def stand_in(
             return StreamingResponse(answer.events(), media_type="text/event-stream", headers=answer.headers)
         return JSONResponse(answer.body(), headers=answer.headers)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
 
-    return app
+    routes = [
+        Route("/v1/models", models),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+    return Starlette(routes=[*routes, Route("/v1/audit/info", info)] if declares else routes)
 
 
 def _context_error(asked: int) -> JSONResponse:

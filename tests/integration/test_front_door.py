@@ -26,8 +26,10 @@ import httpx
 import numpy as np
 import pytest
 from conftest import make_engine
-from fastapi import FastAPI, Request
-from starlette.requests import ClientDisconnect
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from kvfence.cli_checks import StartupError, check_engine, model_shape
 from kvfence.config import CapacityError, EngineConfig
@@ -47,26 +49,23 @@ TRICKLE_EVERY_S = 1.0
 SLOW_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"x" * 200
 
 
-def front_app() -> FastAPI:
-    app = FastAPI()
+def front_app() -> Starlette:
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.post("/echo")
-    async def echo(request: Request) -> dict[str, int]:
+    async def echo(request: Request) -> JSONResponse:
         try:
-            return {"bytes": len(await request.body())}
+            return JSONResponse({"bytes": len(await request.body())})
         except ClientDisconnect:  # the front door cut the body
-            return {"bytes": -1}
+            return JSONResponse({"bytes": -1})
 
-    @app.get("/slow")
-    async def slow() -> dict[str, str]:
+    async def slow(_: Request) -> JSONResponse:
         await asyncio.sleep(READ_TIMEOUT_S * 1.5)  # the app working is never cut
-        return {"status": "done"}
+        return JSONResponse({"status": "done"})
 
-    return app
+    return Starlette(
+        routes=[Route("/health", health), Route("/echo", echo, methods=["POST"]), Route("/slow", slow)]
+    )
 
 
 @pytest.fixture

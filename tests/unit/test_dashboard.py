@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 from test_grammar import tiny_engine, tiny_tokenizer
 
 from kvfence.api.server import build_app

@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema_rs
 import pytest
 from conftest import TINY, tiny_model
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from kvfence.api.protocol import ChatCompletionRequest, ResponseFormat
 from kvfence.api.server import build_app

@@ -10,7 +10,7 @@ from typing import Any
 
 import jsonschema_rs
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 from test_grammar import SCHEMAS, WEATHER, tiny_engine, tiny_tokenizer
 
 from kvfence.api.server import build_app

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 from test_grammar import CHATML, tiny_metadata
 
 from kvfence.api.reasoning import PARSERS, Reasoning, ReasoningCounter, ReasoningSplitter, check_parser

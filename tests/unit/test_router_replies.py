@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import zmq
-from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
 
 from kvfence.api.server import build_app
 from kvfence.disagg import replies
