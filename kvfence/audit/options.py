@@ -1,8 +1,8 @@
 """`kvfence audit`'s command line: its options, declared without loading the audit itself.
 
 Why a module of its own: `kvfence` builds every subcommand's parser at start, `kvfence serve` included, and
-the audit's modules bring its HTTP client (httpx, and through it rich and pygments): 9.8 MiB resident in a
-server that never audits. `kvfence audit` loads them when it runs (cli.py).
+the audit's modules bring its HTTP client (httpx, and through it rich and pygments): 9.8 MiB resident on
+their own, in a server that never audits. `kvfence audit` loads them when it runs (cli.py).
 """
 
 from __future__ import annotations
