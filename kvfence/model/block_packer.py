@@ -15,14 +15,14 @@ import ctypes
 import functools
 from collections.abc import Sequence
 
-import gguf
 import torch
 
 from kvfence.model import native
+from kvfence.model.ggml_types import BLOCK_GEOMETRY, GGMLType
 from kvfence.model.gguf import BLOCK_FORMATS, StoredWeight
 from kvfence.model.packed_matmul import DOT_BLOCK, PANEL, PackedWeight, narrow_scales
 
-_Q = gguf.GGMLQuantizationType
+_Q = GGMLType
 _NIBBLES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K})  # codes 0-15, held two a byte
 _GROUPS = {_Q.Q6_K: 16}  # weights a scale covers, where not 32
 _BYTES, _NIBBLE_ROWS, _DOT_LINES, _BYTE_DOT_LINES = 0, 1, 2, 3  # csrc/pack_blocks.c's layouts
@@ -42,7 +42,7 @@ class BlockPacker:
         kinds = {part.kind for part in parts}
         if len(kinds) != 1 or (kind := kinds.pop()) not in BLOCK_FORMATS:
             return None
-        weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+        weights, block_bytes = BLOCK_GEOMETRY[kind]
         in_features = parts[0].shape[1]
         if in_features % weights or any(p.shape[1] != in_features or p.shape[0] % PANEL for p in parts):
             return None

@@ -21,15 +21,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 
 from kvfence.model.archs import architecture
 from kvfence.model.archs.base import Header, ModelConfig
+from kvfence.model.ggml_types import BLOCK_GEOMETRY, GGMLType
 from kvfence.model.gguf_file import GGUFFile, TensorInfo
 
-_Q = gguf.GGMLQuantizationType
+_Q = GGMLType
 _QK_ROWS = re.compile(r"blk\.\d+\.attn_[qk]\.(weight|bias)")
 # Weights gguf-py dequantizes at once: 0.5 MiB of float32, under the 1 MiB from which the server maps each
 # buffer on its own (engine/heap.py), so that a chunk's temporaries reuse freed heap instead of
@@ -75,7 +75,7 @@ class StoredWeight:
     the file's map, row after row; output feature n is stored row `rows[n]` (llama's Q/K rows are
     reordered, as `QuantizedWeight`'s codes are)."""
 
-    kind: gguf.GGMLQuantizationType
+    kind: GGMLType
     shape: tuple[int, int]  # [out_features, in_features]
     blocks: np.ndarray
     rows: np.ndarray
@@ -206,7 +206,7 @@ def _raw(file: GGUFFile, info: TensorInfo) -> np.ndarray:
     """The tensor's bytes as ggml stores them: [blocks, bytes per block] (a plain float type's block is one
     element)."""
     kind = _kind(info)
-    block_size, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    block_size, block_bytes = BLOCK_GEOMETRY[kind]
     if info.shape[-1] % block_size:
         raise ValueError(f"tensor {info.name}: rows of {info.shape[-1]} are not whole {kind.name} blocks")
     return file.data(info, info.elements // block_size * block_bytes).reshape(-1, block_bytes)
@@ -219,13 +219,21 @@ def _dequantize(file: GGUFFile, info: TensorInfo) -> np.ndarray:
 
 
 def _dequantize_blocks(blocks: np.ndarray, kind: _Q, dtype: type = np.float32) -> np.ndarray:
-    """gguf-py's reference dequantizer over [blocks, bytes] -> [blocks * block_size] of `dtype`, in chunks
-    of `_CHUNK_WEIGHTS` passed as one row each: given the blocks as rows, gguf-py works through them 16 at
-    a time (22 s for Gemma 3 270M's weights; in chunks, under 2), and a chunk at a time no whole tensor is
-    ever float32 on its way to int8 codes."""
-    step = max(1, _CHUNK_WEIGHTS // gguf.GGML_QUANT_SIZES[kind][0])
+    """[blocks, bytes] -> [blocks * block_size] of `dtype`. Plain floats are read here; any other type by
+    gguf-py's reference dequantizer (loaded on first use), in chunks of `_CHUNK_WEIGHTS` passed as one row
+    each: given the blocks as rows, gguf-py works through them 16 at a time (22 s for Gemma 3 270M's
+    weights; in chunks, under 2), and a chunk at a time no whole tensor is ever float32 on its way to int8
+    codes."""
+    if kind in _FLOATS:
+        return blocks.reshape(-1).view(_FLOATS[kind]).astype(dtype)
+    if kind == _Q.BF16:  # the high half of a float32
+        return (blocks.reshape(-1).view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(dtype)
+    import gguf  # 2.7 MiB resident: only a file with such a type loads it (ggml_types.py)
+
+    step = max(1, _CHUNK_WEIGHTS // BLOCK_GEOMETRY[kind][0])
     chunks = (blocks[i : i + step].reshape(1, -1) for i in range(0, len(blocks), step))
-    out = [gguf.quants.dequantize(chunk, kind).reshape(-1).astype(dtype) for chunk in chunks]
+    reference = gguf.GGMLQuantizationType(int(kind))
+    out = [gguf.quants.dequantize(chunk, reference).reshape(-1).astype(dtype) for chunk in chunks]
     return np.concatenate(out) if len(out) != 1 else out[0]
 
 
@@ -242,6 +250,8 @@ def _scales_of(kind: _Q, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, di
     if kind in (_Q.Q4_1, _Q.Q5_1):
         return _f16(blocks, 0), _f16(blocks, 2), {0: _F16_ONE, 2: _F16_ZERO}
     if kind in (_Q.Q4_K, _Q.Q5_K):  # d, dmin, then 8 packed 6-bit (scale, min) pairs: w = d*sc*q - dmin*m
+        import gguf  # see _dequantize_blocks
+
         sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
         scales, offsets = (
             _f16(blocks, 0) * sc.astype(np.float32),
@@ -253,6 +263,7 @@ def _scales_of(kind: _Q, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, di
     return scales, np.zeros_like(scales), {192: bytes([1] * 16), 208: _F16_ONE}
 
 
+_FLOATS = {_Q.F32: np.float32, _Q.F16: np.float16}
 BLOCK_FORMATS = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
 
 

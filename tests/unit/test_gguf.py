@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -9,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvfence.model.gguf import load_gguf
+from kvfence.model.ggml_types import BLOCK_GEOMETRY, GGMLType
+from kvfence.model.gguf import _dequantize_blocks, load_gguf
 from kvfence.model.gguf_file import GGUFFile
 from kvfence.model.tokenizer import pre_tokenizer_for
 
@@ -185,3 +188,34 @@ def test_a_tensor_the_forward_would_not_read_is_refused(tmp_path: Path, extra: s
     _write_tiny_gguf(tmp_path / "extra.gguf", "llama", tensors)
     with pytest.raises(ValueError, match=f"not a llama model kvfence can serve: unknown tensors .*{extra}"):
         load_gguf(tmp_path / "extra.gguf")
+
+
+def test_the_type_table_is_gguf_pys_and_plain_floats_read_as_gguf_py_reads_them() -> None:
+    """ggml_types.py names every type the pinned gguf-py knows by the same id and block; F32, F16 and
+    BF16, read here without gguf-py, equal its reading."""
+    reference = {int(t): (t.name, gguf.GGML_QUANT_SIZES[t]) for t in gguf.GGMLQuantizationType}
+    assert {int(t): (t.name, BLOCK_GEOMETRY[t]) for t in GGMLType} == reference
+    rng = np.random.default_rng(0)
+    for kind in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        raw = rng.integers(0, 256, size=(64, BLOCK_GEOMETRY[kind][1]), dtype=np.uint8)
+        if kind is not GGMLType.F32:  # finite halves: NaN payloads need not survive either reader
+            raw[:, 1] &= 0x3F
+        else:
+            raw[:, 3] &= 0x3F
+        expected = gguf.quants.dequantize(raw.reshape(1, -1), gguf.GGMLQuantizationType(int(kind)))
+        np.testing.assert_array_equal(_dequantize_blocks(raw, kind), expected.reshape(-1))
+
+
+def test_loading_a_file_of_plain_floats_and_block_formats_leaves_gguf_py_unloaded() -> None:
+    """The packaged SmolLM2 (Q4_1, Q8_0 and F32 tensors) loads and answers without gguf-py in the process."""
+    code = (
+        "import sys\n"
+        "from kvfence.config import EngineConfig\n"
+        "from kvfence.engine.engine import load_engine\n"
+        "from kvfence.sampling import SamplingParams\n"
+        "engine = load_engine(EngineConfig(), log=lambda _: None)\n"
+        "(out,) = engine.generate([engine.tokenizer.encode('Hello')], SamplingParams(max_tokens=2))\n"
+        "print(len(out.output_token_ids), 'gguf' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["2", "False"], run.stderr[-2000:]
