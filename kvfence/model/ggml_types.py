@@ -3,8 +3,8 @@ many weights a block holds and in how many bytes.
 
 Why not gguf-py's `GGMLQuantizationType` and `GGML_QUANT_SIZES`: importing gguf-py loads all of it (its
 writer, yaml, its vocab module): 2.7 MiB resident in every server, where the loader needs a table. gguf-py
-is loaded only to dequantize a type kvfence reads no other way (gguf.py); a unit test holds this table to
-gguf-py's.
+is loaded only where its reference dequantizer or its K-quant scale unpacking runs (gguf.py); a unit test
+holds this table to gguf-py's.
 """
 
 from __future__ import annotations

@@ -228,7 +228,7 @@ def _dequantize_blocks(blocks: np.ndarray, kind: _Q, dtype: type = np.float32) -
         return blocks.reshape(-1).view(_FLOATS[kind]).astype(dtype)
     if kind == _Q.BF16:  # the high half of a float32
         return (blocks.reshape(-1).view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(dtype)
-    import gguf  # 2.7 MiB resident: only a file with such a type loads it (ggml_types.py)
+    import gguf  # 2.7 MiB resident: loaded by the first load that needs it (ggml_types.py)
 
     step = max(1, _CHUNK_WEIGHTS // BLOCK_GEOMETRY[kind][0])
     chunks = (blocks[i : i + step].reshape(1, -1) for i in range(0, len(blocks), step))
