@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from kvfence.config import EngineConfig
 from kvfence.disagg.connector import ZmqConnector
@@ -36,6 +36,10 @@ from kvfence.disagg.nixl_transport import area_shape, nixl_available
 from kvfence.disagg.plane import KvPlane
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.disagg.worker import Worker
+
+# An annotation only: the pipe carries bytes (send_bytes, a bounded recv_bytes), never a pickle.
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 WORKERS: dict[str, type[Worker]] = {"prefill": PrefillWorker, "decode": DecodeWorker}
 START_TIMEOUT_S = 120.0

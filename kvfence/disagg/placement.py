@@ -76,6 +76,18 @@ class Placement:
                 return f"{what} differ: " + ", ".join(f"{name} {value}" for name, value in values.items())
         return None
 
+    def adopt(self, name: str, worker: WorkerInfo) -> str | None:
+        """A reconnected worker's hello: its pool and window are admission's from now on, so a worker
+        restarted with a smaller pool is never sent what only the old one could hold. Why it cannot serve
+        beside the others (`mismatch`: a restarted pool holding another KV dtype, say), the previous kept."""
+        previous, self.workers[name] = self.workers[name], worker
+        problem = self.mismatch()
+        if problem is not None:
+            self.workers[name] = previous
+            return problem
+        self.max_model_len = self.window()
+        return None
+
     def window(self) -> int:
         """The advertised window: every pair must serve it, so the smallest. With isolation off the
         decode workers' alone, as the incident's deployment did."""

@@ -504,8 +504,8 @@ class Router:
             self._fail_streams_of(event.peer, "decode_lost")
 
     def _adopt(self, address: str, hello: HelloReply) -> None:
-        """A (re)connected worker's hello: admission uses its pool and window from now on, so a worker
-        restarted with a smaller pool can never be sent what only the old one could hold."""
+        """A (re)connected worker's hello, bounded (`replies.worker`) and taken by placement (`adopt`); a
+        refused one stays down."""
         if not self._started.is_set():  # start() is still learning the pools; it asks for itself
             return
         role, name = self.roles[address], self.names[address]
@@ -515,18 +515,11 @@ class Router:
         agreed = self.placement.workers[name].page_size  # start() made every worker agree on one
         worker, problems = replies.worker(hello, agreed, self.max_capacity_tokens)
         self._drop_items(address, problems)
-        if worker is None:
-            log.error("router: %s refused after reconnecting: %s", name, problems[-1])
+        refusal = problems[-1] if worker is None else self.placement.adopt(name, worker)
+        if refusal is not None:
+            log.error("router: %s refused after reconnecting: %s", name, refusal)
             self.placement.down.add(address)
             return
-        previous, self.placement.workers[name] = self.placement.workers[name], worker
-        problem = self.placement.mismatch()  # a restarted worker's pool holding another KV dtype, say
-        if problem is not None:
-            self.placement.workers[name] = previous
-            log.error("router: %s refused after reconnecting: %s", name, problem)
-            self.placement.down.add(address)
-            return
-        self.placement.max_model_len = self.placement.window()
         self.placement.down.discard(address)
 
     def _fail_streams_of(self, decode: str, reason: str) -> None:

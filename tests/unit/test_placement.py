@@ -66,3 +66,19 @@ def test_workers_whose_pools_hold_another_kv_dtype_cannot_serve_together() -> No
     for name, worker in placement.workers.items():
         worker.info["kv_cache_dtype"] = "float16" if name == "decode-0" else "float32"
     assert placement.mismatch() == "KV dtypes differ: prefill-0 float32, prefill-1 float32, decode-0 float16"
+
+
+def test_a_reconnected_worker_is_adopted_with_its_new_pool_unless_it_cannot_serve_beside_the_others() -> None:
+    """A restarted decode worker with a smaller window becomes admission's window; one whose pool holds
+    another KV dtype is refused by name and the worker it replaced stays as it was."""
+    placement = placement_of([200])
+    smaller = WorkerInfo("decode", 200, 500, 4, True, {})
+    assert placement.adopt("decode-0", smaller) is None
+    assert placement.workers["decode-0"] is smaller and placement.max_model_len == 500
+    other = WorkerInfo("decode", 400, 800, 4, True, {"kv_cache_dtype": "float16"})
+    for worker in placement.workers.values():
+        worker.info["kv_cache_dtype"] = "float32"
+    assert placement.adopt("decode-0", other) == (
+        "KV dtypes differ: prefill-0 float32, prefill-1 float32, decode-0 float16"
+    )
+    assert placement.workers["decode-0"] is smaller and placement.max_model_len == 500
