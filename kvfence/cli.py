@@ -44,6 +44,7 @@ from kvfence.cli_options import (
     kv_plane,
 )
 from kvfence.config import CapacityError, EngineConfig
+from kvfence.lifetime import exit_with_named_parent
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
 
@@ -448,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_with_named_parent()  # started by a harness or supervisor that names itself: never outlive it
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:

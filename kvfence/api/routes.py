@@ -89,11 +89,12 @@ def _endpoints(service: Service, auth: Auth) -> list[Endpoint]:
 
     async def health(request: Request) -> Response:
         """503 while the engine thread (or the router's I/O thread) is dead: nothing could be served.
-        HEAD: the status alone, no body."""
+        HEAD: the status alone, no body; GET adds a router's workers (up, down, or why one takes no KV)."""
         status = 200 if engine.alive else 503
         if request.method == "HEAD":
             return Response(status_code=status)
-        return JSONResponse({"status": "ok" if status == 200 else "dead"}, status_code=status)
+        body = {"status": "ok" if status == 200 else "dead", **engine.health()}
+        return JSONResponse(body, status_code=status)
 
     async def ping(_: Request) -> Response:
         """vLLM's (SageMaker's) liveness probe: /health's answer."""

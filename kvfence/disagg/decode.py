@@ -38,6 +38,7 @@ from kvfence.disagg.inbound import Inbound, Phase
 from kvfence.disagg.landing import LandingError
 from kvfence.disagg.landing_wire import Notification
 from kvfence.disagg.messages import (
+    KV_UNAVAILABLE,
     Abort,
     AbortAck,
     Complete,
@@ -119,6 +120,9 @@ class DecodeWorker(Worker):
         request_id, prompt = message.request_id, message.prompt
         if not self.is_peer(message.prefill, "prefill"):
             self.drop(sender, "bad_peer", f"reserve {request_id}: {message.prefill} is not a prefill worker")
+            return
+        if (why := self.kv_refusal()) is not None:
+            self._reject(sender, request_id, KV_UNAVAILABLE, f"This decode worker takes no KV: {why}.")
             return
         if message.prefill in self.down_peers or self.fenced.get(message.prefill, 0.0) > time.monotonic():
             self._reject(sender, request_id, "prefill_unavailable", "The prefill worker is unreachable.")

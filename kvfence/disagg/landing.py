@@ -13,12 +13,16 @@ Contract:
   of its own, not dumpable, an allow-listed environment, no core files). Its stdout and stderr go to a log
   file of its own (mode 0600, `describe()["log"]`). Its UCX listens only on the named interface.
 - The pipe between them is a socket pair carrying kvfence/disagg/landing_wire.py's frames: every reply is
-  parsed, typed and range-checked before use. Every call has a deadline (`deadline_s`); a reply that is
-  late, malformed or out of turn, or a process that is gone, makes the process be killed and started
-  again (`LandingLost`): calls fail until the new one has answered START, which the worker's loop never
-  waits for. A WRITE posted by an earlier process polls ERR: it may or may not have landed, so its
-  transfer fails closed. `incarnation` counts the processes started; a worker fails every one-sided
-  transfer of an earlier one.
+  parsed, typed and range-checked before use. Every call has a deadline of `deadline_s` of time the
+  process could have run (`lifetime.Progress`: a process the scheduler starves is waited for, up to
+  CALL_CAP_S; one stopped, asleep or spinning is not); a reply that is late, malformed or out of turn, or
+  a process that is gone, makes the process be killed and started again (`LandingLost`): calls fail
+  until the new one has answered START, which the worker's loop never waits for. A WRITE posted by an
+  earlier process polls ERR: it may or may not have landed, so its transfer fails closed. `incarnation`
+  counts the processes started; a worker fails every one-sided transfer of an earlier one.
+- Restarts back off (`lifetime.Restarts`: at once, then 0.5 s doubling); past `RESTART_LIMIT` failures in a
+  row the agent gives up (`given_up`, logged): no process is started again and every call fails, so its
+  worker takes no one-sided KV. The process is killed when its worker ends (a parent-death signal).
 - Only root can start one (`landing_identity.separation_refusal`); construction raises otherwise.
 """
 
@@ -48,9 +52,14 @@ from kvfence.disagg.landing_identity import landing_env, landing_uid, observe, s
 from kvfence.disagg.landing_wire import Notification, Op, WireError, WriteCall
 from kvfence.disagg.nixl_transport import AreaLayout, Write
 from kvfence.disagg.seal import SEAL
+from kvfence.lifetime import Progress, Restarts, process_state
 
 START_DEADLINE_S = 30.0  # a fresh interpreter importing NIXL and creating its agent (1-2 s here)
-CALL_DEADLINE_S = 1.0  # any other call: a landing process slower than this is treated as wedged
+START_CAP_S = 120.0  # ...however starved it is
+CALL_DEADLINE_S = 1.0  # any other call: a landing process that could have run this long is wedged
+CALL_CAP_S = 30.0  # ...and one the scheduler starved this long, whatever it did
+PATIENCE_POLL_S = 0.05  # past the nominal deadline, how often a starved process's progress is judged
+RESTART_LIMIT = 5  # failures in a row before the agent gives up
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 log = logging.getLogger("kvfence.disagg")
@@ -81,14 +90,6 @@ def interface_of(host: str) -> str | None:
         if socket.inet_ntoa(packed[20:24]) == address:
             return name
     return None
-
-
-def _state(pid: int) -> str:
-    """A process's state letter from /proc (T: stopped, t: traced), "exited" when it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return "exited"
 
 
 def _sealed_area(slots: int, slot_bytes: int) -> tuple[int, mmap.mmap]:
@@ -126,7 +127,8 @@ class LandingAgent:
         self.area = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, slot_bytes)
         self.log_path = self._log_file(log_dir or Path(tempfile.gettempdir()) / "kvfence-landing")
         self._peers: dict[str, bytes] = {}  # re-added to a restarted process
-        self.incarnation, self.restarts = -1, 0
+        self.incarnation, self.backoff = -1, Restarts(limit=RESTART_LIMIT)
+        self._next_start: float | None = None  # while a restart waits out its backoff
         self.layout = AreaLayout(0, slots, slot_bytes)  # the landing process's own mapping, once started
         self._spawn()
         self._await_start()
@@ -155,15 +157,15 @@ class LandingAgent:
         finally:
             os.close(logfd)
             theirs.close()
-        self._sock, self._seq, self._up = ours, 0, False
+        self._sock, self._seq, self._up, self._up_since, self._next_start = ours, 0, False, None, None
         self.incarnation += 1
-        self._started_at = time.monotonic()
+        self._starting = Progress(self._process.pid, time.monotonic(), START_DEADLINE_S, START_CAP_S)
         self._send(Op.START, self.agent_name.encode())
 
     def _await_start(self) -> None:
         """At construction only (the worker is not serving yet): wait for the first process's START."""
         while not self._ready():
-            if self._process.poll() is not None or time.monotonic() - self._started_at > START_DEADLINE_S:
+            if self._process.poll() is not None or self._starting.overdue(time.monotonic()):
                 self._kill()
                 tail = self.log_path.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"the landing process of {self.name} did not start; its log:\n{tail}")
@@ -174,24 +176,33 @@ class LandingAgent:
         layout, nothing else) is checked, then the peers it had are re-added."""
         if self._up:
             return True
+        if self._next_start is not None or self.given_up:
+            return False
         if not select.select([self._sock], [], [], 0)[0]:
-            if time.monotonic() - self._started_at > START_DEADLINE_S:
+            if self._starting.overdue(time.monotonic()):
                 self._lost("did not start in time")
             return False
         slots, slot_bytes = self.area.shape
         try:
-            base = wire.parse_layout(self._reply(Op.START), slots, slot_bytes)
+            base = wire.parse_layout(self._reply(Op.START, time.monotonic()), slots, slot_bytes)
         except LandingError:
             return False
-        self.layout, self._up = AreaLayout(base, slots, slot_bytes), True
+        self.layout, self._up, self._up_since = AreaLayout(base, slots, slot_bytes), True, time.monotonic()
         for metadata in self._peers.values():
             wire.parse_name(self._call(Op.ADD_PEER, metadata))
         return True
 
     def check(self) -> None:
         """From the worker's loop, never waiting: a process that exited or was stopped is replaced now
-        (not at the next transfer, which would fail), and a starting one's START answer is taken."""
-        state = _state(self._process.pid) if self._process.poll() is None else "exited"
+        (not at the next transfer, which would fail), a restart whose backoff is over starts, and a
+        starting one's START answer is taken."""
+        if self.given_up:
+            return
+        if self._next_start is not None:
+            if time.monotonic() >= self._next_start:
+                self._spawn()
+            return
+        state = process_state(self._process.pid) if self._process.poll() is None else "exited"
         try:
             if state in ("exited", "T", "t"):
                 self._lost(f"its state is {state}")
@@ -201,11 +212,26 @@ class LandingAgent:
             pass  # lost again: another is starting
 
     def _lost(self, why: str) -> None:
-        """Kill the process (stopped, wedged or lying: it is not asked to leave) and start another."""
-        log.warning("landing process of %s (pid %s) lost: %s; starting another", self.name, self.pid, why)
+        """Kill the process (stopped, wedged or lying: it is not asked to leave) and start another after
+        the backoff (at once the first time), or give up."""
+        pid = self.pid
         self._kill()
-        self.restarts += 1
-        self._spawn()
+        self._up, now = False, time.monotonic()
+        delay = self.backoff.failed(now, self._up_since)
+        if delay is None:
+            log.error(
+                "landing process of %s (pid %s) lost: %s; %d failures in a row: given up, this worker "
+                "takes no one-sided KV", self.name, pid, why, self.backoff.in_a_row,
+            )  # fmt: skip
+            return
+        log.warning(
+            "landing process of %s (pid %s) lost: %s; starting another in %.1f s (restart %d)",
+            self.name, pid, why, delay, self.backoff.total,
+        )  # fmt: skip
+        if delay > 0:
+            self._next_start = now + delay
+        else:
+            self._spawn()
 
     def _kill(self) -> None:
         self._sock.close()
@@ -220,8 +246,23 @@ class LandingAgent:
         return self._up
 
     @property
+    def given_up(self) -> bool:
+        """Past RESTART_LIMIT failures in a row: no process runs or will; every call fails."""
+        return self.backoff.given_up
+
+    @property
+    def restarts(self) -> int:
+        return self.backoff.total
+
+    def _state_name(self) -> str:
+        if self.given_up:
+            return "given up"
+        return "serving" if self._up else "starting" if self._next_start is None else "restarting"
+
+    @property
     def pid(self) -> int | None:
-        return self._process.pid
+        """The current process's, None while none runs (a restart waiting, or given up)."""
+        return None if self._next_start is not None or self.given_up else self._process.pid
 
     # ---- the wire --------------------------------------------------------------------------------------
 
@@ -234,10 +275,10 @@ class LandingAgent:
             self._lost(f"{op.name}: {exc}")
             raise LandingLost(f"the landing process of {self.name} is lost") from exc
 
-    def _reply(self, op: Op) -> bytes:
-        """The reply to the call just sent, within the deadline; its header is checked before its body is
-        read."""
-        deadline = time.monotonic() + self.deadline_s
+    def _reply(self, op: Op, sent: float) -> bytes:
+        """The reply to the call sent at `sent`, within the deadline; its header is checked before its body
+        is read."""
+        deadline = Progress(self._process.pid, sent, self.deadline_s, CALL_CAP_S)
         try:
             status, length = wire.parse_header(self._recv_exact(wire.HEADER.size, deadline), self._seq, op)
             body = self._recv_exact(length, deadline)
@@ -248,14 +289,18 @@ class LandingAgent:
             raise LandingError(f"landing process: {op.name}: {wire.parse_error(body)}")
         return body
 
-    def _recv_exact(self, n: int, deadline: float) -> bytes:
+    def _recv_exact(self, n: int, deadline: Progress) -> bytes:
+        """`n` bytes; the socket is read before the deadline is judged, so a reply that came while this
+        process itself was starved is taken."""
         data = bytearray()
         while len(data) < n:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("past the deadline")
-            self._sock.settimeout(remaining)
-            chunk = self._sock.recv(n - len(data))
+            self._sock.settimeout(max(deadline.start + deadline.budget_s - time.monotonic(), PATIENCE_POLL_S))
+            try:
+                chunk = self._sock.recv(n - len(data))
+            except TimeoutError:
+                if deadline.overdue(time.monotonic()):
+                    raise TimeoutError("no answer in the time it could have run") from None
+                continue
             if not chunk:
                 raise EOFError("closed")
             data += chunk
@@ -263,9 +308,10 @@ class LandingAgent:
 
     def _call(self, op: Op, body: bytes = b"") -> bytes:
         if not self._ready():
-            raise LandingLost(f"the landing process of {self.name} is starting")
+            raise LandingLost(f"the landing process of {self.name} is {self._state_name()}")
+        sent = time.monotonic()
         self._send(op, body)
-        return self._reply(op)
+        return self._reply(op, sent)
 
     def _checked(self, op: Op, body: bytes, parse: Any) -> Any:
         """A call whose reply `parse` must accept; one that does not is a lost landing process."""
@@ -290,7 +336,7 @@ class LandingAgent:
             "pool_registered": False,
             "seal": SEAL,
             "restarts": self.restarts,
-            "state": "serving" if self._up else "starting",
+            "state": self._state_name(),
             "log": str(self.log_path),
             "conditions": {**conditions, "one_interface": self.interface is not None},
         }

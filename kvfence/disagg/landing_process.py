@@ -4,7 +4,8 @@ Started by `landing.LandingAgent` as `python -m kvfence.disagg.landing_process F
 UID CMA`, as root and with the allow-listed environment (`landing_identity.landing_env`). In this order:
 1. import NIXL and map the area (a sealed memfd: it can be written, never grown or shrunk);
 2. drop to its own uid, no groups, not dumpable (with CMA 1: dumpable to that uid), no core files
-   (`landing_identity.drop_privileges`);
+   (`landing_identity.drop_privileges`), then arm SIGKILL for when its worker ends (a credentials change
+   clears a parent-death signal armed before it);
 3. read the worker's START call (its agent's name travels there, never in argv) and only then create the
    NIXL agent and register the area;
 4. answer calls until CLOSE or until the worker's end of the socket closes.
@@ -15,6 +16,7 @@ released as soon as their state is read, so a long run holds only the WRITEs in 
 from __future__ import annotations
 
 import mmap
+import os
 import socket
 import struct
 import sys
@@ -26,6 +28,7 @@ from kvfence.disagg import landing_wire as wire
 from kvfence.disagg.landing_identity import drop_privileges
 from kvfence.disagg.landing_wire import Op, WireError
 from kvfence.disagg.nixl_transport import AreaLayout, NixlAgent, Write, load_api
+from kvfence.lifetime import exit_with_parent
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -88,9 +91,11 @@ class Landing:
 
 
 def main(fd: int, sock_fd: int, slots: int, slot_bytes: int, uid: int, cma: int) -> None:
+    worker = os.getppid()
     load_api()  # imported while the interpreter can still read every path it needs
     area = np.frombuffer(mmap.mmap(fd, slots * slot_bytes), dtype=np.uint8).reshape(slots, slot_bytes)
     drop_privileges(uid, dumpable=cma == 1)
+    exit_with_parent(worker)
     sock = socket.socket(fileno=sock_fd)
     seq, op, body = read_call(sock)
     if op is not Op.START:

@@ -36,6 +36,7 @@ from kvfence.disagg.nixl_transport import area_shape, nixl_available
 from kvfence.disagg.plane import KvPlane
 from kvfence.disagg.prefill import PrefillWorker
 from kvfence.disagg.worker import Worker
+from kvfence.lifetime import Restarts, watch_parent
 
 # An annotation only: the pipe carries bytes (send_bytes, a bounded recv_bytes), never a pickle.
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 WORKERS: dict[str, type[Worker]] = {"prefill": PrefillWorker, "decode": DecodeWorker}
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0  # how long a worker may take to stop after SIGTERM before it is killed
+RESTART_LIMIT = 5  # a worker that died this many times in a row (without serving a minute) is not restarted
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:0"
 MAX_ADDRESS_BYTES = 256  # a worker's bound address, as it announces it
 DEFAULT_PLANE = KvPlane()
@@ -93,18 +95,19 @@ def run_worker(
     keys: TransportKeys | None = None,
     plane: KvPlane = DEFAULT_PLANE,
     build: EngineFactory | None = None,
+    parent: int | None = None,
 ) -> None:
     """Load the engine of worker `name` (its role, or a name `worker_names` made; `build` instead of the
     config's GGUF: tests' tiny models), bind, announce the bound address on `ready`, then serve until
-    killed. A worker started by a parent (`ready` given) ends when that parent is gone, so it can never
-    outlive it."""
+    killed. A worker started by a parent (its pid given) exits when that parent is gone, so it can
+    never outlive it."""
     from kvfence.engine.engine import load_engine
 
     role = role_of(name)
     if role == "prefill":  # it samples one token a request: a drafter (a draft model's weights) would idle
         config = dataclasses.replace(config, speculative=None)
-    if ready is not None:
-        _exit_with_parent()
+    if parent is not None:
+        watch_parent(parent)
     log = lambda line: print(f"[{name}] {line}", flush=True)  # noqa: E731
     engine = build(config) if build else load_engine(config, log=log, engine_cls=HandoffEngine)
     agent = kv_agent(name, engine, plane, bind)
@@ -116,18 +119,6 @@ def run_worker(
         ready.send_bytes(worker.connector.address.encode())
         ready.close()
     worker.serve_forever()
-
-
-def _exit_with_parent(every_s: float = 0.5) -> None:
-    """A watcher thread: when the parent process is gone (we were re-parented), exit at once."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(every_s)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="kvfence-parent-watch", daemon=True).start()
 
 
 def spawn_workers(
@@ -147,7 +138,7 @@ def spawn_workers(
         receiver, sender = context.Pipe(duplex=False)
         process = context.Process(
             target=run_worker,
-            args=(name, config, address, sender, own_keys, plane, build),
+            args=(name, config, address, sender, own_keys, plane, build, os.getpid()),
             name=f"kvfence-{name}",
             daemon=True,
         )
@@ -173,7 +164,9 @@ def spawn_workers(
 class LocalWorkers:
     """The worker processes of `serve --disaggregated`, by name: spawned together, a dead one respawned on
     the same address with the same keys (the router re-learns it when its link comes back up, the other
-    workers serving meanwhile), and every one stopped when the block ends, however it ends."""
+    workers serving meanwhile) after a backoff (`lifetime.Restarts`), or not again once it failed
+    RESTART_LIMIT times in a row (`given_up`: said in the log; the router sees it down), and every one
+    stopped when the block ends, however it ends."""
 
     def __init__(
         self,
@@ -186,13 +179,23 @@ class LocalWorkers:
         self.specs, self.binds, self.keys, self.poll_s = dict(specs), binds, keys, poll_s
         self.plane = plane
         self.processes: dict[str, mp.Process] = {}
-        self.restarts = 0
+        self.backoff = {name: Restarts(limit=RESTART_LIMIT) for name in self.specs}
+        self.started: dict[str, float] = {}  # when each worker's current process announced its address
+        self.due: dict[str, float] = {}  # a dead worker's restart, after its backoff
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="kvfence-supervisor", daemon=True)
 
+    @property
+    def restarts(self) -> int:
+        return sum(backoff.total for backoff in self.backoff.values())
+
+    @property
+    def given_up(self) -> set[str]:
+        return {name for name, backoff in self.backoff.items() if backoff.given_up}
+
     def __enter__(self) -> LocalWorkers:
         for (name, _), (process, _) in zip(self.specs.items(), self._spawn(list(self.specs)), strict=True):
-            self.processes[name] = process
+            self.processes[name], self.started[name] = process, time.monotonic()
         self._watcher.start()
         return self
 
@@ -214,14 +217,29 @@ class LocalWorkers:
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):
             for name, process in list(self.processes.items()):
-                if process.is_alive() or self._stopping.is_set():
-                    continue
-                print(f"[{name}] worker exited (code {process.exitcode}); restarting it", flush=True)
-                try:
-                    ((self.processes[name], _),) = self._spawn([name])
-                    self.restarts += 1
-                except RuntimeError as exc:  # it failed to start: try again on the next round
-                    print(f"[{name}] restart failed: {exc}", flush=True)
+                if not (process.is_alive() or self._stopping.is_set() or name in self.given_up):
+                    self._restart(name, process.exitcode)
+
+    def _restart(self, name: str, code: int | None) -> None:
+        """A dead worker: its next start is scheduled after the backoff, or started when that is over."""
+        now = time.monotonic()
+        if name not in self.due:
+            delay = self.backoff[name].failed(now, self.started.get(name))
+            if delay is None:
+                times = self.backoff[name].in_a_row
+                print(f"[{name}] worker exited (code {code}) {times} times in a row: given up", flush=True)
+                return
+            print(f"[{name}] worker exited (code {code}); restarting it in {delay:.1f} s", flush=True)
+            self.due[name] = now + delay
+            self.started.pop(name, None)  # it is not serving: a failure to restart adds to the same run
+        if now < self.due[name]:
+            return
+        del self.due[name]
+        try:
+            ((self.processes[name], _),) = self._spawn([name])
+            self.started[name] = time.monotonic()
+        except RuntimeError as exc:  # it failed to start: a failure like any other
+            print(f"[{name}] restart failed: {exc}", flush=True)
 
 
 # Ports for workers to bind later, chosen below Linux's ephemeral range (32768-60999 by default): a port

@@ -141,6 +141,9 @@ class Reserved(Msg):
 REFUSAL_STATUSES = frozenset({400, 409, 429, 503})  # AdmissionError's statuses
 
 
+KV_UNAVAILABLE = "kv_unavailable"  # a refusal's code: the worker's one-sided agent gave up (`kv_refusal`)
+
+
 @dataclass(frozen=True)
 class Rejected(Msg):
     """A worker refused a request; `status` is the HTTP status the client gets, one of REFUSAL_STATUSES

@@ -127,6 +127,8 @@ class OneSidedAgent(Protocol):
     def check(self) -> None: ...
     @property
     def serving(self) -> bool: ...
+    @property
+    def given_up(self) -> bool: ...  # past its restart limit: it will never serve again
     def close(self) -> None: ...
     def describe(self) -> dict[str, Any]: ...
 
@@ -141,6 +143,7 @@ class NixlAgent:
         assert area.ndim == 2 and area.dtype == np.uint8 and area.flags.c_contiguous
         self.name = self.agent_name = name
         self.incarnation = 0
+        self.given_up = False  # nothing here is restarted
         self.area = area  # kept alive: NIXL holds raw addresses into it
         self.layout = AreaLayout(area.ctypes.data, area.shape[0], area.shape[1])
         # No progress thread: NIXL's spins a whole core even when nothing moves (measured: 3.0 s of CPU in

@@ -59,6 +59,7 @@ class Placement:
         self.by_role, self.names, self.isolation = by_role, names, isolation
         self.workers: dict[str, WorkerInfo] = {}  # by worker name, from each hello
         self.down: set[str] = set()  # addresses whose link is lost now
+        self.no_kv: dict[str, str] = {}  # address -> why it refused KV (kv_refusal), until its next hello
         self.routes: dict[str, Route] = {}  # requests in flight -> their pair
         self.load: Counter[str] = Counter()  # address -> tokens of the requests in flight there
         self.routed: Counter[str] = Counter()  # worker name -> requests sent to it, since start
@@ -102,7 +103,7 @@ class Placement:
         pools, before any reservation; AdmissionError otherwise. With isolation off only the window is
         checked, as the incident's router did."""
         for role in ("decode", "prefill"):  # a lost role answers 503 at once, not after its restart
-            if all(address in self.down for address in self.by_role[role]):
+            if all(address in self.down or address in self.no_kv for address in self.by_role[role]):
                 message = f"The {role} worker is unreachable; retry later."
                 raise AdmissionError(f"{role}_unavailable", message, 503)
         window = [("This model's maximum context length is", self.max_model_len, prompt + budget)]
@@ -124,13 +125,21 @@ class Placement:
             refusal = context_refusal(prompt, budget, [(f"The {role} KV pool holds", largest, need)])
             assert refusal is not None
             raise refusal
-        up = [a for a in fits if a not in self.down]
+        up = [a for a in fits if a not in self.down and a not in self.no_kv]
         if not up:
             raise AdmissionError(
                 f"{role}_unavailable", f"The {role} worker is unreachable; retry later.", 503
             )
         # Headroom beyond `need` is only claimed: it ranks no worker above another (module docstring).
         return max(up, key=lambda a: (min(self.info(a).capacity_tokens - self.load[a], need), -self.load[a]))
+
+    def health(self) -> dict[str, str]:
+        """Each worker by name: `up`, `down` (its link is lost) or why it takes no KV (/health shows it)."""
+        return {
+            self.names[a]: "down" if a in self.down else self.no_kv.get(a, "up")
+            for addresses in self.by_role.values()
+            for a in addresses
+        }
 
     def take(self, request_id: str, route: Route) -> None:
         self.routes[request_id] = route

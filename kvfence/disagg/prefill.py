@@ -33,6 +33,7 @@ from kvfence.disagg.connector import Connector, LinkEvent
 from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.landing import LandingError
 from kvfence.disagg.messages import (
+    KV_UNAVAILABLE,
     Abort,
     AbortAck,
     Accepted,
@@ -119,6 +120,10 @@ class PrefillWorker(Worker):
             return
         if request_id in self.cancelled:
             self.reply(sender, Rejected(request_id, "cancelled", "Cancelled before prefill started."))
+            return
+        if (why := self.kv_refusal()) is not None:
+            refusal = f"This prefill worker sends no KV: {why}. Retry later."
+            self.reply(sender, Rejected(request_id, KV_UNAVAILABLE, refusal, 503))
             return
         targets = [(page, generation) for page, generation in message.targets]
         transfer = Transfer(request_id, message.decode, targets, len(prompt) - 1)

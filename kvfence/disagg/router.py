@@ -40,6 +40,7 @@ from kvfence.disagg import replies
 from kvfence.disagg.connector import Connector, LinkEvent, Received, ZmqConnector
 from kvfence.disagg.keys import TransportKeys, worker_names
 from kvfence.disagg.messages import (
+    KV_UNAVAILABLE,
     ROLE_RULES,
     Abort,
     Audit,
@@ -183,6 +184,9 @@ class Router:
         """The I/O thread runs: without it no request can be served (/health answers 503)."""
         return self._thread.is_alive()
 
+    def health(self) -> dict[str, Any]:
+        return {"workers": self.placement.health()}
+
     @property
     def down(self) -> set[str]:
         """The names of the workers whose link is lost now (until they say hello again)."""
@@ -267,6 +271,7 @@ class Router:
         self._send(route.decode, reserve)
         reply = await self._next(stream, request_id)
         if isinstance(reply, Rejected):
+            self._note_no_kv(route.decode, reply)
             raise AdmissionError(reply.code, reply.message, reply.status)
         if isinstance(reply, Output):  # the router already gave up waiting for the reservation
             stream.put_nowait(reply)
@@ -277,6 +282,7 @@ class Router:
         self._send(route.prefill, Prefill(request_id, tenant, prompt, route.decode, targets))
         reply = await self._next(stream, request_id)
         if isinstance(reply, Rejected):
+            self._note_no_kv(route.prefill, reply)
             self._send(route.decode, Abort(request_id=request_id, reason="prefill_rejected"))
             raise AdmissionError(reply.code, reply.message)
         if isinstance(reply, Output):  # decode ended it first (prefill worker lost), or the router gave up
@@ -285,6 +291,12 @@ class Router:
         if self.faults.fire("abort_mid_transfer"):
             self.events.emit(request_id, "fault_injected", fault="abort_mid_transfer", where="router")
             stream.put_nowait(self._give_up(request_id, "router_gave_up"))
+
+    def _note_no_kv(self, address: str, refusal: Rejected) -> None:
+        """A worker that takes no KV gets nothing more placed on it until its next hello."""
+        if refusal.code == KV_UNAVAILABLE:
+            self.placement.no_kv[address] = refusal.message[:200]
+            log.error("router: %s takes no KV: %s", self.names[address], refusal.message[:200])
 
     async def _next(self, stream: asyncio.Queue[Msg], request_id: str) -> Msg:
         """The request's next message, or the router's own abort after `timeout_s` of silence."""
@@ -521,6 +533,7 @@ class Router:
             self.placement.down.add(address)
             return
         self.placement.down.discard(address)
+        self.placement.no_kv.pop(address, None)  # a new process, with a landing process of its own
 
     def _fail_streams_of(self, decode: str, reason: str) -> None:
         """A decode worker is gone: every request it held ends with an error, none hangs; the other

@@ -111,6 +111,13 @@ class Worker:
         self.rejected[reason] += 1
         log.warning("%s: dropped a frame from %s (%s): %s", self.role, sender, reason, detail)
 
+    def kv_refusal(self) -> str | None:
+        """Why this worker takes no KV now (its one-sided agent gave up restarting: it fails closed
+        rather than loop), or None."""
+        if self.agent is not None and self.agent.given_up:
+            return "its landing process failed too many times in a row and is not restarted"
+        return None
+
     def fail_request(self, request_id: str, reason: str) -> None:
         """Role hook: end one request after an error handling its messages."""
         self.engine.abort(request_id, reason)

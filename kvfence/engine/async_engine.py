@@ -51,6 +51,10 @@ class EngineClient(Protocol):
         """Whether the thread that serves requests runs (/health answers 503 when it does not)."""
         ...
 
+    def health(self) -> dict[str, Any]:
+        """What /health adds to its status (never blocking): a router's workers and their states."""
+        ...
+
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, tenant: str, request_id: str
     ) -> AsyncIterator[RequestOutput]:
@@ -106,6 +110,9 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def health(self) -> dict[str, Any]:
+        return {}
 
     def shutdown(self) -> None:
         self._stopped.set()

@@ -16,11 +16,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfence.harness.server import healthy
+from kvfence.lifetime import PARENT_ENV
 
 KVFENCE = (sys.executable, "-m", "kvfence")  # the command for this interpreter, installed or on PYTHONPATH
 START_TIMEOUT_S = 240.0
@@ -79,7 +80,8 @@ def launch(
     echo: bool = True,
 ) -> Proc:
     """Start `[prefix] kvfence ARGS` (stdout and stderr collected by a thread, so the pipe never fills);
-    `echo` prints the command as an operator would type it."""
+    `echo` prints the command as an operator would type it. The process exits when this one ends,
+    whatever else stops it (`lifetime.PARENT_ENV`)."""
     command = " ".join(["kvfence", *args])
     if echo:
         print(f"  $ {command}", flush=True)
@@ -88,7 +90,7 @@ def launch(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())},
     )
     proc = Proc(name, command, popen)
     threading.Thread(target=_collect, args=(proc,), daemon=True).start()
@@ -137,6 +139,19 @@ def memory_mb(pid: int) -> tuple[float, float]:
         line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
     )
     return tuple(int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM"))  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def busy_loops(count: int) -> Iterator[list[int]]:
+    """`count` processes that spin on a CPU each until the block ends (a busy machine's neighbours: the
+    loaded test stage, the deadline bench); yields their pids."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield [loop.pid for loop in loops]
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
 
 
 def stop(procs: Sequence[Proc], timeout_s: float = STOP_TIMEOUT_S) -> None:

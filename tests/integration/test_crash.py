@@ -148,16 +148,18 @@ def assert_matches(refs_engine: LLMEngine, pairs: Pairs) -> None:
 def test_decode_crash_fails_its_requests_and_recovers(
     cluster: Cluster, jobs: Jobs, refs_engine: LLMEngine
 ) -> None:
-    async def scenario() -> tuple[list[Outcome], Outcome, Pairs]:
+    async def scenario() -> tuple[list[Outcome], Outcome, Any, Pairs]:
         async with new_client() as client:
             tasks = await decoding(client, cluster.url, [jobs(40, 64, stream=True) for _ in range(4)])
             cluster.workers["decode"].kill()
             lost = await asyncio.gather(*tasks)
             refused = await run_job(client, cluster.url, jobs(40, 8, stream=False), timeout_s=WAIT_S)
+            health = (await client.get(f"{cluster.url}/health")).json()
             await asyncio.to_thread(cluster.workers["decode"].restart)
-            return lost, refused, [await recovered(client, cluster, jobs)]
+            return lost, refused, health, [await recovered(client, cluster, jobs)]
 
-    lost, refused, completed = run(scenario())
+    lost, refused, health, completed = run(scenario())
+    assert health == {"status": "ok", "workers": {"prefill": "up", "decode": "down"}}
     for outcome in lost:
         # decode_lost: ended by the link going down, not by the router's 60 s timeout (router_timeout)
         assert (outcome.kind, outcome.error_code) == ("error", "decode_lost")

@@ -51,6 +51,8 @@ def main(mode: str, sock_fd: int, slots: int, slot_bytes: int) -> None:
         seq, op, _ = read_call(sock)
         if mode == "silent":
             time.sleep(3600)
+        while mode == "spin":  # busy, never answering: a deadline on waiting for a CPU alone never ends it
+            pass
         sock.sendall(reply(mode, seq, op))
 
 

@@ -36,7 +36,17 @@ from test_disagg_protocol import (
 from kvfence.cache.pool import PageState
 from kvfence.disagg.connector import LinkEvent, Received
 from kvfence.disagg.handoff import HandoffEngine
-from kvfence.disagg.messages import MAX_AGENT_BYTES, BadMessage, Bounds, KvAgent, Prefill, accept, encode
+from kvfence.disagg.messages import (
+    KV_UNAVAILABLE,
+    MAX_AGENT_BYTES,
+    BadMessage,
+    Bounds,
+    KvAgent,
+    Prefill,
+    Rejected,
+    accept,
+    encode,
+)
 from kvfence.disagg.nixl_transport import (
     AreaLayout,
     NixlAgent,
@@ -105,6 +115,26 @@ def pipes() -> Iterator[Callable[..., NixlPipeline]]:
     yield make
     for pipe in made:
         pipe.close()
+
+
+def test_a_worker_whose_agent_gave_up_takes_no_kv(
+    tiny: Transformer, pipes: Callable[..., NixlPipeline]
+) -> None:
+    """Past its restart limit a landing process is not started again: decode refuses every reservation and
+    prefill every prefill (503, kv_unavailable) before a page is reserved, instead of moving KV without
+    it; the same workers serve again once their agents do."""
+    pipe = pipes(tiny)
+    free = pipe.decode.engine.allocator.num_free_pages
+    pipe.decode.agent.given_up = True  # type: ignore[union-attr]
+    refused = pipe.reserve("r1", "A", PROMPTS[13])
+    assert isinstance(refused, Rejected) and (refused.code, refused.status) == (KV_UNAVAILABLE, 503)
+    assert pipe.decode.engine.allocator.num_free_pages == free and "r1" not in pipe.decode.inbound
+    pipe.decode.agent.given_up = False  # type: ignore[union-attr]
+    reserved = pipe.reserve("r2", "A", PROMPTS[13])
+    pipe.prefill.agent.given_up = True  # type: ignore[union-attr]
+    refused = pipe.start_prefill("r2", "A", PROMPTS[13], targets(reserved))
+    assert isinstance(refused, Rejected) and (refused.code, refused.status) == (KV_UNAVAILABLE, 503)
+    assert "r2" not in pipe.prefill.transfers
 
 
 def test_one_sided_tokens_equal_single_node(tiny: Transformer, pipes: Callable[..., NixlPipeline]) -> None:

@@ -16,6 +16,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,7 @@ from kvfence.disagg import landing_identity
 from kvfence.disagg.landing import LandingAgent, LandingLost, interface_of
 from kvfence.disagg.landing_identity import NOBODY, separation_refusal
 from kvfence.disagg.nixl_transport import AreaLayout, NixlAgent, new_area, nixl_available
+from kvfence.lifetime import Restarts, sched_times
 
 pytestmark = [
     pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed: no landing process"),
@@ -278,15 +281,17 @@ class HostileLanding(LandingAgent):
 
 
 @pytest.mark.parametrize(
-    "mode", ["pickle", "wrong_seq", "oversized", "trailing", "bad_state", "bad_notification", "silent"]
+    "mode",
+    ["pickle", "wrong_seq", "oversized", "trailing", "bad_state", "bad_notification", "silent", "spin"],
 )
 def test_a_hostile_landing_process_cannot_run_code_block_or_be_believed(
     mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every call is answered the way the mode says: a pickle whose loading would run a command, a reply
     to another call, a length of 1 GiB, trailing bytes, a transfer state out of range, a notification
-    naming an agent no wire allows, or nothing at all. Each time: the command never ran, nothing was
-    believed (the WRITE is ERR, no notification), and the process was killed and another started."""
+    naming an agent no wire allows, or nothing at all (asleep, or spinning). Each time: the command never
+    ran, nothing was believed (the WRITE is ERR, no notification), and the process was killed and another
+    started."""
     marker = tmp_path / "pwned"
     monkeypatch.setenv("UCX_TEST_MARKER", str(marker))
     agent = HostileLanding(mode)
@@ -309,6 +314,63 @@ def test_a_hostile_landing_process_cannot_run_code_block_or_be_believed(
 
         pickle.loads(pickle.dumps(Payload()))
         assert marker.exists()
+
+
+def test_a_landing_process_that_keeps_failing_is_given_up() -> None:
+    """Restarts back off and stop: past the limit no process is started again, none is left running, and
+    every call fails (its worker then takes no one-sided KV) instead of looping on restarts."""
+    agent = HostileLanding("wrong_seq")
+    agent.backoff = Restarts(limit=2, base_s=0.01)
+    pids = set()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not agent.given_up:
+            assert time.monotonic() < deadline, "never given up"
+            pids.add(agent.pid)
+            agent.check()
+            assert agent.notified() == []
+        assert agent.restarts == 3 and agent.pid is None and agent.describe()["state"] == "given up"
+        assert all(gone(pid) for pid in pids - {None})
+        with pytest.raises(LandingLost, match="given up"):
+            agent.metadata()
+        agent.check()  # nothing starts again
+        assert agent.pid is None and agent.incarnation == 2
+    finally:
+        agent.close()
+
+
+@contextmanager
+def starved(pid: int) -> Iterator[None]:
+    """`pid` barely gets a CPU: SCHED_IDLE, pinned to one CPU beside a busy loop pinned there too."""
+    cpu = min(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(pid, {cpu})
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def test_an_honest_landing_process_the_scheduler_starves_is_not_replaced() -> None:
+    """A deadline of 10 ms, a landing process that waits far longer than that for a CPU: a plain deadline
+    would have killed it at its first call; waited for by what it could have run, each call is answered."""
+    agent = LandingAgent("starved", 4, 64, "lo", deadline_s=0.01)
+    try:
+        pid = agent.pid
+        assert pid is not None
+        with starved(pid):
+            before = sched_times(pid)
+            for _ in range(5):
+                assert agent.metadata() and agent.notified() == []
+            after = sched_times(pid)
+        assert before is not None and after is not None
+        assert after[1] - before[1] > agent.deadline_s  # it waited for a CPU longer than the deadline
+        assert agent.restarts == 0 and agent.pid == pid
+    finally:
+        agent.close()
 
 
 def test_a_call_to_a_starting_landing_process_fails_at_once() -> None:

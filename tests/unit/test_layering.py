@@ -17,7 +17,7 @@ import kvfence
 ROOT = Path(kvfence.__file__).parent
 # Bottom to top. Packages on one floor may not import each other either.
 FLOORS: list[set[str]] = [
-    {"units", "pins", "config", "sampling", "trail", "startup"},
+    {"units", "pins", "config", "sampling", "trail", "startup", "lifetime"},
     {"model"},
     {"cache", "grammar"},  # grammar: structured output (llguidance), under the request that holds it
     {"request"},

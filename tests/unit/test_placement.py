@@ -82,3 +82,21 @@ def test_a_reconnected_worker_is_adopted_with_its_new_pool_unless_it_cannot_serv
         "KV dtypes differ: prefill-0 float32, prefill-1 float32, decode-0 float16"
     )
     assert placement.workers["decode-0"] is smaller and placement.max_model_len == 500
+
+
+def test_a_worker_that_takes_no_kv_is_skipped_until_its_next_hello() -> None:
+    """A worker whose landing process gave up (it refused with kv_unavailable): nothing more is placed on
+    it, /health names it with its reason, and a role with no worker that takes KV answers 503."""
+    placement = placement_of([200, 200])
+    placement.no_kv["d0"] = "its landing process failed"
+    assert pair(placement, 10, 10)[1] == "decode-1" and pair(placement, 10, 10)[1] == "decode-1"
+    placement.down.add("d1")
+    assert placement.health() == {
+        "prefill-0": "up",
+        "prefill-1": "up",
+        "decode-0": "its landing process failed",
+        "decode-1": "down",
+    }
+    with pytest.raises(AdmissionError) as refused:
+        placement.choose(10, 10)
+    assert (refused.value.code, refused.value.status) == ("decode_unavailable", 503)
