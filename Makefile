@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 ARGS ?=
 
-.PHONY: setup setup-test serve test test-fast lint bench
+.PHONY: setup setup-test serve test test-loaded test-fast lint bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +30,17 @@ serve: setup
 # The suite on TEST_WORKERS processes (pytest-xdist; CI has 2 cores), each test on one OpenMP thread: two
 # processes' OpenMP threads spinning on each other's barriers would slow both many times over. The kernels'
 # tests set two threads where a thread count could change a result.
+# tests/suite.py runs pytest as a subreaper and fails the run if any process the suite started is left alive;
+# TEST_HOGS busy loops run beside it (`make test-loaded`, CI: a shared runner's neighbours), since no test may
+# depend on the machine's speed.
 TEST_WORKERS ?= 2
+TEST_HOGS ?= 0
 test: setup-test
 	$(VENV)/bin/ruff check kvfence tests bench
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
+	OMP_NUM_THREADS=1 $(PY) tests/suite.py --hogs $(TEST_HOGS) -- -q -p no:cacheprovider -n $(TEST_WORKERS)
+
+test-loaded:
+	$(MAKE) test TEST_HOGS=2
 
 # The unit tests alone (tiny random model, no processes): the quick loop while working.
 test-fast: setup-test

@@ -1,10 +1,16 @@
-"""Shared fixtures: tiny randomly initialised models (fast unit tests) and the real SmolLM2 (correctness)."""
+"""Shared fixtures: tiny randomly initialised models (fast unit tests) and the real SmolLM2 (correctness);
+and, around every test module, the processes it started killed when it ends, however it ends."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -15,13 +21,46 @@ from starlette.types import ASGIApp
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.graphs import DecodeGraphRunner, Replay
+from kvfence.harness.procs import descendants
 from kvfence.harness.server import serving as serve_app
+from kvfence.lifetime import process_state
 from kvfence.model.gguf import GGUFModel, ModelConfig, QuantizedWeight, load_gguf, read_blocks
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.model.transformer import Transformer
 from kvfence.pins import default_model_path
 from kvfence.request import Request
 from kvfence.units import cdiv
+
+# Lives as long as the process that started it, and restarts itself if killed: never a test's leftover.
+_KEPT = ("multiprocessing.resource_tracker",)
+
+
+def _live(pid: int) -> str | None:
+    """The command line of `pid` if it is alive and not a zombie, else None."""
+    if process_state(pid) in ("Z", "exited"):
+        return None
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leftovers() -> Iterator[None]:
+    """Every process a module started below this one that is still alive when the module ends (a test
+    that failed or timed out before its cleanup) is killed, with its process group, and named in a warning.
+    Orphans (re-parented away from this tree) are the suite runner's to find (tests/suite.py)."""
+    before = set(descendants(os.getpid()))
+    yield
+    for pid in descendants(os.getpid()):
+        command = _live(pid)
+        if pid in before or command is None or any(kept in command for kept in _KEPT):
+            continue
+        warnings.warn(f"killing a process the module left running: {pid} {command[:200]}", stacklevel=1)
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+
 
 TINY = ModelConfig(
     vocab_size=256,
