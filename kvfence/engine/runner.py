@@ -33,6 +33,9 @@ NON_FINITE_LOGITS = "non_finite_logits"  # the model produced NaN/inf for this r
 StepObserver = Callable[[list[Request], StepLayout], None]
 # Called with the sampled requests and their float32 logits [rows, vocab]: golden tests compare them.
 LogitsObserver = Callable[[list[Request], torch.Tensor], None]
+# (request, prompt position p) per row and the raw logits that predict token p, for requests that asked for
+# prompt logprobs (bench/accuracy.py compares whole distributions).
+PromptLogitsObserver = Callable[[list[tuple[Request, int]], torch.Tensor], None]
 
 
 @dataclass
@@ -64,6 +67,7 @@ class ModelRunner:
         self.graphs = graphs  # pure decode steps replayed from captured graphs (CUDA); None: all eager
         self.observer: StepObserver | None = None
         self.logits_observer: LogitsObserver | None = None
+        self.prompt_logits_observer: PromptLogitsObserver | None = None
         self.eos_ids: frozenset[int] = (
             frozenset()
         )  # the tokenizer's (set by the engine): min_tokens holds them
@@ -94,6 +98,8 @@ class ModelRunner:
         logits, sample_rows, prompt_rows = self._forward(requests, num_new, layout)
         self.pool.commit_writes(layout.write_pages, layout.write_offsets)
         prompt = _prompt_logprobs(logits[: len(prompt_rows)], prompt_rows)
+        if self.prompt_logits_observer is not None and prompt_rows:
+            self.prompt_logits_observer(prompt_rows, logits[: len(prompt_rows)])
         logits = logits[len(prompt_rows) :]
         sampled_requests = [requests[r] for r in sample_rows]
         if self.logits_observer is not None:

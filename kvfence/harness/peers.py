@@ -44,6 +44,19 @@ def llama_server_binary(path: Path | None = None, build: bool = False) -> Path:
     raise FileNotFoundError(f"no llama-server: give its path, set ${ENV}, or build it with {BUILD_SCRIPT}")
 
 
+def llama_tool(name: str, server: Path) -> Path:
+    """Another llama.cpp program (`llama-perplexity`) from the build that made `server`, built there on
+    first ask with the same configuration (~2 minutes on 2 cores)."""
+    tool = server.parent / name
+    if not tool.is_file():
+        build = server.parents[1]
+        jobs = str(os.cpu_count() or 2)
+        subprocess.run(
+            ["cmake", "--build", str(build), "--target", name, "-j", jobs], check=True, capture_output=True
+        )
+    return tool
+
+
 @dataclass(frozen=True)
 class Peer:
     url: str
