@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's kvfence when run directly
 
-from kvfence.cli import build_parser  # noqa: E402
-from kvfence.startup import ApiKeyOnCommandLine, SecretOnCommandLine  # noqa: E402
+from kvfence.cli import build_parser
+from kvfence.startup import ApiKeyOnCommandLine, SecretOnCommandLine
 
 MARKER = "<!-- kvfence-options -->"
 REFUSING = (SecretOnCommandLine, ApiKeyOnCommandLine)
@@ -95,9 +95,8 @@ def option_strings() -> dict[str, list[str]]:
     """Every flag each subcommand defines (refused ones included), '--help' left out."""
     found = {}
     for name, parser in subcommands(build_parser()):
-        found[name] = [
-            flag for action in parser._actions for flag in action.option_strings if flag not in ("-h", "--help")
-        ]
+        flags = [flag for action in parser._actions for flag in action.option_strings]
+        found[name] = [flag for flag in flags if flag not in ("-h", "--help")]
     return found
 
 

@@ -39,6 +39,7 @@ def on_files(files, config):
 
 def disagg_page(text: str) -> str:
     """kvfence/disagg/README.md with its relative links made root-relative (`/kvfence/disagg/...`)."""
+
     def fix(match: re.Match[str]) -> str:
         target = match.group(1)
         if re.match(r"[a-z]+:|#|/", target):
