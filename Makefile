@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 ARGS ?=
 
-.PHONY: setup setup-test serve test test-loaded test-fast lint bench
+.PHONY: setup setup-test serve test test-loaded test-fast lint bench docs docs-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,14 @@ $(VENV)/.runtime: requirements.txt pyproject.toml | $(PY)
 	$(PIP) --no-deps -e .
 	touch $@
 
-$(VENV)/.test: requirements-test.txt $(VENV)/.runtime
-	$(PIP) -r requirements.txt -r requirements-test.txt
+$(VENV)/.test: requirements-test.txt requirements-docs.txt $(VENV)/.runtime
+	$(PIP) -r requirements.txt -r requirements-test.txt -r requirements-docs.txt
+	touch $@
+
+# The docs site's tools (mkdocs, mkdocs-material: requirements-docs.txt). The option reference imports
+# kvfence.cli, so the runtime is installed too (torch==2.13.0 stays pinned beside it).
+$(VENV)/.docs: requirements-docs.txt $(VENV)/.runtime
+	$(PIP) -r requirements.txt -r requirements-docs.txt
 	touch $@
 
 setup: $(VENV)/.runtime
@@ -37,6 +43,7 @@ TEST_WORKERS ?= 2
 TEST_HOGS ?= 0
 test: setup-test
 	$(VENV)/bin/ruff check kvfence tests bench
+	$(MAKE) docs-check
 	OMP_NUM_THREADS=1 $(PY) tests/suite.py --hogs $(TEST_HOGS) -- -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-loaded:
@@ -53,3 +60,12 @@ lint: setup-test
 bench: setup-test
 	$(PY) bench/throughput.py
 	$(PY) bench/fence_overhead.py
+
+# The documentation site into site/ (mkdocs.yml, docs/). --strict: a broken page, nav entry, anchor or link
+# (docs/hooks.py: also a root-relative link to a file the repository lacks) fails the build.
+docs: $(VENV)/.docs
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# What `make test` runs: the same build, so no page or link rots in CI.
+docs-check: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site

@@ -3,7 +3,8 @@ one function that turns the engine options into an EngineConfig.
 
 Contract: every option whose value defaults to something states that default in its help, in the units a
 person reads (`512 MiB`, not a byte count), taken from the same constant the option uses, so `--help`
-cannot drift from what runs (tests/unit/test_cli_help.py checks both, and the README's options table).
+cannot drift from what runs (tests/unit/test_cli_help.py checks both, and the options table of
+docs/configuration.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the scratch and zero pages past `num_pages` (`KVPool.__init__`). Pages are never
 every fast engine): a recycled page holds its previous owner's data until it is overwritten, which is
 exactly why every read must be fenced.
 
-Metadata (README: "How the fence works") is host-side numpy, one entry per page:
+Metadata (docs/fence.md: "How the fence works") is host-side numpy, one entry per page:
   generation  bumped on every allocation            (allocator only)
   owner       tenant id allowed to read the page    (allocator only; NO_OWNER when free)
   written     slots written at this generation      (the KV writer only; reset to 0 on allocation)

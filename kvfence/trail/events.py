@@ -1,4 +1,4 @@
-"""The audit trail: ordered lifecycle events per request (README: "How the fence works").
+"""The audit trail: ordered lifecycle events per request (docs/fence.md: "How the fence works").
 
 Events live in a bounded in-memory ring per tenant (a tenant's oldest requests fall out first, so one
 tenant's traffic, refused requests included, can never evict another tenant's trails) and, when a path is

@@ -1,4 +1,5 @@
-"""Named fault injection points (README: "How the fence works"). Every point is off unless explicitly armed.
+"""Named fault injection points (docs/fence.md: "How the fence works"). Every point is off unless
+explicitly armed.
 
 A fault simulates one bookkeeping bug. Arming it never disables a protection: the fence must catch what
 the fault does, and tests prove that by running the same fault with isolation off (the leak) and on.

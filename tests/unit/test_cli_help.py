@@ -1,6 +1,6 @@
 """`--help` tells an operator what runs: every option that defaults to something says so, in units a
-person reads, and every `kvfence serve` option has a row in the README's options table (so the table
-cannot drift from the parser again); and building the parser loads no command's libraries."""
+person reads, and every `kvfence serve` option has a row in the options table of docs/configuration.md (so
+the table cannot drift from the parser again); and building the parser loads no command's libraries."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 
 from kvfence.cli import build_parser
 
-README = Path(__file__).parents[2] / "README.md"
-OPTIONS_HEADING = "### Options (`kvfence serve --help`)"
+README = Path(__file__).parents[2] / "docs" / "configuration.md"  # the options table (from README.md)
+OPTIONS_HEADING = "## Options (`kvfence serve --help`)"
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 
 def readme_options() -> set[str]:
-    """The flags named in the first column of the README's options table."""
+    """The flags named in the first column of the options table (docs/configuration.md)."""
     section = README.read_text().split(OPTIONS_HEADING, 1)[1]
     rows = re.findall(r"^\|([^|]*(?:\\\|[^|]*)*)\|", section.split("\n\n", 2)[1], flags=re.MULTILINE)
     return {flag for row in rows for flag in re.findall(r"--[a-z][a-z0-9-]*", row)}
