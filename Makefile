@@ -42,7 +42,7 @@ serve: setup
 TEST_WORKERS ?= 2
 TEST_HOGS ?= 0
 test: setup-test
-	$(VENV)/bin/ruff check kvfence tests bench
+	$(VENV)/bin/ruff check kvfence tests bench docs
 	$(MAKE) docs-check
 	OMP_NUM_THREADS=1 $(PY) tests/suite.py --hogs $(TEST_HOGS) -- -q -p no:cacheprovider -n $(TEST_WORKERS)
 
@@ -54,8 +54,8 @@ test-fast: setup-test
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests/unit
 
 lint: setup-test
-	$(VENV)/bin/ruff check kvfence tests bench
-	$(VENV)/bin/ruff format --check kvfence tests bench
+	$(VENV)/bin/ruff check kvfence tests bench docs
+	$(VENV)/bin/ruff format --check kvfence tests bench docs
 
 bench: setup-test
 	$(PY) bench/throughput.py
