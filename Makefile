@@ -17,8 +17,8 @@ $(VENV)/.runtime: requirements.txt pyproject.toml | $(PY)
 	$(PIP) --no-deps -e .
 	touch $@
 
-$(VENV)/.test: requirements-test.txt $(VENV)/.runtime
-	$(PIP) -r requirements.txt -r requirements-test.txt
+$(VENV)/.test: requirements-test.txt requirements-ray.txt $(VENV)/.runtime
+	$(PIP) -r requirements.txt -r requirements-test.txt -r requirements-ray.txt
 	touch $@
 
 setup: $(VENV)/.runtime
