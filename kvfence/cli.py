@@ -1,7 +1,7 @@
 """The `kvfence` command, one entry point: `serve` (the OpenAI-compatible server, single node, one
-prefill/decode worker, or `--disaggregated` locally), `router` (the front of remote workers), `audit`
-(acceptance checks against a running server), `lab` (the isolation lab) and `generate` (one prompt,
-offline).
+prefill/decode worker, `--disaggregated` locally, or `--ray-replicas N` on Ray Serve: kvfence.ray.local),
+`router` (the front of remote workers), `audit` (acceptance checks against a running server), `lab` (the
+isolation lab) and `generate` (one prompt, offline).
 
 Engine options are defined once (`add_engine_options`, in kvfence.cli_options with the other shared option
 groups, each default stated in its help) and turned into an EngineConfig once (`engine_config`), so every

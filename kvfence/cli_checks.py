@@ -7,7 +7,10 @@ against the window (from the header: the same report and check the engine runs a
 key file and the admin key file (each refused unless it is a regular file no other user may read or
 change), the audit log, the open-file limit and the HTTP port (bound here, then served). No secret is ever
 an option's value: a command line is readable by every local user (/proc/PID/cmdline).
-A check that fails raises `StartupError`; `kvfence.cli.main` prints it.
+A check that fails raises `StartupError`; `kvfence.cli.main` prints it. On Ray Serve (kvfence/ray/) a
+replica's options are refused where Ray cannot honour them (`check_replica_args`: Ray's proxy holds the
+port, no PD workers on Ray), and no key may come from the environment (`check_ray_environment`): each
+replica reads its key files itself.
 
 Once the checks pass, `protection_lines` says what protects the server: isolation, auth, who may read the
 metrics, the front door's limits, and every armed fault.
