@@ -142,6 +142,8 @@ def _serve_on_ray(args: Any, options: AppOptions, name: str, token_path: Path | 
         _log(f"ray: {what} at {gcs} (authentication mode: {mode}; dashboard {dashboard})")
         if token_path is not None:
             _log(f"ray: token in {token_path} (mode 0600, removed on exit)")
+        if mode != "token" and args.insecure_ray:
+            _log(f"WARNING: ray: authentication mode {mode} (--insecure-ray): whoever reaches it runs code")
         if mode != "token" and not args.insecure_ray:
             raise StartupError(
                 f"--ray-address {args.ray_address}: the cluster reports authentication mode {mode!r}, not "
