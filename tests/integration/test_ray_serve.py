@@ -1,12 +1,13 @@
 """`kvfence serve --ray-replicas 2` on a real local Ray cluster (one machine, the real SmolLM2, 2 replicas of
 half a CPU and one torch thread each): the same greedy answer as kvfence's own engine from both replicas, SSE
 through Ray's proxy, kvfence's auth, Ray's token authentication on, and no API key or admin key anywhere in
-Ray's state, its processes' environments or its session logs; then a clean stop with nothing left.
+Ray's state, its processes' environments or its session logs; then a clean stop with nothing left. And
+`--ray-address` to a cluster without token authentication is refused before anything is deployed.
 
-One test runs every check on one cluster: a module fixture split over pytest-xdist workers would start a
-cluster in each of them, two on two cores. The Ray session lives in a temporary directory of this test's
-own (short: Ray's socket paths must fit 107 bytes); every process left with that directory in its
-command line is killed by pid at the end, never by name.
+One test runs every check on the two-replica cluster: a module fixture split over pytest-xdist workers
+would start a cluster in each of them, two on two cores. Each Ray session lives in a temporary directory
+of its test's own (short: Ray's socket paths must fit 107 bytes); every process left with that directory
+in its command line is killed by pid at the end, never by name.
 """
 
 from __future__ import annotations
@@ -273,3 +274,61 @@ def check_no_secret_in_ray(server: RayServer) -> None:
             for what, secret in secrets_.items():
                 assert secret.encode() not in data, f"the {what} is in {path}"
     print(f"  no secret in Ray's state ({len(state['actors'])} actors) or {len(files)} session files")
+
+
+# A Ray cluster without token authentication, as someone else started it: the GCS address on stdout, up
+# until stdin closes (then ray.shutdown stops its processes).
+OPEN_CLUSTER = """
+import sys, ray
+context = ray.init(_temp_dir=sys.argv[1], num_cpus=1, object_store_memory=80 * 2**20, include_dashboard=True)
+print("GCS", context.address_info["gcs_address"], flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_joining_a_cluster_without_token_auth_is_refused() -> None:
+    """`--ray-address` to a cluster whose dashboard reports authentication mode `disabled`: one line, exit 2,
+    before anything is deployed, though this side holds a token (Ray would connect with it)."""
+    directory = Path(tempfile.mkdtemp(prefix="kvfj-"))
+    (directory / "home").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env |= {"HOME": str(directory / "home"), "RAY_USAGE_STATS_ENABLED": "0"}
+    head = subprocess.Popen(
+        [sys.executable, "-c", OPEN_CLUSTER, str(directory / "ray")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env | {"RAY_AUTH_MODE": "disabled"},
+    )
+    try:
+        assert head.stdout is not None
+        first = head.stdout.readline()  # bounded by the test's timeout: the head prints it or exits
+        assert first.startswith("GCS "), first
+        token = _secret_file(directory / "token", secrets.token_hex(32))
+        (port,) = free_ports(1)
+        address = first.split()[1]
+        command = [sys.executable, "-m", "kvfence", "serve", "--ray-replicas", "1", "--ray-address", address]
+        joined = subprocess.run(
+            [*command, "--port", str(port), *ENGINE_ARGS],
+            env=env | {"RAY_AUTH_TOKEN_PATH": str(token), "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=RAY_CLIENT_TIMEOUT_S,
+        )
+        assert joined.returncode == 2, joined.stderr[-3000:]
+        assert (
+            "the cluster reports authentication mode 'disabled', not 'token'"
+            in joined.stderr.splitlines()[-1]
+        )
+        assert "--insecure-ray" in joined.stderr.splitlines()[-1]
+    finally:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            head.communicate("", timeout=60)  # stdin closed: the head shuts its cluster down
+        head.kill()
+        for pid in _processes_under(directory):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(directory, ignore_errors=True)
