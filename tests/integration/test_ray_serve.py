@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,9 +132,11 @@ def ray_server() -> Iterator[RayServer]:
         "--admin-key-file",
         str(admin),
     ]
+    began = time.monotonic()
     proc = launch("kvfence serve --ray-replicas 2", args, env={"OMP_NUM_THREADS": "1"})
     try:
         proc.wait_for_http(f"http://127.0.0.1:{port}", START_TIMEOUT_S)
+        print(f"  serving after {time.monotonic() - began:.1f} s (reported, not asserted)")
         cluster = _line(
             proc, r"started a local cluster at (\S+) \(authentication mode: (\w+); dashboard (\S+)\)"
         )
