@@ -266,9 +266,11 @@ def check_no_secret_in_ray(server: RayServer) -> None:
     secrets_ = {"API key": server.api_key, "admin key": server.admin_key, "Ray token": token}
     for what, secret in secrets_.items():
         assert secret not in dump, f"the {what} is in Ray's state"
-    for replica in replicas:  # the replicas' own environment: keys come from files, not from Ray
+    for replica in replicas:  # the replicas' own environment: keys from files, the token by its path
         environ = Path(f"/proc/{replica['pid']}/environ").read_bytes()
-        assert server.api_key.encode() not in environ and server.admin_key.encode() not in environ
+        for what, secret in secrets_.items():
+            assert secret.encode() not in environ, f"the {what} is in a replica's environment"
+        assert f"RAY_AUTH_TOKEN_PATH={server.token_path}".encode() in environ.split(b"\0")
     files = [p for p in (server.directory / "ray").rglob("*") if p.is_file() and not p.is_symlink()]
     assert any(p.suffix in (".log", ".err", ".out") for p in files), "no Ray session logs found"
     for path in files:
