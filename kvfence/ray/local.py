@@ -11,8 +11,9 @@ a new owner-only file (0600, in a 0700 directory removed on exit) whose path alo
 environment (RAY_AUTH_TOKEN_PATH: never the token, never a command line); joining a cluster is refused
 unless its dashboard reports authentication mode `token`, or --insecure-ray says so. Keys never come from
 the environment here ($KVFENCE_API_KEYS and the like are refused): every replica reads its key files
-itself, so no key is in Ray's actor arguments, runtime_env or GCS. Every failure before serving is one
-line, exit code 2.
+itself, so no key is in Ray's actor arguments, runtime_env or GCS. A failed check, a refused cluster, a
+cluster that does not start or join, and an application that does not deploy are each one line, exit
+code 2 (the port is checked free before Ray starts; something may still take it before Serve's proxy).
 """
 
 from __future__ import annotations
