@@ -17,8 +17,8 @@ $(VENV)/.runtime: requirements.txt pyproject.toml | $(PY)
 	$(PIP) --no-deps -e .
 	touch $@
 
-$(VENV)/.test: requirements-test.txt requirements-docs.txt $(VENV)/.runtime
-	$(PIP) -r requirements.txt -r requirements-test.txt -r requirements-docs.txt
+$(VENV)/.test: requirements-test.txt requirements-docs.txt requirements-ray.txt $(VENV)/.runtime
+	$(PIP) -r requirements.txt -r requirements-test.txt -r requirements-docs.txt -r requirements-ray.txt
 	touch $@
 
 # The docs site's tools (mkdocs, mkdocs-material: requirements-docs.txt). The option reference imports

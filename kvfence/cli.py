@@ -1,7 +1,7 @@
 """The `kvfence` command, one entry point: `serve` (the OpenAI-compatible server, single node, one
-prefill/decode worker, or `--disaggregated` locally), `router` (the front of remote workers), `audit`
-(acceptance checks against a running server), `lab` (the isolation lab) and `generate` (one prompt,
-offline).
+prefill/decode worker, `--disaggregated` locally, or `--ray-replicas N` on Ray Serve: kvfence.ray.local),
+`router` (the front of remote workers), `audit` (acceptance checks against a running server), `lab` (the
+isolation lab) and `generate` (one prompt, offline).
 
 Engine options are defined once (`add_engine_options`, in kvfence.cli_options with the other shared option
 groups, each default stated in its help) and turned into an EngineConfig once (`engine_config`), so every
@@ -29,19 +29,23 @@ from kvfence.cli_checks import (
     check_engine,
     check_http,
     check_model,
+    check_ray_options,
     fault_spec,
     model_file,
     protection_lines,
 )
 from kvfence.cli_options import (
+    DEFAULT_LISTEN,
     add_engine_options,
     add_http_options,
-    add_kv_transport_option,
-    add_scale_options,
+    add_serve_options,
     add_transport_options,
     address_list,
     engine_config,
+    http_app,
     kv_plane,
+    resolve_model_arg,
+    served_model,
 )
 from kvfence.config import CapacityError, EngineConfig
 from kvfence.lifetime import exit_with_named_parent
@@ -55,7 +59,6 @@ if TYPE_CHECKING:
     from kvfence.request import Request
 
 ROLES = ("prefill", "decode", "router")
-DEFAULT_LISTEN = "tcp://127.0.0.1:5600"  # a worker's address when neither --listen nor its key names one
 
 
 def _log(message: str) -> None:
@@ -82,10 +85,12 @@ def _report(args: argparse.Namespace, front: Front | None) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.model_arg is not None:  # `serve MODEL`, as vllm serve takes it
-        if args.model is not None and args.model != args.model_arg:
-            raise StartupError(f"MODEL {args.model_arg} and --model {args.model} differ: give one of them")
-        args.model = args.model_arg
+    resolve_model_arg(args)
+    check_ray_options(args)
+    if args.ray_replicas is not None:
+        from kvfence.ray.local import run  # Ray: only for a server on Ray
+
+        return run(args, args.argv)
     config = engine_config(args)
     if args.role != "single":
         keys = _transport_keys(args, args.role, [args.listen] if args.listen else [])
@@ -256,28 +261,12 @@ def _run_http(args: argparse.Namespace, client: EngineClient, front: Front) -> i
     door (kvfence.api.slow_clients), until interrupted."""
     import uvicorn
 
-    from kvfence.api.server import build_app
     from kvfence.api.slow_clients import uvicorn_config
-    from kvfence.api.stats_log import STATS_INTERVAL_S, RequestLog, log_to_stderr
-    from kvfence.model.hf_dir import served_name
-    from kvfence.pins import default_model_path
+    from kvfence.api.stats_log import log_to_stderr
 
-    name = args.served_model_name or served_name(args.model or default_model_path())
-    requests = RequestLog(client.tokenizer, args.log_request_prompts) if args.enable_log_requests else None
-    app = build_app(
-        client,
-        name,
-        front.api_keys,
-        front.admin_key,
-        sampling=front.sampling,
-        allowed_origins=front.allowed_origins,
-        metrics_compat=front.metrics_compat,
-        reasoning_parser=args.reasoning_parser,
-        stats_interval_s=None if args.disable_log_stats else STATS_INTERVAL_S,
-        request_log=requests,
-    )
+    app = http_app(args, client, front.api_keys, front.admin_key, front.sampling)
     log_to_stderr()
-    _log(f"serving '{name}' on http://{args.host}:{args.port}/v1")
+    _log(f"serving '{served_model(args)}' on http://{args.host}:{args.port}/v1")
     config = uvicorn_config(app, front.read_timeout_s, front.max_connections, log_level="info")
     uvicorn.Server(config).run(sockets=[front.sock])
     return 0
@@ -336,29 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server (or one PD worker)")
-    serve.add_argument(
-        "model_arg", nargs="?", type=model_file, metavar="MODEL", help="the model, as --model names it"
-    )
-    add_engine_options(serve)
-    add_http_options(serve)
-    serve.add_argument(
-        "--role",
-        choices=["single", "prefill", "decode"],
-        default="single",
-        help="single-node server, or one prefill/decode worker (no HTTP) for a router (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--listen",
-        help=f"a worker's ZeroMQ address (default: its address in --keys, else {DEFAULT_LISTEN})",
-    )
-    add_transport_options(serve)
-    add_kv_transport_option(serve)
-    serve.add_argument(
-        "--disaggregated",
-        action="store_true",
-        help="start prefill workers, decode workers and the router on this host",
-    )
-    add_scale_options(serve)
+    add_serve_options(serve)
     serve.set_defaults(run=_serve)
 
     router = commands.add_parser("router", help="the OpenAI front of prefill and decode workers")
@@ -450,7 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     exit_with_named_parent()  # started by a harness or supervisor that names itself: never outlive it
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # `serve --ray-replicas` hands its replicas the same arguments, less its own
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)

@@ -7,7 +7,10 @@ against the window (from the header: the same report and check the engine runs a
 key file and the admin key file (each refused unless it is a regular file no other user may read or
 change), the audit log, the open-file limit and the HTTP port (bound here, then served). No secret is ever
 an option's value: a command line is readable by every local user (/proc/PID/cmdline).
-A check that fails raises `StartupError`; `kvfence.cli.main` prints it.
+A check that fails raises `StartupError`; `kvfence.cli.main` prints it. On Ray Serve (kvfence/ray/) a
+replica's options are refused where Ray cannot honour them (`check_replica_args`: Ray's proxy holds the
+port, no PD workers on Ray), and no key may come from the environment (`check_ray_environment`): each
+replica reads its key files itself.
 
 Once the checks pass, `protection_lines` says what protects the server: isolation, auth, who may read the
 metrics, the front door's limits, and every armed fault.
@@ -42,6 +45,7 @@ from kvfence.startup import StartupError, one_key, read_secret_file, reason
 from kvfence.trail.faults import FAULTS, parse_fault_spec
 from kvfence.units import parse_size
 
+DEFAULT_RAY_REPLICA_CPUS = 1.0  # --ray-replica-cpus: Ray's own default for an actor that runs tasks
 SPARE_FILES = 64  # file descriptors beyond the connection cap: the model, logs, ZeroMQ sockets
 T = TypeVar("T")
 
@@ -408,6 +412,27 @@ class Front:
 
 def check_http(args: argparse.Namespace) -> Front:
     """The options of the HTTP front (`add_http_options`), checked, and its socket bound."""
+    api_keys, admin_key, sampling = check_http_options(args)
+    check_open_files(args.max_connections)
+    sock = bind_http(args.host, args.port)
+    origins = tuple(args.allowed_origins or ())
+    return Front(
+        api_keys,
+        admin_key,
+        sock,
+        args.http_read_timeout,
+        args.max_connections,
+        sampling,
+        origins,
+        args.metrics_compat,
+    )
+
+
+def check_http_options(
+    args: argparse.Namespace,
+) -> tuple[dict[str, str] | None, str | None, SamplingDefaults]:
+    """The HTTP options that need no socket: the API keys, the admin key, the request log's flags, the
+    audit log and the sampling defaults (what a Ray replica checks: Ray's proxy holds the port)."""
     api_keys = load_api_keys(args.api_keys)
     admin_key, admin_source = load_admin_key(args.admin_key_file)
     if admin_key and api_keys and admin_key in api_keys:
@@ -422,20 +447,7 @@ def check_http(args: argparse.Namespace) -> Front:
             args.audit_log.open("a", encoding="utf-8").close()
         except OSError as exc:
             raise StartupError(f"--audit-log {args.audit_log}: cannot append to it ({reason(exc)})") from exc
-    sampling = check_sampling(args)
-    check_open_files(args.max_connections)
-    sock = bind_http(args.host, args.port)
-    origins = tuple(args.allowed_origins or ())
-    return Front(
-        api_keys,
-        admin_key,
-        sock,
-        args.http_read_timeout,
-        args.max_connections,
-        sampling,
-        origins,
-        args.metrics_compat,
-    )
+    return api_keys, admin_key, check_sampling(args)
 
 
 def check_sampling(args: argparse.Namespace) -> SamplingDefaults:
@@ -462,3 +474,82 @@ def protection_lines(isolation: bool, faults: Sequence[tuple[str, float]], front
         lines += front.describe()
     lines += [f"WARNING: fault armed: {name} at rate {rate}" for name, rate in faults]
     return lines
+
+
+# ---- Ray Serve (kvfence/ray/) ----------------------------------------------------------------------------
+
+# What a replica's options may not hold, and why: Ray's proxy is the HTTP front, Ray places the replicas,
+# and the prefill/decode workers are not Ray actors (yet).
+RAY_REFUSED = {
+    "--host": "Ray Serve's proxy binds the address (http_options.host, or kvfence serve --host)",
+    "--port": "Ray Serve's proxy binds the port (http_options.port, or kvfence serve --port)",
+    "--http-read-timeout": "Ray Serve's proxy is the front door, not kvfence's",
+    "--max-connections": "Ray Serve's proxy is the front door, not kvfence's",
+    "--audit-log": "the replicas would append to one file at once",
+    "--role": "a replica is a whole server; prefill/decode workers do not run on Ray yet",
+    "--listen": "a replica is a whole server; prefill/decode workers do not run on Ray yet",
+    "--disaggregated": "prefill/decode workers do not run on Ray yet",
+    "--prefill-workers": "prefill/decode workers do not run on Ray yet",
+    "--decode-workers": "prefill/decode workers do not run on Ray yet",
+    "--keys": "it is the prefill/decode transport's, which does not run on Ray yet",
+    "--key-name": "it is the prefill/decode transport's, which does not run on Ray yet",
+    "--insecure-transport": "it is the prefill/decode transport's, which does not run on Ray yet",
+    "--kv-transport": "it is the prefill/decode transport's, which does not run on Ray yet",
+    "--kv-interface": "it is the prefill/decode transport's, which does not run on Ray yet",
+    "--landing-uid": "it is the prefill/decode transport's, which does not run on Ray yet",
+    "--landing-cma": "it is the prefill/decode transport's, which does not run on Ray yet",
+    "--ray-replicas": "it is kvfence serve's, not a replica's: the replica count is the application's",
+    "--ray-address": "it is kvfence serve's, not a replica's",
+    "--insecure-ray": "it is kvfence serve's, not a replica's",
+    "--ray-replica-cpus": "it is kvfence serve's, not a replica's: ray_actor_options are the application's",
+    "--ray-temp-dir": "it is kvfence serve's, not a replica's",
+}
+# Secrets that would reach a replica only through the environment Ray gives it: a key file each replica
+# reads itself is the one way in (no secret in Ray's runtime_env, actor arguments or GCS).
+RAY_SECRET_VARIABLES = {
+    "KVFENCE_API_KEYS": "--api-keys FILE",
+    "VLLM_API_KEY": "--api-keys FILE",
+    "KVFENCE_ADMIN_KEY": "--admin-key-file FILE",
+}
+
+
+def check_ray_options(args: argparse.Namespace) -> None:
+    """`serve`'s Ray options go together: each needs --ray-replicas, --insecure-ray needs --ray-address
+    and --ray-temp-dir a cluster kvfence starts."""
+    ray = args.ray_replicas is not None
+    for option, given in (
+        ("--ray-address", args.ray_address is not None),
+        ("--insecure-ray", args.insecure_ray),
+        ("--ray-temp-dir", args.ray_temp_dir is not None),
+        ("--ray-replica-cpus", args.ray_replica_cpus != DEFAULT_RAY_REPLICA_CPUS),
+    ):
+        if given and not ray:
+            raise StartupError(f"{option}: only with --ray-replicas N (a server on Ray Serve)")
+    if args.insecure_ray and args.ray_address is None:
+        raise StartupError(
+            "--insecure-ray: a cluster kvfence starts always has token auth; it is only for "
+            "joining one with --ray-address"
+        )
+    if args.ray_temp_dir is not None and args.ray_address is not None:
+        raise StartupError("--ray-temp-dir: only for a cluster kvfence starts, not one --ray-address joins")
+
+
+def check_replica_args(argv: Sequence[str]) -> None:
+    """A Ray replica's `kvfence serve` arguments hold no option Ray cannot honour (one line naming it and
+    why). Exact names: the parser takes no abbreviation, so `--port=1` and `--port 1` are all it can be."""
+    for word in argv:
+        option = word.split("=", 1)[0]
+        if option in ("-h", "--help"):
+            raise StartupError(f"{option}: not for a Ray Serve replica: run kvfence serve --help")
+        if option in RAY_REFUSED:
+            raise StartupError(f"{option}: not for a Ray Serve replica: {RAY_REFUSED[option]}")
+
+
+def check_ray_environment() -> None:
+    """No key comes from the environment under Ray: each replica reads its key files itself."""
+    for variable, instead in RAY_SECRET_VARIABLES.items():
+        if os.environ.get(variable):
+            raise StartupError(
+                f"${variable} is set: under Ray every replica reads its keys from a file only its owner may "
+                f"read; pass {instead} and unset ${variable}"
+            )

@@ -1,5 +1,7 @@
-"""The option groups the `kvfence` commands share, defined once: engine, tenants, HTTP and transport, and the
-one function that turns the engine options into an EngineConfig.
+"""The option groups the `kvfence` commands share, defined once: engine, tenants, HTTP, transport and Ray, the
+whole `kvfence serve` parser (`add_serve_options`, which kvfence.ray parses a replica's options with), the
+one function that turns the engine options into an EngineConfig and the one that builds the HTTP app from
+the HTTP options (`http_app`: `kvfence serve` and each Ray replica alike).
 
 Contract: every option whose value defaults to something states that default in its help, in the units a
 person reads (`512 MiB`, not a byte count), taken from the same constant the option uses, so `--help`
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvfence.api.reasoning import PARSERS
 from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 from kvfence.cli_checks import (
+    DEFAULT_RAY_REPLICA_CPUS,
     fault_spec,
     kv_tier,
     model_file,
@@ -33,8 +37,15 @@ from kvfence.startup import ApiKeyOnCommandLine, SecretOnCommandLine, StartupErr
 from kvfence.trail.faults import FAULTS
 from kvfence.units import format_size
 
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from kvfence.engine.async_engine import EngineClient
+    from kvfence.sampling import SamplingDefaults
+
 KV_TRANSPORTS = ("auto", "nixl", "zmq")
 MAX_WORKERS_PER_ROLE = 64  # --prefill-workers/--decode-workers: processes on one host, not a fleet
+DEFAULT_LISTEN = "tcp://127.0.0.1:5600"  # a worker's address when neither --listen nor its key names one
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -460,3 +471,117 @@ def address_list(text: str) -> list[str]:
     if not all(addresses) or len(set(addresses)) != len(addresses):
         raise argparse.ArgumentTypeError(f"{text!r}: expected ADDRESS[,ADDRESS...], each once")
     return addresses
+
+
+def add_serve_options(serve: argparse.ArgumentParser) -> None:
+    """Every option of `kvfence serve`, in one place: the CLI's parser and each Ray replica's (kvfence.ray)
+    are the same parser, so a replica's options cannot drift from the command's."""
+    serve.add_argument(
+        "model_arg", nargs="?", type=model_file, metavar="MODEL", help="the model, as --model names it"
+    )
+    add_engine_options(serve)
+    add_http_options(serve)
+    serve.add_argument(
+        "--role",
+        choices=["single", "prefill", "decode"],
+        default="single",
+        help="single-node server, or one prefill/decode worker (no HTTP) for a router (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--listen",
+        help=f"a worker's ZeroMQ address (default: its address in --keys, else {DEFAULT_LISTEN})",
+    )
+    add_transport_options(serve)
+    add_kv_transport_option(serve)
+    serve.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="start prefill workers, decode workers and the router on this host",
+    )
+    add_scale_options(serve)
+    add_ray_options(serve)
+
+
+def add_ray_options(parser: argparse.ArgumentParser) -> None:
+    """`serve --ray-replicas N`: the server as a Ray Serve application (kvfence/ray/)."""
+    g = parser.add_argument_group("ray")
+    g.add_argument(
+        "--ray-replicas",
+        type=_worker_count,
+        metavar="N",
+        help="serve through Ray Serve: N replicas, each a whole server (its own engine and pool), behind "
+        "Ray's HTTP proxy on --host/--port; a local Ray cluster with token authentication is started "
+        "unless --ray-address names one (default: no Ray)",
+    )
+    g.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="with --ray-replicas: join this Ray cluster (its GCS, HOST:PORT) instead of starting one; its "
+        "token comes from Ray's own $RAY_AUTH_TOKEN_PATH, $RAY_AUTH_TOKEN or ~/.ray/auth_token, and a "
+        "cluster without token authentication is refused (default: start a local cluster)",
+    )
+    g.add_argument(
+        "--insecure-ray",
+        action="store_true",
+        help="with --ray-address: join a cluster without token authentication (anyone who reaches it runs "
+        "code there: trusted networks only)",
+    )
+    g.add_argument(
+        "--ray-replica-cpus",
+        type=positive_float,
+        default=DEFAULT_RAY_REPLICA_CPUS,
+        metavar="CPUS",
+        help="with --ray-replicas: Ray CPUs each replica reserves (fractions allowed; pair with "
+        "--num-threads) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ray-temp-dir",
+        type=Path,
+        metavar="DIR",
+        help="with --ray-replicas and no --ray-address: the local cluster's session and log directory "
+        "(default: Ray's, /tmp/ray)",
+    )
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """`serve MODEL`, as vllm serve takes it, becomes --model (StartupError when both name different ones)."""
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise StartupError(f"MODEL {args.model_arg} and --model {args.model} differ: give one of them")
+        args.model = args.model_arg
+
+
+def served_model(args: argparse.Namespace) -> str:
+    """The model's id in the API: --served-model-name, else the model file's or directory's name."""
+    from kvfence.model.hf_dir import served_name
+    from kvfence.pins import default_model_path
+
+    return args.served_model_name or served_name(args.model or default_model_path())
+
+
+def http_app(
+    args: argparse.Namespace,
+    client: EngineClient,
+    api_keys: dict[str, str] | None,
+    admin_key: str | None,
+    sampling: SamplingDefaults,
+) -> Starlette:
+    """The OpenAI app over `client` as the HTTP options (`add_http_options`) configure it, with the keys and
+    sampling defaults the start-up checks resolved (kvfence.cli_checks.check_http_options)."""
+    from kvfence.api.server import build_app
+    from kvfence.api.stats_log import STATS_INTERVAL_S, RequestLog
+
+    name = served_model(args)
+    requests = RequestLog(client.tokenizer, args.log_request_prompts) if args.enable_log_requests else None
+    return build_app(
+        client,
+        name,
+        api_keys,
+        admin_key,
+        sampling=sampling,
+        allowed_origins=tuple(args.allowed_origins or ()),
+        metrics_compat=args.metrics_compat,
+        reasoning_parser=args.reasoning_parser,
+        stats_interval_s=None if args.disable_log_stats else STATS_INTERVAL_S,
+        request_log=requests,
+    )

@@ -136,6 +136,10 @@ def uvicorn_config(
     """A uvicorn Config for `app` behind the front door: the read timeouts and the connection cap."""
     if max_connections < 1:
         raise ValueError(f"max_connections must be positive, got {max_connections}")
+    # asyncio's own loop, whatever else is installed: uvicorn's "auto" takes uvloop where it is (ray[serve]
+    # brings it), and under uvloop a wave of held heads beyond the cap got 503 before the front door closed
+    # the oldest (tests/integration/test_front_door.py), which asyncio's loop does not.
+    kwargs.setdefault("loop", "asyncio")
     return uvicorn.Config(
         app,
         http=protocol_class(read_timeout_s, max_connections),

@@ -27,6 +27,7 @@ FLOORS: list[set[str]] = [
     {"audit"},
     {"cli_checks"},
     {"cli_options"},
+    {"ray"},  # Ray Serve: replicas built by the serve parser and checks below; `cli` starts it lazily
     {"offline"},  # vLLM's LLM: an entry point like the CLI, resolving --model's names as it does
     {"cli"},
     {"__main__"},  # `python -m kvfence`

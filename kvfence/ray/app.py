@@ -1,0 +1,87 @@
+"""The Ray Serve application builder: `app(args)` for `serve run kvfence.ray:app serve_args="..."` and for a
+Serve config's `import_path: kvfence.ray:app` with `args` (deploy/ray/serve.yaml).
+
+Contracts: `args` takes `serve_args` (the `kvfence serve` arguments of every replica: a list of words, or
+one string split as a shell splits it), `num_replicas` (a whole number from 1 to 64, default 1) and
+`num_cpus` (Ray CPUs a replica reserves, above 0, default 1), nothing else: an unknown or bad key is one
+line (ValueError). The arguments are parsed and refused where Ray cannot honour an option before anything is
+deployed (kvfence.ray.replica.parse_replica_args); no key file is read here, where the builder runs: each
+replica reads its own. The Application carries those words only.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvfence.cli_checks import DEFAULT_RAY_REPLICA_CPUS, StartupError
+from kvfence.cli_options import MAX_WORKERS_PER_ROLE
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+
+APP_KEYS = ("serve_args", "num_replicas", "num_cpus")
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    """The application's settings, checked."""
+
+    serve_args: tuple[str, ...]
+    num_replicas: int = 1
+    num_cpus: float = DEFAULT_RAY_REPLICA_CPUS
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> AppOptions:
+        unknown = sorted(set(args) - set(APP_KEYS))
+        if unknown:
+            raise ValueError(
+                f"kvfence.ray:app: unknown argument {unknown[0]!r}; it takes {', '.join(APP_KEYS)}"
+            )
+        words = args.get("serve_args", [])
+        if isinstance(words, str):
+            words = shlex.split(words)
+        if not isinstance(words, list | tuple) or not all(isinstance(w, str | int | float) for w in words):
+            raise ValueError(
+                "kvfence.ray:app: serve_args must be a list of kvfence serve arguments or a string"
+            )
+        replicas = _number(args.get("num_replicas", 1), int, "num_replicas", "a whole number from 1 to 64")
+        if not 1 <= replicas <= MAX_WORKERS_PER_ROLE:
+            raise ValueError(
+                f"kvfence.ray:app: num_replicas must be a whole number from 1 to 64, got {replicas}"
+            )
+        cpus = _number(args.get("num_cpus", DEFAULT_RAY_REPLICA_CPUS), float, "num_cpus", "a number above 0")
+        if not cpus > 0:
+            raise ValueError(f"kvfence.ray:app: num_cpus must be a number above 0, got {cpus}")
+        return cls(tuple(str(w) for w in words), replicas, cpus)
+
+
+def _number(value: Any, kind: type[int] | type[float], key: str, what: str) -> Any:
+    """A config value (a YAML number or a `serve run key=value` string) as `kind`, or one line naming it."""
+    if isinstance(value, bool):
+        raise ValueError(f"kvfence.ray:app: {key} must be {what}, got {value!r}")
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kvfence.ray:app: {key} must be {what}, got {value!r}") from None
+    if kind is int and number != float(value):
+        raise ValueError(f"kvfence.ray:app: {key} must be {what}, got {value!r}")
+    return number
+
+
+def app(args: dict[str, Any]) -> Application:
+    """The kvfence application: `num_replicas` replicas of the kvfence server, each reserving `num_cpus`."""
+    from kvfence.ray.replica import parse_replica_args
+
+    options = AppOptions.from_dict(args)
+    try:
+        parse_replica_args(options.serve_args)
+    except StartupError as exc:
+        raise ValueError(f"kvfence.ray:app: serve_args: {exc}") from None
+    from kvfence.ray.deployment import KvfenceServer  # Ray: only once the options are good
+
+    deployment = KvfenceServer.options(
+        num_replicas=options.num_replicas, ray_actor_options={"num_cpus": options.num_cpus}
+    )
+    return deployment.bind(list(options.serve_args))

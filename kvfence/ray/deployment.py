@@ -1,0 +1,33 @@
+"""The Ray Serve deployment: kvfence's own ASGI app (kvfence.api.server through kvfence.ray.replica) served
+by Ray Serve's documented late-bound ingress, `@serve.ingress()` with `__serve_build_asgi_app__`.
+
+Contracts: the actor's one argument is the list of `kvfence serve` arguments (paths and settings, never a
+key); the app, its engine and its keys are built inside the replica when Ray initialises it (on a worker
+thread, so that the replica's event loop keeps answering while the model loads), and Ray runs the app's
+ASGI lifespan, which starts the engine thread and stops it when the replica shuts down. Streaming
+responses (SSE) pass through Ray's proxy as the app writes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray import serve
+from starlette.applications import Starlette
+
+from kvfence.ray.replica import replica_app
+
+DEPLOYMENT_NAME = "kvfence"
+
+
+@serve.deployment(name=DEPLOYMENT_NAME)
+@serve.ingress()
+class KvfenceServer:
+    """One replica: a whole kvfence server (engine, fenced pool, auth) behind Ray Serve's proxy."""
+
+    def __init__(self, serve_args: list[str]) -> None:
+        self.serve_args = [str(word) for word in serve_args]
+
+    async def __serve_build_asgi_app__(self) -> Starlette:
+        replica = serve.get_replica_context().replica_id.unique_id
+        return await asyncio.to_thread(replica_app, self.serve_args, replica)
