@@ -47,7 +47,8 @@ from kvfence.startup import reason
 
 APP_NAME = "kvfence"
 OBJECT_STORE_BYTES = 256 * 2**20  # replicas pass no objects: Ray's default (30% of RAM) would reserve GBs
-DASHBOARD_TIMEOUT_S = 10.0
+DASHBOARD_TIMEOUT_S = 60.0  # a busy machine's dashboard answers late; a hang guard, not a speed check
+SERVE_STARTUP_PATIENCE_S = 60.0  # Serve's proxy readiness and health-check timeouts (Ray's: 5 and 10 s)
 # `serve` options that are this command's, not a replica's: (option, takes a value)
 OWN_OPTIONS = {
     "--host": True,
@@ -101,6 +102,11 @@ def _ray_token(args: Any) -> Iterator[Path | None]:
     new token in an owner-only file for a cluster started here (removed on exit), or Ray's own token
     sources for one joined (None)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
+    # Serve's controller kills a proxy not ready within 5 s (health checks 10 s): on a busy machine its
+    # fresh interpreter takes longer, the proxy is killed before it ran and `serve.start` fails (seen in
+    # the suite beside busy loops). A minute each, unless the operator set them.
+    for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(name, str(SERVE_STARTUP_PATIENCE_S))
     if args.ray_address is not None:
         if not args.insecure_ray:
             os.environ["RAY_AUTH_MODE"] = "token"
