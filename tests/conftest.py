@@ -10,7 +10,6 @@ import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -21,9 +20,8 @@ from starlette.types import ASGIApp
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.engine.graphs import DecodeGraphRunner, Replay
-from kvfence.harness.procs import descendants
+from kvfence.harness.procs import descendants, live_command
 from kvfence.harness.server import serving as serve_app
-from kvfence.lifetime import process_state
 from kvfence.model.gguf import GGUFModel, ModelConfig, QuantizedWeight, load_gguf, read_blocks
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.model.transformer import Transformer
@@ -35,15 +33,6 @@ from kvfence.units import cdiv
 _KEPT = ("multiprocessing.resource_tracker",)
 
 
-def _live(pid: int) -> str | None:
-    """The command line of `pid` if it is alive and not a zombie, else None."""
-    if process_state(pid) in ("Z", "exited"):
-        return None
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    return None
-
-
 @pytest.fixture(scope="module", autouse=True)
 def no_leftovers() -> Iterator[None]:
     """Every process a module started below this one that is still alive when the module ends (a test
@@ -52,7 +41,7 @@ def no_leftovers() -> Iterator[None]:
     before = set(descendants(os.getpid()))
     yield
     for pid in descendants(os.getpid()):
-        command = _live(pid)
+        command = live_command(pid)
         if pid in before or command is None or any(kept in command for kept in _KEPT):
             continue
         warnings.warn(f"killing a process the module left running: {pid} {command[:200]}", stacklevel=1)

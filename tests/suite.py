@@ -20,10 +20,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from kvfence.harness.procs import busy_loops, descendants
-from kvfence.lifetime import process_state
+from kvfence.harness.procs import busy_loops, descendants, live_command
 
 _PR_SET_CHILD_SUBREAPER = 36
 LEFTOVERS = 3  # the exit code of a suite that left a process alive
@@ -41,16 +39,8 @@ def run(pytest_args: list[str]) -> int:
 
 def leftovers() -> list[tuple[int, str]]:
     """What is alive below this process now (the hogs are gone): (pid, command line)."""
-    found = []
-    for pid in descendants(os.getpid()):
-        if process_state(pid) in ("Z", "exited"):
-            continue
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        found.append((pid, command.strip()))
-    return found
+    found = [(pid, live_command(pid)) for pid in descendants(os.getpid())]
+    return [(pid, command) for pid, command in found if command is not None]
 
 
 def reap() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfence.harness.server import healthy
-from kvfence.lifetime import PARENT_ENV
+from kvfence.lifetime import PARENT_ENV, process_state
 
 KVFENCE = (sys.executable, "-m", "kvfence")  # the command for this interpreter, installed or on PYTHONPATH
 START_TIMEOUT_S = 240.0
@@ -119,6 +119,16 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def live_command(pid: int) -> str | None:
+    """The command line of `pid` while it is alive and not a zombie, else None."""
+    if process_state(pid) in ("Z", "exited"):
+        return None
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None  # gone meanwhile
 
 
 def cpu_seconds(pid: int) -> float:
