@@ -52,11 +52,10 @@ from kvfence.harness.cluster import cluster
 from kvfence.harness.peers import Peer, llama_server, llama_server_binary
 from kvfence.harness.procs import cpu_seconds, memory_mb
 from kvfence.harness.streams import Sampling
-from kvfence.harness.synthetic import LLAMA_1B, synthetic_llama
+from kvfence.harness.synthetic import benchmark_file
 from kvfence.harness.tables import print_table
 from kvfence.model.gguf import read_header
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.pins import PACKAGED_MODELS, default_model_path, packaged_model
 from kvfence.units import parse_size
 
 SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.8, top_p=0.95)}
@@ -64,16 +63,6 @@ KV_POOL = "512MiB"
 SHARE_STREAMS = 16  # where sampled throughput is held to 0.9 x greedy
 WINDOW = 2048  # both servers: prompt + output fit many times over
 TARGET = 1.2  # kvfence / llama-server output tok/s at every row, with kvfence's defaults
-
-
-def model_file(name: str) -> Path:
-    if name in PACKAGED_MODELS:
-        return packaged_model(name)
-    if name == "llama-1b":
-        return synthetic_llama(
-            Path.home() / ".cache/kvfence-bench/llama-1b-q4_0.gguf", LLAMA_1B, default_model_path()
-        )
-    return Path(name)
 
 
 @dataclass(frozen=True)
@@ -153,7 +142,7 @@ def bench_model(
     their rows alternating (each pair sees one machine state), or with `alone` one server at a time (a
     peer that keeps every core busy while idle, as vLLM's CPU build does, would take them from the
     other): the peer's rows, then kvfence's, the same prompts."""
-    path = model_file(name)
+    path = benchmark_file(name)
     tokenizer = Tokenizer(read_header(path)[1])
     cells = [(streams, sampling) for streams in args.streams for sampling in SAMPLINGS]
     groups = [(peer.name,), ("kvfence",)] if alone else [(peer.name, "kvfence")]

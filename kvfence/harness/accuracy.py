@@ -55,20 +55,22 @@ class Scorer:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._rows: dict[int, torch.Tensor] = {}
+        self._first = 0  # the first position kept: a 2048-token chunk's rows of a 262k vocabulary are 2 GB
         engine.runner.prompt_logits_observer = self._observe
 
     def _observe(self, rows: list[tuple[Request, int]], logits: torch.Tensor) -> None:
         for (_, position), row in zip(rows, logits, strict=True):
-            self._rows[position] = row.float().clone()
+            if position >= self._first:
+                self._rows[position] = row.float().clone()
 
     def __call__(self, chunk: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities at the scored positions, the tokens they score)."""
-        self._rows.clear()
+        self._first = len(chunk) // 2 + 1
         params = SamplingParams(max_tokens=1, prompt_logprobs=0)
         self.engine.generate([chunk], params)
-        first = len(chunk) // 2
-        positions = range(first + 1, len(chunk))  # the logits that predict token p, for p in the 2nd half
-        logits = torch.stack([self._rows[p] for p in positions])
+        positions = range(self._first, len(chunk))  # the logits that predict token p, for p in the 2nd half
+        logits = torch.stack([self._rows.pop(p) for p in positions])
+        self._rows.clear()
         return torch.log_softmax(logits, dim=-1), torch.tensor([chunk[p] for p in positions])
 
 
@@ -102,3 +104,38 @@ class Comparison:
             "kl_p99": float(np.percentile(self.kl, 99)),
             "top1_agreement": self.same_top / tokens,
         }
+
+
+class LlamaBaseLogits:
+    """A reference path's log-probabilities as `llama-perplexity --kl-divergence-base` reads them, so that
+    llama.cpp's own tool measures its KL divergence and top-1 agreement against kvfence's reference.
+
+    The layout is the tool's (tools/perplexity/perplexity.cpp): b"_logits_", n_ctx (uint32), n_vocab and
+    n_chunk (int32), every chunk's tokens (int32), then per chunk one row per scored position of
+    nv = 2 * ceil(n_vocab / 2) + 4 uint16: two float32 (scale, the smallest kept log-probability), then
+    each token's log-probability as round((lp - min) / scale), min at most 16 nats below the largest
+    (0 for anything below it), as the tool itself writes its base runs."""
+
+    def __init__(self, path: str, n_ctx: int, n_vocab: int, chunked: list[list[int]]) -> None:
+        self.n_vocab, self.nv = n_vocab, 2 * ((n_vocab + 1) // 2) + 4
+        self._out = open(path, "wb")  # noqa: SIM115 (rows are added chunk by chunk; close() ends it)
+        self._out.write(b"_logits_")
+        self._out.write(
+            np.array([n_ctx], np.uint32).tobytes() + np.array([n_vocab, len(chunked)], np.int32).tobytes()
+        )
+        self._out.write(np.asarray(chunked, np.int32).tobytes())
+
+    def add(self, logp: torch.Tensor) -> None:
+        """One chunk's scored rows, [positions, n_vocab] log-probabilities."""
+        top = logp.max(dim=1, keepdim=True).values
+        low = torch.maximum(logp.min(dim=1, keepdim=True).values, top - 16)
+        scale = (top - low) / 65535
+        codes = torch.where(logp > low, torch.round((logp - low) / scale.clamp_min(1e-30)), 0.0)
+        rows = np.zeros((len(logp), self.nv), np.uint16)
+        rows[:, 4 : 4 + self.n_vocab] = codes.numpy().astype(np.uint16)
+        floats = torch.cat([scale, low], dim=1).numpy().astype(np.float32)
+        rows[:, :4] = floats.view(np.uint16)
+        self._out.write(rows.tobytes())
+
+    def close(self) -> None:
+        self._out.close()

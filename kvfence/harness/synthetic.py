@@ -4,7 +4,7 @@ gguf-py, and a real model's tokenizer, so that speed can be measured where memor
 Contract: `synthetic_llama(path, shape, tokenizer_from)` writes (once: an existing file is kept) a GGUF of
 architecture llama with `shape`'s sizes, every 2-D weight in `shape.kind` (gguf.quantize), norms F32 ones,
 the embedding tied to the output, and the tokenizer keys of `tokenizer_from`. Its answers are noise: only
-its speed and its memory mean anything.
+its speed and its memory mean anything. `benchmark_file(name)` is the file a benchmark's model name means.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 
 from kvfence.model.gguf_file import GGUFFile
+from kvfence.pins import PACKAGED_MODELS, default_model_path, packaged_model
 
 _Q = gguf.GGMLQuantizationType
 _V = gguf.GGUFValueType
@@ -41,6 +42,18 @@ class Shape:
 
 # The 1.07B llama shape of issue 25's table (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192).
 LLAMA_1B = Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=49152)
+SYNTHETIC = {"llama-1b": LLAMA_1B}  # benchmarks' names for synthetic files (SmolLM2's tokenizer)
+
+
+def benchmark_file(name: str) -> Path:
+    """A packaged model's file, a synthetic one (`SYNTHETIC`, written once into ~/.cache/kvfence-bench), or
+    the path `name` itself."""
+    if name in PACKAGED_MODELS:
+        return packaged_model(name)
+    if name in SYNTHETIC:
+        path = Path.home() / f".cache/kvfence-bench/{name}-{SYNTHETIC[name].kind.name.lower()}.gguf"
+        return synthetic_llama(path, SYNTHETIC[name], default_model_path())
+    return Path(name)
 
 
 def synthetic_llama(path: Path, shape: Shape, tokenizer_from: Path, seed: int = 0) -> Path:

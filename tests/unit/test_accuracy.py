@@ -4,11 +4,13 @@ the runner's prompt logits as the logprobs the API reports, and KL / top-1 compu
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import numpy as np
 import torch
 from conftest import make_engine
 
-from kvfence.harness.accuracy import Comparison, Scorer, chunks, reference_text, sha256
+from kvfence.harness.accuracy import Comparison, LlamaBaseLogits, Scorer, chunks, reference_text, sha256
 from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams
 
@@ -51,3 +53,23 @@ def test_kl_and_top1_as_defined() -> None:
     assert math.isclose(summary["kl_mean"], expected, rel_tol=1e-6) and summary["top1_agreement"] == 0.5
     ppl = math.exp(-float(reference[[0, 1], [0, 1]].mean()))
     assert math.isclose(summary["reference_ppl"], ppl, rel_tol=1e-6)
+
+
+def test_the_base_file_reads_back_as_llama_perplexity_reads_it(tmp_path: Path) -> None:
+    """Decoded as the tool's C code decodes it (scale x code + min), each log-probability within half a step
+    of the one written, anything more than 16 nats below the top read as the floor, the header exact."""
+    torch.manual_seed(0)
+    logp = torch.log_softmax(torch.randn(3, 5) * 8, dim=1)
+    chunked = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    base = LlamaBaseLogits(str(tmp_path / "base.kld"), 8, 5, chunked)
+    base.add(logp)
+    base.close()
+    data = (tmp_path / "base.kld").read_bytes()
+    assert data[:8] == b"_logits_" and np.frombuffer(data[8:20], np.int32).tolist() == [8, 5, 1]
+    assert np.frombuffer(data[20:52], np.int32).tolist() == chunked[0]
+    rows = np.frombuffer(data[52:], np.uint16).reshape(3, 2 * 3 + 4)  # nv for an odd vocabulary of 5
+    scale, low = rows[:, :4].copy().view(np.float32).T
+    decoded = scale[:, None] * rows[:, 4:9] + low[:, None]
+    kept = logp.numpy() >= logp.numpy().max(1, keepdims=True) - 16
+    assert np.all(np.abs(decoded - logp.numpy())[kept] <= scale.repeat(5).reshape(3, 5)[kept] / 2 + 1e-6)
+    assert np.all(decoded[~kept] == np.broadcast_to(low[:, None], (3, 5))[~kept]) and rows[:, 9].sum() == 0
