@@ -27,7 +27,9 @@ FLOORS: list[set[str]] = [
     {"disagg", "api"},
     {"harness"},
     {"audit"},
+    {"cli_model"},  # the model a command names, its header read before any weight
     {"cli_checks"},
+    {"cli_http"},  # the HTTP option group, under the parsers that hold it
     {"cli_options"},
     {"ray"},  # Ray Serve: replicas built by the serve parser and checks below; `cli` starts it lazily
     {"offline"},  # vLLM's LLM: an entry point like the CLI, resolving --model's names as it does
