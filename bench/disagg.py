@@ -46,50 +46,32 @@ requests) beside it. Writes bench/results/disagg_scale.json.
 from __future__ import annotations
 
 import argparse
-import itertools
-import os
-import statistics
 import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import kv_transport
-import numpy as np
-import torch
-import xxhash
 from common import (
     CONTENDED,
     RUN_HEADERS,
     VERDICTS,
     W1,
-    ForeignCpu,
     RunResult,
     exit_status,
     make_prompts,
     run_cells,
-    run_streams,
-    wait_for_quiet,
     write_json,
 )
 
-from kvfence.cache.pool import KVPool
-from kvfence.config import EngineConfig
-from kvfence.disagg.connector import LinkEvent, ZmqConnector
-from kvfence.disagg.keys import ephemeral, worker_names
-from kvfence.disagg.launch import free_ports
-from kvfence.disagg.messages import Bounds, Page, decode
-from kvfence.harness.cluster import cluster
-from kvfence.harness.procs import Proc, descendants
+from kvfence.harness.curve_cost import TransportSummary, compare, summarize
+from kvfence.harness.page_handoff import STAGES, checksum_microbench
+from kvfence.harness.page_stream import transport_microbench
+from kvfence.harness.served_systems import SystemRun, run_system, scale_ratios
 from kvfence.harness.tables import print_table
-from kvfence.model.gguf import ModelConfig, read_header
+from kvfence.harness.trail_transfer import page_bytes
+from kvfence.model.gguf import read_header
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.pins import default_model_path
 
-MODEL = default_model_path().stem
-ADMIN = "bench-admin-key"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SYSTEMS = {  # label -> extra `kvfence serve` arguments
     "single node": ["--num-threads", "2"],
     "disaggregated": ["--disaggregated", "--num-threads", "1"],
@@ -99,58 +81,9 @@ SYSTEMS = {  # label -> extra `kvfence serve` arguments
 }
 SCALE = ("single node", "PD 1x1", "PD 2x2")  # --scale: these systems at each --scale-concurrency
 TRANSPORTS = {"disaggregated": "CURVE", "disaggregated insecure": "plain"}  # disaggregated label -> transport
-LOG_TRANSPORT = {"CURVE": "CURVE with ephemeral keys", "plain": "INSECURE"}  # in serve's "transport:" line
-CURVE_COST_TARGET = 0.10  # CURVE may cost at most this share of the plain transport's output tok/s
 
 
-# ---- the server's processes ------------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-# ---- load through the HTTP API --------------------------------------------------------------------------
-
-
-@dataclass
-class SystemRun:
-    result: RunResult
-    request_ids: list[str]
-    idle_cpu_pct: dict[str, float]
-    trails: list[list[dict[str, Any]]]
-    transport: str = "-"  # CURVE or plain for a disaggregated system
-    round: int = 0
-    load_cpu_pct: dict[str, float] | None = None  # each process, % of one core, during the load
-
-    def summary(self) -> dict[str, Any]:
-        extra = {"transport": self.transport, "round": self.round, "idle_cpu_pct": self.idle_cpu_pct}
-        extra["load_cpu_pct"] = self.load_cpu_pct
-        return {**self.result.summary(), **extra}
-
-
-def server_transport(server: Proc) -> str:
-    """The transport `kvfence serve --disaggregated` says it runs (its "transport: ..." log line)."""
-    lines = [line.strip() for line in server.log if line.startswith("transport:")]
-    for transport, text in LOG_TRANSPORT.items():
-        if lines and text in lines[-1]:
-            return transport
-    raise RuntimeError(f"no recognisable transport line in the server's log: {lines}")
-
-
-def run_system(
+def run_labelled(
     label: str,
     prompts: list[list[int]],
     warm: list[list[int]],
@@ -158,257 +91,17 @@ def run_system(
     concurrency: int,
     round_: int = 0,
 ) -> SystemRun:
-    wait_for_quiet(max_wait_s=30)
-    with cluster(serve_args=SYSTEMS[label], admin_key=ADMIN) as running:
-        url, server = running.url, running.processes[0]
-        transport = "-"
-        if label in TRANSPORTS:
-            transport = server_transport(server)
-            assert transport == TRANSPORTS[label], f"{label} runs {transport}, not {TRANSPORTS[label]}"
-        run_streams(url, warm, 8, 2)
-        tree = [server.pid, *descendants(server.pid)]
-        before, foreign = {p: cpu_seconds(p) for p in tree}, ForeignCpu()
-        ids, timings, wall = run_streams(url, prompts, max_tokens, concurrency)
-        used = {p: cpu_seconds(p) - before[p] for p in tree}
-        own_share = sum(used.values()) / (wall * (os.cpu_count() or 1))
-        names = process_names(server, tree, worker_list(SYSTEMS[label]))
-        load_cpu = {names.get(p, f"pid {p}"): used[p] / wall * 100 for p in tree}
-        result = RunResult(
-            label,
-            concurrency,
-            len(timings),
-            wall,
-            sum(t.num_output for t in timings),
-            timings,
-            foreign_cpu=max(0.0, foreign.share() - own_share),
-        )
-        idle = idle_cpu(names, tree)
-        trails = [running.audit(i) for i in ids] if "--disaggregated" in SYSTEMS[label] else []
-        return SystemRun(result, ids, idle, trails, transport, round_, load_cpu)
-
-
-def worker_list(serve_args: list[str]) -> list[str]:
-    """The worker names `serve --disaggregated` with these arguments starts, in start order."""
-    counts = {role: 1 for role in ("prefill", "decode")}
-    for role in counts:
-        flag = f"--{role}-workers"
-        if flag in serve_args:
-            counts[role] = int(serve_args[serve_args.index(flag) + 1])
-    return [name for role, n in counts.items() for name in worker_names(role, n)]
-
-
-def process_names(server: Proc, tree: list[int], workers: list[str]) -> dict[int, str]:
-    """The server's processes by name. Worker processes (multiprocessing `spawn_main` children) are
-    named in start order (pids rise), as `worker_list` names them."""
-    names = {server.pid: "server"}
-    spawned = sorted(pid for pid in tree if b"spawn_main" in _cmdline(pid))
-    names |= dict(zip(spawned, workers, strict=False))
-    return names | {pid: "mp tracker" for pid in tree if b"resource_tracker" in _cmdline(pid)}
-
-
-def idle_cpu(names: dict[int, str], tree: list[int], seconds: float = 3.0) -> dict[str, float]:
-    """% of one core each process of the server used while nothing was in flight."""
-    time.sleep(1.0)
-    before = {pid: cpu_seconds(pid) for pid in tree}
-    time.sleep(seconds)
-    return {names.get(pid, f"pid {pid}"): (cpu_seconds(pid) - before[pid]) / seconds * 100 for pid in tree}
-
-
-# ---- transfer rate from the audit trail -----------------------------------------------------------------
-
-
-def page_bytes(config: ModelConfig) -> int:
-    return KVPool.bytes_per_page(
-        config.num_layers, EngineConfig().page_size, config.num_kv_heads, config.head_dim, torch.float32
+    """The system `label` (SYSTEMS), its transport checked against its label's (TRANSPORTS)."""
+    return run_system(
+        label,
+        SYSTEMS[label],
+        prompts,
+        warm,
+        max_tokens,
+        concurrency,
+        round_,
+        transport_expected=TRANSPORTS.get(label),
     )
-
-
-def transfer_rates(trails: list[list[dict[str, Any]]], bytes_per_page: int) -> dict[str, float]:
-    pages = burst_pages = 0
-    send_s = e2e_s = burst_s = 0.0
-    per_request = []
-    for events in trails:
-        ts = {(e["where"], e["kind"]): e["ts"] for e in events if e["kind"] != "page_received"}
-        received = [e["ts"] for e in events if (e["where"], e["kind"]) == ("decode", "page_received")]
-        started = ts[("prefill", "transfer_started")]
-        pages += len(received)
-        send_s += ts[("prefill", "transfer_complete")] - started
-        e2e_s += max(received) - started
-        burst_pages += len(received) - 1
-        burst_s += max(received) - min(received)
-        per_request.append(len(received) * bytes_per_page / (max(received) - started) / 1e9)
-    moved = pages * bytes_per_page
-    return {
-        "requests": len(trails),
-        "pages": pages,
-        "bytes_per_page": bytes_per_page,
-        "mb_moved": moved / 1e6,
-        "send_s": send_s,
-        "end_to_end_s": e2e_s,
-        "send_gb_per_s": moved / send_s / 1e9,
-        "end_to_end_gb_per_s": moved / e2e_s / 1e9,
-        "end_to_end_gb_per_s_median_request": float(np.median(per_request)),
-        "decode_burst_gb_per_s": burst_pages * bytes_per_page / burst_s / 1e9 if burst_s else float("nan"),
-    }
-
-
-# ---- checksum microbenchmark ----------------------------------------------------------------------------
-
-STAGES = ("serialize", "checksum", "send", "receive", "verify", "write")
-
-
-def connector_pair(transport: str) -> tuple[ZmqConnector, ZmqConnector]:
-    """A prefill-side sender and a decode-side receiver on loopback ports: CURVE with ephemeral keys, as
-    `kvfence serve --disaggregated` gives its workers, or plain (no keys)."""
-    prefill, decode_ = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
-    keys = ephemeral([("prefill", "prefill", prefill), ("decode", "decode", decode_)])
-    curve = transport == "CURVE"
-    sender = ZmqConnector(prefill, keys["prefill"] if curve else None)
-    receiver = ZmqConnector(decode_, keys["decode"] if curve else None)
-    return sender, receiver
-
-
-def receive(receiver: ZmqConnector, timeout_s: float = 30.0) -> tuple[bytes, bytes]:
-    """The next frame pair (header, payload); link events are skipped. On CURVE the sender must have been
-    authenticated as the prefill worker."""
-    while True:
-        item = receiver.recv(timeout_s)
-        if item is None:
-            raise TimeoutError(f"nothing received in {timeout_s:.0f} s")
-        if isinstance(item, LinkEvent):
-            continue
-        assert item.role == ("prefill" if receiver.secure else None), item.role
-        return item.header, item.payload
-
-
-def checksum_microbench(
-    config: ModelConfig, num_pages: int, transport: str, pool_pages: int = 64
-) -> dict[str, Any]:
-    """The handoff of `num_pages` pages, one after another, in this process: the same calls as
-    PrefillWorker._send_pages and DecodeWorker's receive, parse, on_page and _write, each stage timed. One
-    torch thread, as the disaggregated workers here run (with 2 threads on a busy machine the page copies
-    alone take ms)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _microbench(config, num_pages, transport, pool_pages)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _microbench(config: ModelConfig, num_pages: int, transport: str, pool_pages: int) -> dict[str, Any]:
-    def pool() -> KVPool:
-        shape = (config.num_layers, pool_pages, EngineConfig().page_size, config.num_kv_heads)
-        return KVPool(*shape, config.head_dim, torch.float32, "cpu")
-
-    source, target = pool(), pool()
-    source.kv.normal_()
-    bounds = Bounds(config.context_length, config.vocab_size)
-    sender, receiver = connector_pair(transport)
-    seconds = dict.fromkeys(STAGES, 0.0)
-    try:
-        for i in range(num_pages + 8):  # the first 8 warm the connection up and are not counted
-            times = handoff_one(source, i % pool_pages, target, sender, receiver, bounds)
-            if i >= 8:
-                for stage, t in zip(STAGES, times, strict=True):
-                    seconds[stage] += t
-    finally:
-        sender.close()
-        receiver.close()
-    total = sum(seconds.values())
-    checksums = seconds["checksum"] + seconds["verify"]
-    per_page = page_bytes(config)
-    moved = num_pages * per_page
-    return {
-        "transport": transport,
-        "pages": num_pages,
-        "bytes_per_page": per_page,
-        "us_per_page": {stage: s / num_pages * 1e6 for stage, s in seconds.items()},
-        "us_per_page_total": total / num_pages * 1e6,
-        "checksum_share": checksums / total,
-        "gb_per_s_with_checksums": moved / total / 1e9,
-        "gb_per_s_without_checksums": moved / (total - checksums) / 1e9,
-        "xxh3_gb_per_s": moved / seconds["checksum"] / 1e9,
-        "send_receive_gb_per_s": moved / (seconds["send"] + seconds["receive"]) / 1e9,
-    }
-
-
-def handoff_one(
-    source: KVPool, page: int, target: KVPool, sender: ZmqConnector, receiver: ZmqConnector, bounds: Bounds
-) -> list[float]:
-    marks = [time.perf_counter()]
-    payload = source.page_bytes(page)
-    marks.append(time.perf_counter())
-    checksum = xxhash.xxh3_64_intdigest(payload)
-    marks.append(time.perf_counter())
-    sender.send(receiver.address, Page("bench", 0, page, 1, checksum, payload))
-    marks.append(time.perf_counter())
-    message = decode(*receive(receiver), bounds)
-    assert isinstance(message, Page)
-    marks.append(time.perf_counter())
-    assert xxhash.xxh3_64_intdigest(message.payload) == message.checksum
-    marks.append(time.perf_counter())
-    target.load_page_bytes(message.page, message.payload)
-    marks.append(time.perf_counter())
-    return [b - a for a, b in itertools.pairwise(marks)]
-
-
-# ---- transport microbenchmark ---------------------------------------------------------------------------
-
-IN_FLIGHT = 64  # pages sent and not yet received, at most (below ZeroMQ's high-water marks of 1000)
-
-
-def transport_microbench(config: ModelConfig, num_pages: int, rounds: int) -> dict[str, Any]:
-    """GB/s of page messages streamed prefill -> decode over loopback TCP, CURVE vs plain, in alternating
-    order round by round; each figure is the median of its rounds."""
-    per_page = page_bytes(config)
-    generator = torch.Generator().manual_seed(0)
-    payloads = [  # real page-sized float32 data (random: nothing on the wire compresses it anyway)
-        torch.randn(per_page // 4, generator=generator).numpy().tobytes() for _ in range(8)
-    ]
-    gb_per_s: dict[str, list[float]] = {"CURVE": [], "plain": []}
-    for round_ in range(rounds):
-        for transport in ("CURVE", "plain") if round_ % 2 == 0 else ("plain", "CURVE"):
-            gb_per_s[transport].append(stream_pages(transport, payloads, num_pages))
-    median = {transport: statistics.median(values) for transport, values in gb_per_s.items()}
-    return {
-        "pages": num_pages,
-        "bytes_per_page": per_page,
-        "in_flight": IN_FLIGHT,
-        "rounds": rounds,
-        "gb_per_s": gb_per_s,
-        "gb_per_s_median": median,
-        "curve_over_plain": median["CURVE"] / median["plain"],
-    }
-
-
-def stream_pages(transport: str, payloads: list[bytes], num_pages: int, warm: int = 16) -> float:
-    """Send `num_pages` Page messages (the first `warm` ones, one at a time, make the connection and are
-    not timed), keeping at most IN_FLIGHT unreceived; returns GB/s from the first send to the last receipt."""
-    sender, receiver = connector_pair(transport)
-    try:
-
-        def send(i: int) -> None:
-            payload = payloads[i % len(payloads)]
-            sender.send(receiver.address, Page("bench", i, i % 64, 1, 0, payload))
-
-        for i in range(warm):
-            send(i)
-            receive(receiver)
-        sent = got = 0
-        started = time.perf_counter()
-        while got < num_pages:
-            while sent < num_pages and sent - got < IN_FLIGHT:
-                send(sent)
-                sent += 1
-            _header, payload = receive(receiver)
-            assert len(payload) == len(payloads[0])
-            got += 1
-        elapsed = time.perf_counter() - started
-    finally:
-        sender.close()
-        receiver.close()
-    return num_pages * len(payloads[0]) / elapsed / 1e9
 
 
 # ---- report ---------------------------------------------------------------------------------------------
@@ -446,23 +139,14 @@ def scale_bench(args: argparse.Namespace, prompts: list[list[int]], warm: list[l
     for concurrency in args.scale_concurrency:
         for label in SCALE:
             print(f"{label}: {len(prompts)} requests at concurrency {concurrency}", flush=True)
-            runs.append(run_system(label, prompts, warm, args.max_tokens, concurrency))
+            runs.append(run_labelled(label, prompts, warm, args.max_tokens, concurrency))
             print(f"  {runs[-1].result.tok_per_s:.1f} output tok/s", flush=True)
-    rows, ratios = [], {}
+    rows = []
     for run in runs:
         r = run.result
         cpu = " ".join(f"{name} {v:.0f}" for name, v in (run.load_cpu_pct or {}).items())
         rows.append([r.label, r.concurrency, f"{r.tok_per_s:.1f}", *_ttft_ms(r), f"{r.foreign_cpu:.0%}", cpu])
-    for concurrency in args.scale_concurrency:
-        single, one, two = (
-            next(x.result for x in runs if (x.result.label, x.result.concurrency) == (label, concurrency))
-            for label in SCALE
-        )
-        ratios[concurrency] = {
-            "tok_per_s_2x2_over_1x1": two.tok_per_s / one.tok_per_s,
-            "ttft_p50_2x2_over_1x1": two.pct("ttft", 50) / one.pct("ttft", 50),
-            "tok_per_s_1x1_over_single": one.tok_per_s / single.tok_per_s,
-        }
+    ratios = scale_ratios(runs, args.scale_concurrency, SCALE)
     headers = [
         "system",
         "conc",
@@ -496,55 +180,6 @@ def w1_row(run: SystemRun) -> list[object]:
     idle = " ".join(f"{name} {v:.0f}" for name, v in run.idle_cpu_pct.items())
     label, *cells = run_cells(run.result)
     return [label, run.transport, run.round, *cells, idle]
-
-
-@dataclass
-class TransportSummary:
-    """One disaggregated transport over its rounds: output tok/s (mean of the rounds), TTFT over every
-    request of every round, others' CPU share (mean), and the transfer rates of the pooled trails."""
-
-    transport: str
-    runs: int
-    tok_per_s: float
-    ttft_p50_s: float
-    ttft_p95_s: float
-    foreign_cpu: float
-    rates: dict[str, float]
-
-
-def summarize(runs: list[SystemRun], transport: str, bytes_per_page: int) -> TransportSummary:
-    mine = [run for run in runs if run.transport == transport]
-    ttfts = [t.ttft for run in mine for t in run.result.timings]
-    return TransportSummary(
-        transport,
-        len(mine),
-        statistics.mean(run.result.tok_per_s for run in mine),
-        float(np.percentile(ttfts, 50)),
-        float(np.percentile(ttfts, 95)),
-        statistics.mean(run.result.foreign_cpu for run in mine),
-        transfer_rates([trail for run in mine for trail in run.trails], bytes_per_page),
-    )
-
-
-def compare(curve: TransportSummary, plain: TransportSummary) -> dict[str, Any]:
-    """CURVE against the plain transport: what it costs in output tok/s, and the ratios of the rest."""
-    cost = 1 - curve.tok_per_s / plain.tok_per_s
-    ratio = {
-        key: curve.rates[f"{key}_gb_per_s"] / plain.rates[f"{key}_gb_per_s"]
-        for key in ("send", "end_to_end", "decode_burst")
-    }
-    return {
-        "output_tok_per_s": {"CURVE": curve.tok_per_s, "plain": plain.tok_per_s},
-        "curve_cost_pct": cost * 100,
-        "target_pct": CURVE_COST_TARGET * 100,
-        "passed": cost <= CURVE_COST_TARGET,
-        "ttft_p50_ms": {"CURVE": curve.ttft_p50_s * 1e3, "plain": plain.ttft_p50_s * 1e3},
-        "ttft_p95_ms": {"CURVE": curve.ttft_p95_s * 1e3, "plain": plain.ttft_p95_s * 1e3},
-        "transfer_gb_per_s_curve_over_plain": ratio,
-        "foreign_cpu": {"CURVE": curve.foreign_cpu, "plain": plain.foreign_cpu},
-        "contended": max(curve.foreign_cpu, plain.foreign_cpu) > CONTENDED,
-        "rounds": curve.runs,
-    }
 
 
 def report(
@@ -680,7 +315,7 @@ def main() -> int:
             f"{label} (round {round_}): {args.requests} requests at concurrency {args.concurrency}",
             flush=True,
         )
-        runs.append(run_system(label, prompts, warm, args.max_tokens, args.concurrency, round_))
+        runs.append(run_labelled(label, prompts, warm, args.max_tokens, args.concurrency, round_))
         print(f"  {runs[-1].result.tok_per_s:.1f} output tok/s", flush=True)
     bytes_per_page = page_bytes(config)
     curve, plain = (summarize(runs, transport, bytes_per_page) for transport in ("CURVE", "plain"))

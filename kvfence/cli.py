@@ -28,16 +28,16 @@ from kvfence.cli_checks import (
     StartupError,
     check_engine,
     check_http,
-    check_model,
     check_ray_options,
     fault_spec,
     model_file,
     protection_lines,
 )
+from kvfence.cli_http import add_http_options
+from kvfence.cli_model import check_model
 from kvfence.cli_options import (
     DEFAULT_LISTEN,
     add_engine_options,
-    add_http_options,
     add_serve_options,
     add_transport_options,
     address_list,

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-if TYPE_CHECKING:
-    from kvfence.api.routes import Endpoint
+from kvfence.api.endpoint import Endpoint
 
 _PATH_PARAMETER = re.compile(r"{(\w+)}")
 _REF = "#/components/schemas/{model}"

@@ -14,7 +14,7 @@ nested objects (messages, tools) ignore unknown keys, as clients echo a response
 out of its range (top_logprobs over 20, a logit_bias over 100) is a 400 naming it, and so is what vLLM refuses
 and a template could not render: `stream_options` without `stream`, `continue_final_message` with
 `add_generation_prompt`, a user message without content, a tool message without `tool_call_id` (param
-`messages`). What needs the served model is checked by the server (api/server.py): token ids inside its
+`messages`). What needs the served model is checked by the server (api/service.py): token ids inside its
 vocabulary (`logit_bias`, `stop_token_ids`, `allowed_token_ids`, prompts), `min_tokens` within `max_tokens`.
 /v1/completions takes one prompt or a batch (`CompletionRequest.batch`). Values a request leaves out come
 from the server's `SamplingDefaults` (the model's generation settings, else the server's) and `max_tokens`

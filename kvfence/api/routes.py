@@ -1,4 +1,4 @@
-"""The HTTP endpoints of the OpenAI-compatible front, each a thin call of the service (server.py) after its
+"""The HTTP endpoints of the OpenAI-compatible front, each a thin call of the service (service.py) after its
 check: the API keys name the tenant (auth.py), the admin key opens the audit pair, the metrics reader
 /metrics; /health, /ping and /openapi.json are open.
 
@@ -13,9 +13,7 @@ Contracts:
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -26,28 +24,16 @@ from starlette.routing import Route
 
 from kvfence.api.auth import Auth
 from kvfence.api.embeddings import EmbeddingRequest
+from kvfence.api.endpoint import Endpoint
 from kvfence.api.errors import APIError, invalid_body
 from kvfence.api.openapi import openapi_document
 from kvfence.api.protocol import ChatCompletionRequest, CompletionRequest
 from kvfence.api.responses_api import ResponsesRequest
+from kvfence.api.service import Service
 from kvfence.api.tokenize import DetokenizeRequest, TokenizeRequest
 from kvfence.pins import package_version
 
-if TYPE_CHECKING:
-    from kvfence.api.server import Service
-
 Body = TypeVar("Body", bound=BaseModel)
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One path: its methods, its handler and the model its JSON body must be (None: no body)."""
-
-    path: str
-    methods: tuple[str, ...]
-    handler: Handler
-    body: type[BaseModel] | None = None
 
 
 async def read_body(request: Request, model: type[Body]) -> Body:

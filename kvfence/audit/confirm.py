@@ -18,16 +18,14 @@ verdict, beside the solo run's logprob of its own token there, into the evidence
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from kvfence.audit.client import Exchange, ProbeClient
 from kvfence.audit.neartie import Departure
+from kvfence.audit.replay_probe import Probe
 from kvfence.audit.result import CheckResult
-
-if TYPE_CHECKING:
-    from kvfence.audit.replay import Probe
 
 MAX_CONFIRMATIONS = 3  # departures re-scored per audit: evidence, not a second verdict
 

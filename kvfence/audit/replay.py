@@ -33,12 +33,13 @@ from __future__ import annotations
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from kvfence.audit.client import MAX_WORKERS, Exchange, ProbeClient
 from kvfence.audit.confirm import confirm_departures
 from kvfence.audit.neartie import Departure, Margin, departure, jitter
+from kvfence.audit.replay_probe import Probe
 from kvfence.audit.result import CheckResult, inconclusive
 from kvfence.audit.trail import ENGINE, Trail, by_where, event_pages, tenant_of
 
@@ -102,50 +103,6 @@ UNDECLARED = (
 )
 
 
-@dataclass
-class Probe:
-    """One replay prompt: its tenant, its solo answer (None: no answer alone) and its answers under load.
-    A `long` probe is a tenant's canary victim near the window (`planted`: its canary)."""
-
-    index: int
-    key_index: int
-    endpoint: str
-    prompt: str
-    max_tokens: int = REPLAY_MAX_TOKENS
-    planted: str | None = None
-    solo: Exchange | None = None
-    attempts: list[Exchange] = field(default_factory=list)  # every solo try, the answer last
-    replays: list[Exchange] = field(default_factory=list)
-    calibration: list[Exchange] = field(default_factory=list)  # answers in batches without churn
-    busy: int = 0  # 503s under load, sent again
-    logprobs: bool = False  # ask for each token's logprobs (the near-tie oracle reads them)
-
-    @property
-    def long(self) -> bool:
-        return self.planted is not None
-
-    def send(self, client: ProbeClient, stage: str) -> Exchange:
-        """One request of this probe; `stage` (alone, load, batch) names it in the label."""
-        label = f"replay:long-{stage}" if self.long else f"replay:{stage}"
-        exchange = client.send(
-            label, self.key_index, self.endpoint, self.prompt, self.max_tokens, logprobs=self.logprobs
-        )
-        exchange.planted = self.planted
-        return exchange
-
-    def compare(self, exchange: Exchange) -> str:
-        """same | changed (a 200 unlike the solo answer) | fenced (integrity abort) | no baseline |
-        the exchange's outcome (refused, aborted, dropped, broken)."""
-        if exchange.fenced:
-            return "fenced"
-        if exchange.outcome != "answer":
-            return exchange.outcome
-        if self.solo is None:
-            return "no baseline"
-        same = (exchange.text, exchange.finish_reason) == (self.solo.text, self.solo.finish_reason)
-        return "same" if same else "changed"
-
-
 def declares_batch_invariance(info: dict[str, Any] | None) -> bool:
     """The server pins `batch_invariant: true` in every pool of its GET /v1/audit/info."""
     pools = (info or {}).get("pools") or {}
@@ -154,7 +111,10 @@ def declares_batch_invariance(info: dict[str, Any] | None) -> bool:
 
 def new_probes(keys: int, long_prompts: list[tuple[str, str]]) -> list[Probe]:
     """REPLAY_PROMPTS (prompt i by key i mod keys), then one long probe per (prompt, canary), by key."""
-    probes = [Probe(i, i % keys, endpoint, prompt) for i, (endpoint, prompt) in enumerate(REPLAY_PROMPTS)]
+    probes = [
+        Probe(i, i % keys, endpoint, prompt, REPLAY_MAX_TOKENS)
+        for i, (endpoint, prompt) in enumerate(REPLAY_PROMPTS)
+    ]
     for key, (prompt, canary) in enumerate(long_prompts):
         probes.append(Probe(len(probes), key, "completions", prompt, LONG_MAX_TOKENS, canary))
     return probes

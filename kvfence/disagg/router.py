@@ -21,14 +21,13 @@ a request's messages must come from the worker it was sent to. Everything else i
 no frame can end the thread (`alive` says whether it runs, and /health with it), and no send can block it
 (`_send_now`). What a reply says is untrusted too (a worker's key may be stolen): its stats, audit events,
 pool and pins go through `replies.py` before anything uses them, and what it drops or caps is counted as
-`bad_reply`.
+`bad_reply`. The reports of the workers (/v1/audit/info, stats, a request's trail) are `reports.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import queue
 import threading
@@ -43,8 +42,6 @@ from kvfence.disagg.messages import (
     KV_UNAVAILABLE,
     ROLE_RULES,
     Abort,
-    Audit,
-    AuditReply,
     BadMessage,
     Bounds,
     Hello,
@@ -54,20 +51,18 @@ from kvfence.disagg.messages import (
     Prefill,
     Rejected,
     Reserve,
-    Stats,
-    StatsReply,
     accept,
 )
 from kvfence.disagg.outputs import aborted, from_wire
 from kvfence.disagg.placement import Placement, Route, WorkerInfo
 from kvfence.disagg.questions import Answered, Questions
+from kvfence.disagg.reports import WorkerReports
 from kvfence.engine.async_engine import STATS_TIMEOUT_S
 from kvfence.engine.engine import AdmissionError, duplicate_refusal
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.stats import EngineStats
 from kvfence.grammar.compiler import Guide, RequestGrammar
 from kvfence.model.tokenizer import Tokenizer
-from kvfence.pins import code_info
 from kvfence.sampling import SamplingParams
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
@@ -75,17 +70,7 @@ from kvfence.trail.faults import FaultInjector
 Reply = TypeVar("Reply", bound=Msg)
 ROUTER_TIMEOUT_S = 120.0  # no message from the workers for this long: the router gives up on the request
 IO_WAIT_S = 0.05  # the I/O thread's longest wait for a frame (an outgoing message wakes it at once)
-POOLS_NOTE = (
-    "each pool's pins are its worker's own claim (its hello, over the authenticated channel), typed and "
-    "bounded by the router but not verified; capacity_tokens, max_model_len, page_size and isolation are "
-    "the values the router uses, the capacity capped"
-)
-
 log = logging.getLogger("kvfence.disagg")
-
-
-class BadReply(RuntimeError):
-    """A worker answered, but nothing of its answer can be used (dropped, counted as `bad_reply`)."""
 
 
 class Router:
@@ -140,6 +125,15 @@ class Router:
         self._started = threading.Event()  # every pool learnt: reconnections are adopted from now on
         self._ready: concurrent.futures.Future[Connector] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._loop, name="kvfence-router", daemon=True)
+        self.reports = WorkerReports(
+            self.addresses,
+            self.placement,
+            self.events,
+            self.rejected,
+            keys is not None,
+            self._ask,
+            self._drop_items,
+        )
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
@@ -315,65 +309,17 @@ class Router:
         return aborted(request_id, reason)
 
     def info(self) -> dict[str, Any]:
-        return {
-            "mode": "disaggregated",
-            "transport": {"kind": "zeromq", "authenticated": self._keys is not None},
-            "max_model_len": self.max_model_len,
-            "router": code_info(),
-            "pools": {name: self._current_pins(name, worker.info) for name, worker in self.workers.items()},
-            "pools_note": POOLS_NOTE,
-        }
-
-    def _current_pins(self, name: str, adopted: dict[str, Any]) -> dict[str, Any]:
-        """A worker's pins as it states them now (blocking): what its transport trusts changes when it
-        replaces a landing process, and /v1/audit/info must not show a process that is gone. A fresh
-        hello's pins, bounded as any hello's (what it drops was counted when the hello was adopted);
-        the hello's own numbers stay those the router acts on. A lost or silent worker: the pins of the
-        hello it was adopted with."""
-        address = self.addresses[name]
-        if address in self.placement.down:
-            return adopted
-        try:
-            hello = self._ask(address, lambda t: Hello(token=t), HelloReply)
-        except TimeoutError:
-            return adopted
-        shown, _ = replies.pins({k: v for k, v in hello.info.items() if k not in replies.HELLO_PINS})
-        return {**shown, **{k: adopted[k] for k in replies.HELLO_PINS}}
+        return self.reports.info()
 
     def stats(self) -> dict[str, EngineStats]:
-        """Each reachable worker's pool (a lost one, or one whose answer is dropped, has no series until
-        it answers again), and the frames and reply items this router dropped."""
-        workers = {}
-        for name, address in self.addresses.items():
-            if address not in self.placement.down:
-                # Neither a hung worker nor a lying one may take /metrics with it.
-                with contextlib.suppress(TimeoutError, BadReply):
-                    workers[name] = self.worker_stats(name)
-        return {**workers, "router": EngineStats.transport_only(self.rejected)}
+        return self.reports.stats()
 
     def worker_stats(self, name: str) -> EngineStats:
-        """One worker's pool and fence counters, and the frames it dropped (blocking); BadReply when its
-        answer is not EngineStats within bounds."""
-        address = self.addresses[name]
-        stats, problems = replies.stats(self._ask(address, lambda t: Stats(token=t), StatsReply).stats)
-        self._drop_items(address, problems)
-        if stats is None:
-            raise BadReply(f"{name}: {problems[-1]}")
-        return stats
+        """One worker's pool and fence counters (blocking); BadReply when its answer is unusable."""
+        return self.reports.worker_stats(name)
 
     def audit_events(self, request_id: str) -> list[dict[str, Any]]:
-        """The request's trail across the router and every worker that answers, in time order; each
-        worker's events are tagged with its name (`where`). A worker that does not answer in time (lost)
-        adds nothing rather than failing the whole trail, and an event that is not sane (no `ts` to sort
-        on, another request's, unbounded) is left out, the others kept."""
-        events = [{**e, "where": "router"} for e in self.events.for_request(request_id)]
-        for name, address in self.addresses.items():
-            with contextlib.suppress(TimeoutError):
-                reply = self._ask(address, lambda t: Audit(token=t, request_id=request_id), AuditReply)
-                kept, problems = replies.events(reply.events, request_id)
-                self._drop_items(address, problems)
-                events += [{**e, "where": name} for e in kept]
-        return sorted(events, key=lambda e: e["ts"])
+        return self.reports.audit_events(request_id)
 
     # ---- the I/O thread ---------------------------------------------------------------------------------
 

@@ -133,14 +133,16 @@ def live_command(pid: int) -> str | None:
 
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system) `pid` and every live process below it have used so far."""
-    total = 0
-    for each in (pid, *descendants(pid)):
-        try:
-            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(process_cpu_seconds(each) for each in (pid, *descendants(pid)))
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of `pid` alone so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0  # gone meanwhile
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (stat's 14, 15)
 
 
 def memory_mb(pid: int) -> tuple[float, float]:

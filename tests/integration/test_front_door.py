@@ -31,7 +31,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from kvfence.cli_checks import StartupError, check_engine, model_shape
+from kvfence.cli_checks import StartupError, check_engine
+from kvfence.cli_model import model_shape
 from kvfence.config import CapacityError, EngineConfig
 from kvfence.disagg.launch import free_ports
 from kvfence.harness.cluster import Front as ClusterFront

@@ -1,8 +1,10 @@
-"""The house has floors: a module may import only from its own package or from a lower floor.
+"""The house has floors: a module may import only from its own package or from a lower floor; and no
+module imports itself round a circle.
 
 This is what keeps the hot path (cache/, engine/) free of tools, and the HTTP-only audit client free of
-torch. The test reads every import statement (function-level ones too) with `ast`, so a new upward
-import fails here instead of in a review.
+torch. The test reads every import statement (function-level and TYPE_CHECKING ones too) with `ast`, so a
+new upward import or a new circle fails here instead of in a review. A circle through a function-level or
+TYPE_CHECKING import counts: deferring one side is how a circle hides, not how it is broken.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ FLOORS: list[set[str]] = [
     {"disagg", "api"},
     {"harness"},
     {"audit"},
+    {"cli_model"},  # the model a command names, its header read before any weight
     {"cli_checks"},
+    {"cli_http"},  # the HTTP option group, under the parsers that hold it
     {"cli_options"},
     {"ray"},  # Ray Serve: replicas built by the serve parser and checks below; `cli` starts it lazily
     {"offline"},  # vLLM's LLM: an entry point like the CLI, resolving --model's names as it does
@@ -94,3 +98,75 @@ def test_test_files_have_unique_names() -> None:
     tests/unit and one in tests/integration, stop the whole collection."""
     names = [p.name for p in (ROOT.parent / "tests").rglob("test_*.py")]
     assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """Module name -> file, for every module under `root` (a package is its __init__.py)."""
+    files = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def imported_modules(path: Path, name: str, known: set[str]) -> set[str]:
+    """The other modules of `known` that module `name` (at `path`) imports anywhere: `from a.b import c`
+    is a.b, and a.b.c where c is a module (a package's `from pkg import sub` is pkg.sub alone)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return (found & known) - {name}
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Every circle of imports among the modules under `root`: the strongly connected components of the
+    import graph with more than one module (Tarjan's algorithm)."""
+    files = module_files(root)
+    graph = {name: sorted(imported_modules(path, name, set(files))) for name, path in files.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(name: str) -> None:
+        order[name] = low[name] = len(order)
+        stack.append(name)
+        for other in graph[name]:
+            if other not in order:
+                visit(other)
+                low[name] = min(low[name], low[other])
+            elif other in stack:
+                low[name] = min(low[name], order[other])
+        if low[name] == order[name]:
+            at = stack.index(name)
+            component, stack[at:] = stack[at:], []
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for name in graph:
+        if name not in order:
+            visit(name)
+    return circles
+
+
+def test_no_import_circles() -> None:
+    circles = import_circles(ROOT)
+    assert not circles, "modules that import each other round a circle:\n" + "\n".join(map(str, circles))
+
+
+def test_the_circle_check_sees_a_circle(tmp_path: Path) -> None:
+    """The checker itself: a TYPE_CHECKING import back, and a function-level one, each close a circle."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import B\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n"
+    )
+    (pkg / "c.py").write_text("from pkg import d\n")
+    (pkg / "d.py").write_text("def f():\n    import pkg.c\n")
+    (pkg / "e.py").write_text("import pkg.a\n")
+    assert sorted(import_circles(pkg)) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]

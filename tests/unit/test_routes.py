@@ -12,9 +12,9 @@ from starlette.responses import Response
 from starlette.testclient import TestClient
 from test_grammar import tiny_engine, tiny_tokenizer
 
+from kvfence.api.endpoint import Endpoint
 from kvfence.api.openapi import openapi_document
 from kvfence.api.protocol import CompletionRequest
-from kvfence.api.routes import Endpoint
 from kvfence.api.server import build_app
 from kvfence.engine.async_engine import AsyncEngine
 
