@@ -38,18 +38,35 @@ def _associated(request_id: str, logical: int, page: int, generation: int) -> by
 
 
 def seal_into(
-    key: bytes, request_id: str, logical: int, page: int, generation: int, plain: bytes, out: memoryview
+    key: bytes,
+    request_id: str,
+    logical: int,
+    page: int,
+    generation: int,
+    plain: bytes,
+    out: memoryview,
+    kernel: bool = True,
 ) -> None:
     """`plain` (the page's written slots) encrypted and tagged for that one (request, page) slot, written
-    into `out`, exactly `len(plain) + TAG_BYTES` bytes (a send slot: no sealed copy is allocated)."""
-    Gcm(key).encrypt_into(_nonce(logical), plain, _associated(request_id, logical, page, generation), out)
+    into `out`, exactly `len(plain) + TAG_BYTES` bytes (a send slot: no sealed copy is allocated).
+    `kernel=False`: cryptography's cipher, the same bytes (what bench/kv_transport.py compares)."""
+    Gcm(key, kernel).encrypt_into(
+        _nonce(logical), plain, _associated(request_id, logical, page, generation), out
+    )
 
 
 def open_into(
-    key: bytes, request_id: str, logical: int, page: int, generation: int, sealed: bytes, out: memoryview
+    key: bytes,
+    request_id: str,
+    logical: int,
+    page: int,
+    generation: int,
+    sealed: bytes,
+    out: memoryview,
+    kernel: bool = True,
 ) -> bool:
     """Whether `sealed` was sealed with `key` for exactly this slot; its plaintext is then in `out`, exactly
     `len(sealed) - TAG_BYTES` bytes. When it is not, `out` may hold garbage that must not be used."""
-    return Gcm(key).decrypt_into(
+    return Gcm(key, kernel).decrypt_into(
         _nonce(logical), sealed, _associated(request_id, logical, page, generation), out
     )
