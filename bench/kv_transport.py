@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvfence.cache.gcm import BACKEND
+from kvfence.cache.gcm import backend
 from kvfence.cache.pool import KVPool
 from kvfence.disagg.connector import Received, ZmqConnector
 from kvfence.disagg.decode import NIXL_POLL_S
@@ -239,7 +239,7 @@ def run(pages: int = 16, requests: int = 20) -> dict[str, Any]:
     source.kv.normal_()
     page_size = len(source.page_bytes(0))
     out: dict[str, Any] = {"pages_per_request": pages, "page_bytes": page_size, "requests": requests}
-    out["cipher"] = BACKEND
+    out["cipher"] = backend()
     first: dict[str, float] = {}
     for cma in (False, True) if nixl_available() else ():  # first: the zmq rows' CURVE threads must not
         for name, times in measure("nixl", source, pages, requests, cma=cma).items():  # share its process

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from common import write_json
 
-from kvfence.cache.gcm import BACKEND, TAG_BYTES, Gcm
+from kvfence.cache.gcm import TAG_BYTES, Gcm, backend
 from kvfence.harness.tables import print_table
 
 ORDER = ("none", "kernel", "held", "held", "kernel", "none")
@@ -78,7 +78,7 @@ def main() -> None:
     torch.set_num_threads(1)
     page, key = os.urandom(args.page_bytes), os.urandom(32)
     ciphers = {"none": None, "kernel": Gcm(key), "held": Gcm(key, kernel=False)}
-    rows, result = [], {"cipher": BACKEND, "page_bytes": args.page_bytes}
+    rows, result = [], {"cipher": backend(), "page_bytes": args.page_bytes}
     for name, step in (("python", python_step), ("torch", torch_step)):
         found: dict[str, list[tuple[float, float]]] = {case: [] for case in ciphers}
         for _ in range(args.rounds):
@@ -94,7 +94,7 @@ def main() -> None:
                 "of_none": fraction,
                 "pages_per_s": pages[case],
             }
-    print(f"sealer: {BACKEND} (kernel) vs cryptography (held), {args.page_bytes} B pages")
+    print(f"sealer: {backend()} (kernel) vs cryptography (held), {args.page_bytes} B pages")
     print_table(["main thread", "sealer", "steps/s", "x none", "pages/s sealed"], rows)
     write_json("seal_gil", result)
 

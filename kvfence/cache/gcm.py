@@ -7,7 +7,8 @@ Contract:
 - On a CPU with VAES and VPCLMULQDQ (AVX-512), and a C compiler, the cipher is csrc/gcm.c, called
   through `ctypes.CDLL`, which releases the GIL for the whole call: an engine thread runs while another
   thread seals or opens a page (cryptography 48 holds the GIL through its call). Elsewhere it is
-  cryptography's `AESGCM`, the same bytes with the GIL held; `BACKEND` names which this process uses.
+  cryptography's `AESGCM`, the same bytes with the GIL held; `backend()` names which this process uses.
+  The kernel is built (or found in the kernel cache) on the first seal, not on import.
 - `decrypt_into` is False when the tag does not verify (a changed ciphertext, tag, nonce, associated data
   or key) or the data is shorter than a tag; `out` may then hold bytes that must not be used. A wrong
   nonce or output length raises ValueError, as cryptography's does.
@@ -17,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,7 @@ _FLAGS = ("-mavx512f", "-mavx512bw", "-mvaes", "-mvpclmulqdq", "-maes", "-mpclmu
 _P, _N = ctypes.c_void_p, ctypes.c_size_t
 
 
+@functools.cache
 def _kernel() -> ctypes.CDLL | None:
     if not _NEEDS.issubset(native.cpu_flags()):
         return None
@@ -47,8 +50,9 @@ def _kernel() -> ctypes.CDLL | None:
     return library
 
 
-_KERNEL = _kernel()
-BACKEND = "kvfence gcm.c (VAES, GIL released)" if _KERNEL is not None else "cryptography (GIL held)"
+def backend() -> str:
+    """The cipher a `Gcm` uses here by default."""
+    return "kvfence gcm.c (VAES, GIL released)" if _kernel() is not None else "cryptography (GIL held)"
 
 
 def _address(buffer: Buffer) -> tuple[int | bytes, object]:
@@ -74,7 +78,7 @@ class Gcm:
         if len(key) != KEY_BYTES:
             raise ValueError(f"an AES-256-GCM key is {KEY_BYTES} bytes")
         self._key = bytes(key)
-        self._kernel = _KERNEL if kernel else None
+        self._kernel = _kernel() if kernel else None
         self._fallback = AESGCM(self._key) if self._kernel is None else None
 
     def encrypt_into(self, nonce: bytes, data: Buffer, associated: bytes, out: memoryview) -> None:

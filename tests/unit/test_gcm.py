@@ -19,8 +19,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvfence.cache import gcm
 from kvfence.cache.gcm import TAG_BYTES, Gcm
+from kvfence.disagg import seal
 
-needs_kernel = pytest.mark.skipif(gcm.BACKEND.startswith("cryptography"), reason=gcm.BACKEND)
+needs_kernel = pytest.mark.skipif(gcm.backend().startswith("cryptography"), reason=gcm.backend())
 SIZES = [0, 1, 15, 16, 17, 255, 256, 511, 512, 513, 4096, 368_640, 368_640 + 13, 737_280 + 16 * 31]
 
 
@@ -114,3 +115,20 @@ def test_a_seal_leaves_the_gil_to_other_threads() -> None:
     plain = np.ones(64 << 20, np.uint8)  # a long call: many of the scheduler's slices on a busy machine
     assert not seen_mid_call(Gcm(bytes(32), kernel=False), plain, attempts=3)  # cryptography holds it
     assert seen_mid_call(Gcm(bytes(32)), plain, attempts=50)
+
+
+@needs_kernel
+def test_a_pd_page_sealed_by_the_kernel_is_the_one_cryptography_sealed() -> None:
+    """The transfer's format is unchanged: the same bytes in a send slot whichever cipher sealed them, and
+    each opens the other's, for this slot only."""
+    key, plain = seal.new_key(), os.urandom(30 * 2 * 16 * 3 * 64 * 2 - 5 * 64)
+    slots = {kernel: np.zeros(len(plain) + seal.TAG_BYTES, np.uint8) for kernel in (True, False)}
+    for kernel, slot in slots.items():
+        seal.seal_into(key, "req-1", 3, 17, 2, plain, slot.data, kernel=kernel)
+    assert slots[True].tobytes() == slots[False].tobytes()
+    out = np.zeros(len(plain), np.uint8)
+    for kernel in (True, False):
+        assert seal.open_into(key, "req-1", 3, 17, 2, slots[not kernel], out.data, kernel=kernel)
+        assert out.tobytes() == plain
+        assert not seal.open_into(key, "req-1", 3, 17, 3, slots[not kernel], out.data, kernel=kernel)
+        assert not seal.open_into(key, "req-2", 3, 17, 2, slots[not kernel], out.data, kernel=kernel)
