@@ -33,6 +33,7 @@ TAG_BYTES = 16
 Buffer = bytes | bytearray | memoryview | np.ndarray  # contiguous bytes
 _NEEDS = {"avx512f", "avx512bw", "vaes", "vpclmulqdq", "aes", "pclmulqdq"}
 _FLAGS = ("-mavx512f", "-mavx512bw", "-mvaes", "-mvpclmulqdq", "-maes", "-mpclmul")
+MAX_BYTES = (1 << 36) - 32  # GCM's limit on one message (2^32 - 2 counter blocks)
 _P, _N = ctypes.c_void_p, ctypes.c_size_t
 
 
@@ -122,6 +123,8 @@ def _checked(nonce: bytes, data: int, out: int) -> int:
     makes too."""
     if len(nonce) != NONCE_BYTES:
         raise ValueError(f"a seal's nonce is {NONCE_BYTES} bytes")
+    if data > MAX_BYTES:
+        raise ValueError(f"AES-GCM seals at most {MAX_BYTES} bytes at once")
     if data >= 0 and data != out:
         raise ValueError(f"the output buffer must be {data} bytes, not {out}")
     return data

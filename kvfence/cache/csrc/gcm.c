@@ -4,7 +4,8 @@
  * Built only for CPUs that report AVX-512 (F, BW), VAES, VPCLMULQDQ, AES and PCLMULQDQ (gcm.py checks;
  * never -march=native). Thirty-two blocks a step: the counter blocks encrypted four to a register, their
  * GHASH summed unreduced against H^32..H^1 and reduced once. Everything is computed per call from the
- * key (no state, any thread); the round keys and powers of H are wiped before returning.
+ * key (no state, any thread); the round keys and powers of H laid out in memory are overwritten before the
+ * call returns (what the compiler keeps in registers or spills is not).
  *
  * GHASH works on byte-reversed blocks (Gueron and Kounavis, "Intel Carry-Less Multiplication Instruction
  * and its Usage for Computing the GCM Mode", algorithms 2 and 4): `reduce` is their shift and reduction
@@ -72,6 +73,11 @@ static inline __m128i gfmul(__m128i a, __m128i b) {
         k->rk[i] = _mm_xor_si128(p, t);                                            \
     } while (0)
 
+static void wipe(void *p, size_t n) {
+    memset(p, 0, n);
+    __asm__ __volatile__("" : : "r"(p) : "memory"); /* the stores are not dead: something may read them */
+}
+
 static inline __m128i encrypt_block(const gcm_key *k, __m128i x) {
     x = _mm_xor_si128(x, k->rk[0]);
     for (int r = 1; r < ROUNDS; r++) x = _mm_aesenc_si128(x, k->rk[r]);
@@ -96,11 +102,6 @@ static void setup(gcm_key *k, const uint8_t *key) {
     }
 }
 
-static void wipe(void *p, size_t n) {
-    volatile uint8_t *v = p;
-    while (n--) *v++ = 0;
-}
-
 /* GHASH of `n` bytes, zero-padded to whole blocks, folded into `y` block by block. */
 static __m128i ghash_bytes(const gcm_key *k, __m128i y, const uint8_t *p, size_t n) {
     for (; n >= 16; p += 16, n -= 16) y = gfmul(_mm_xor_si128(y, reverse(_mm_loadu_si128((const __m128i *)p))), k->h);
@@ -117,6 +118,14 @@ static inline __m128i sum_lanes(__m512i z) {
     return _mm_xor_si128(s, _mm_xor_si128(_mm512_extracti32x4_epi32(z, 2), _mm512_extracti32x4_epi32(z, 3)));
 }
 
+/* Four blocks' carry-less products with their powers of H, added (unreduced) to the halves. */
+static inline void multiply_into(__m512i c, __m512i h, __m512i *lo, __m512i *mid, __m512i *hi) {
+    *lo = _mm512_xor_si512(*lo, _mm512_clmulepi64_epi128(c, h, 0x00));
+    *hi = _mm512_xor_si512(*hi, _mm512_clmulepi64_epi128(c, h, 0x11));
+    *mid = _mm512_xor_si512(*mid, _mm512_clmulepi64_epi128(c, h, 0x01));
+    *mid = _mm512_xor_si512(*mid, _mm512_clmulepi64_epi128(c, h, 0x10));
+}
+
 /* Counter mode over `len` bytes from `in` to `out`, GHASH over the ciphertext (what `out` gets when
  * sealing, what `in` holds when opening) folded into `y`, which is returned. */
 static __m128i ctr_ghash(const gcm_key *k, __m128i j0_reversed, const uint8_t *in, uint8_t *out, size_t len,
@@ -131,28 +140,37 @@ static __m128i ctr_ghash(const gcm_key *k, __m128i j0_reversed, const uint8_t *i
                                    _mm512_set_epi32(0, 0, 0, 4, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 1));
     const __m512i four = _mm512_set_epi32(0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 0, 4);
     size_t done = 0;
+    /* Software-pipelined: a step's AES rounds run beside the GHASH of the step before (`c`, its reversed
+     * ciphertext), one register's products a round, so the AES and carry-less multiply units work together. */
+    __m512i c[LANES];
+    int pending = 0;
     for (; len - done >= STEP * 16; done += STEP * 16) {
-        __m512i x[LANES], c[LANES];
+        __m512i x[LANES];
         for (int q = 0; q < LANES; q++) {
             x[q] = _mm512_xor_si512(_mm512_shuffle_epi8(ctr, swap), rk[0]);
             ctr = _mm512_add_epi32(ctr, four);
         }
-        for (int r = 1; r < ROUNDS; r++)
+        __m512i lo = _mm512_setzero_si512(), mid = lo, hi = lo;
+        if (pending) c[0] = _mm512_xor_si512(c[0], _mm512_inserti32x4(_mm512_setzero_si512(), y, 0));
+        for (int r = 1; r < ROUNDS; r++) {
             for (int q = 0; q < LANES; q++) x[q] = _mm512_aesenc_epi128(x[q], rk[r]);
+            if (pending && r <= LANES) {
+                multiply_into(c[r - 1], pow[r - 1], &lo, &mid, &hi);
+            }
+        }
+        if (pending) y = reduce(sum_lanes(lo), sum_lanes(mid), sum_lanes(hi));
         for (int q = 0; q < LANES; q++) {
             __m512i data = _mm512_loadu_si512((const void *)(in + done + 64 * q));
             __m512i result = _mm512_xor_si512(_mm512_aesenclast_epi128(x[q], rk[ROUNDS]), data);
             _mm512_storeu_si512((void *)(out + done + 64 * q), result);
             c[q] = _mm512_shuffle_epi8(sealing ? result : data, swap);
         }
+        pending = 1;
+    }
+    if (pending) {
         c[0] = _mm512_xor_si512(c[0], _mm512_inserti32x4(_mm512_setzero_si512(), y, 0));
         __m512i lo = _mm512_setzero_si512(), mid = lo, hi = lo;
-        for (int q = 0; q < LANES; q++) {
-            lo = _mm512_xor_si512(_mm512_clmulepi64_epi128(c[q], pow[q], 0x00), lo);
-            hi = _mm512_xor_si512(_mm512_clmulepi64_epi128(c[q], pow[q], 0x11), hi);
-            mid = _mm512_xor_si512(_mm512_clmulepi64_epi128(c[q], pow[q], 0x01), mid);
-            mid = _mm512_xor_si512(_mm512_clmulepi64_epi128(c[q], pow[q], 0x10), mid);
-        }
+        for (int q = 0; q < LANES; q++) multiply_into(c[q], pow[q], &lo, &mid, &hi);
         y = reduce(sum_lanes(lo), sum_lanes(mid), sum_lanes(hi));
     }
     /* the rest, a block at a time; its counter continues from the wide loop's */
@@ -168,6 +186,8 @@ static __m128i ctr_ghash(const gcm_key *k, __m128i j0_reversed, const uint8_t *i
         memset(result + n, 0, 16 - n);
         y = ghash_bytes(k, y, sealing ? result : block, 16);
     }
+    wipe(rk, sizeof rk);
+    wipe(pow, sizeof pow);
     return y;
 }
 
