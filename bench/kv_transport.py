@@ -12,7 +12,8 @@ prefill side, the way the handoff does it, checks included, until decode says th
         names the pages; decode waits for the WRITE's notification, takes each page from its landing
         slot, checks it, copies it into its pool and clears the slot (`DecodeWorker._copy_in`), answers.
         `aes-gcm`: the shipped path, each page sealed into its send slot (`seal_into`) and opened into
-        a scratch buffer (`open_into`), as the workers do;
+        a scratch buffer (`open_into`), as the workers do (cache/gcm.py's cipher: its kernel where the
+        CPU has VAES, the GIL released); `aes-gcm held`: the same through cryptography's AESGCM;
         `xxh3`: the same landing and copy-in with an xxh3 checksum instead (no AEAD: what sealing costs).
         `runs`: source and target pages consecutive, as fresh pools hand them out; `scattered`: both
         drawn at random, one descriptor per page; `write only`: post -> DONE alone.
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvfence.cache.gcm import backend
 from kvfence.cache.pool import KVPool
 from kvfence.disagg.connector import Received, ZmqConnector
 from kvfence.disagg.decode import NIXL_POLL_S
@@ -57,7 +59,7 @@ from kvfence.disagg.seal import TAG_BYTES, new_key, open_into, seal_into
 SHAPE = (30, 64, 16, 3, 64)  # SmolLM2-135M: layers, pages, slots, KV heads, head dim
 RESULTS = Path(__file__).parent / "results" / "kv_transport.json"
 BOUNDS = Bounds(1 << 20, 1 << 20)
-SEALS = ("aes-gcm", "xxh3")
+SEALS = ("aes-gcm", "aes-gcm held", "xxh3")  # held: cryptography's cipher, GIL held
 ROWS = tuple(
     f"nixl{mode} {seal} {shape}{only}"
     for mode in ("", " cma")
@@ -92,8 +94,9 @@ def stage(area: Any, pool: KVPool, source: int, target: int, seal: str) -> int:
     """Prefill's side of one page (PrefillWorker._post): its bytes sealed into its send slot, or copied
     there with their xxh3."""
     plain = pool.page_bytes(source)
-    if seal == "aes-gcm":
-        seal_into(run_key(), "bench", target, target, 1, plain, area[source, : len(plain) + TAG_BYTES].data)
+    if seal.startswith("aes-gcm"):
+        slot = area[source, : len(plain) + TAG_BYTES].data
+        seal_into(run_key(), "bench", target, target, 1, plain, slot, kernel=seal == "aes-gcm")
         return 0
     area[source, : len(plain)] = memoryview(plain)
     return xxhash.xxh3_64_intdigest(plain)
@@ -104,9 +107,9 @@ def copy_in(area: Any, pool: KVPool, target: int, seal: str, checksum: int, scra
     opened (or hashed), into the pool; the slot cleared."""
     size = pool.page_size * pool.token_bytes
     sealed, plain = scratch[0][: size + TAG_BYTES], scratch[1][:size]
-    if seal == "aes-gcm":
+    if seal.startswith("aes-gcm"):
         np.copyto(sealed, area[target, : size + TAG_BYTES])
-        ok = open_into(run_key(), "bench", target, target, 1, sealed, plain.data)
+        ok = open_into(run_key(), "bench", target, target, 1, sealed, plain.data, kernel=seal == "aes-gcm")
     else:
         np.copyto(plain, area[target, :size])
         ok = xxhash.xxh3_64_intdigest(plain) == checksum
@@ -236,6 +239,7 @@ def run(pages: int = 16, requests: int = 20) -> dict[str, Any]:
     source.kv.normal_()
     page_size = len(source.page_bytes(0))
     out: dict[str, Any] = {"pages_per_request": pages, "page_bytes": page_size, "requests": requests}
+    out["cipher"] = backend()
     first: dict[str, float] = {}
     for cma in (False, True) if nixl_available() else ():  # first: the zmq rows' CURVE threads must not
         for name, times in measure("nixl", source, pages, requests, cma=cma).items():  # share its process
@@ -255,11 +259,15 @@ def run(pages: int = 16, requests: int = 20) -> dict[str, Any]:
             out[f"{nixl} aes-gcm {shape} / {zmq}"] = sealed / out[zmq]["gb_per_s"]
         checksummed = out[f"{nixl} xxh3 {shape}"]["gb_per_s"]
         out[f"{nixl} aes-gcm {shape} / {nixl} xxh3 {shape}"] = sealed / checksummed
+        held = out[f"{nixl} aes-gcm held {shape}"]["gb_per_s"]
+        out[f"{nixl} aes-gcm held {shape} / zmq curve"] = held / out["zmq curve"]["gb_per_s"]
+        out[f"{nixl} aes-gcm {shape} / {nixl} aes-gcm held {shape}"] = sealed / held
     return out
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"KV transport, {result['pages_per_request']}-page requests ({result['page_bytes']} B a page)"]
+    lines.append(f"aes-gcm: {result['cipher']}")
     lines.append(f"{'transport':40} {'GB/s':>8} {'ms/page':>9}")
     for name in ROWS:
         if name in result:

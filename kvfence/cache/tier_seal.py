@@ -10,7 +10,7 @@ Contract:
 - A value is AES-256-GCM under the tenant's sealing key, a fresh random nonce before it, the associated
   data binding tenant, model, layout, chain hash, page index in the prefix and written slots. `open_into`
   gives the plaintext only when all of them match and nothing was changed; otherwise the reason, and
-  the caller treats it as a miss.
+  the caller treats it as a miss. The cipher is gcm.py's: where its kernel loads, outside the GIL.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import os
 import struct
 from dataclasses import dataclass
 
-from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from kvfence.cache.gcm import Gcm
 
 MASTER_KEY_BYTES = 32
 NONCE_BYTES = 12
@@ -60,15 +60,15 @@ class TierSeal:
             raise ValueError(f"a KV tier key is {MASTER_KEY_BYTES} bytes")
         self._master = master_key
         self._place = bytes.fromhex(model_sha256) + layout.encode()
-        self._keys: dict[str, tuple[bytes, AESGCM]] = {}
+        self._keys: dict[str, tuple[bytes, Gcm]] = {}
 
-    def _tenant(self, tenant: str) -> tuple[bytes, AESGCM]:
+    def _tenant(self, tenant: str) -> tuple[bytes, Gcm]:
         keys = self._keys.get(tenant)
         if keys is None:
             derived = HKDF(hashes.SHA256(), 64, salt=None, info=b"kvfence-kv-tier:" + tenant.encode()).derive(
                 self._master
             )
-            keys = self._keys[tenant] = (derived[:32], AESGCM(derived[32:]))
+            keys = self._keys[tenant] = (derived[:32], Gcm(derived[32:]))
         return keys
 
     def name(self, tenant: str, chain_hash: int) -> bytes:
@@ -84,7 +84,12 @@ class TierSeal:
     def seal(self, tenant: str, chain_hash: int, index: int, slots: int, page: bytes) -> bytes:
         _, aead = self._tenant(tenant)
         nonce = os.urandom(NONCE_BYTES)
-        return nonce + aead.encrypt(nonce, page, self._associated(tenant, chain_hash, index, slots))
+        value = bytearray(NONCE_BYTES + len(page) + TAG_BYTES)
+        value[:NONCE_BYTES] = nonce
+        aead.encrypt_into(
+            nonce, page, self._associated(tenant, chain_hash, index, slots), memoryview(value)[NONCE_BYTES:]
+        )
+        return bytes(value)
 
     def open_into(
         self, tenant: str, chain_hash: int, index: int, slots: int, value: bytes, out: memoryview
@@ -97,9 +102,8 @@ class TierSeal:
         if len(value) != NONCE_BYTES + len(out) + TAG_BYTES:
             return DOES_NOT_OPEN
         _, aead = self._tenant(tenant)
-        try:
-            associated = self._associated(tenant, chain_hash, index, slots)
-            aead.decrypt_into(value[:NONCE_BYTES], value[NONCE_BYTES:], associated, out)
-        except InvalidTag:
+        associated = self._associated(tenant, chain_hash, index, slots)
+        # a view, not a slice: slicing bytes would copy the page
+        if not aead.decrypt_into(value[:NONCE_BYTES], memoryview(value)[NONCE_BYTES:], associated, out):
             return DOES_NOT_OPEN
         return None

@@ -18,8 +18,7 @@ from __future__ import annotations
 import os
 import struct
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from kvfence.cache.gcm import Gcm
 
 KEY_BYTES = 32
 SEAL = "aes-256-gcm"  # named in /v1/audit/info
@@ -39,22 +38,35 @@ def _associated(request_id: str, logical: int, page: int, generation: int) -> by
 
 
 def seal_into(
-    key: bytes, request_id: str, logical: int, page: int, generation: int, plain: bytes, out: memoryview
+    key: bytes,
+    request_id: str,
+    logical: int,
+    page: int,
+    generation: int,
+    plain: bytes,
+    out: memoryview,
+    kernel: bool = True,
 ) -> None:
     """`plain` (the page's written slots) encrypted and tagged for that one (request, page) slot, written
-    into `out`, exactly `len(plain) + TAG_BYTES` bytes (a send slot: no sealed copy is allocated)."""
-    AESGCM(key).encrypt_into(_nonce(logical), plain, _associated(request_id, logical, page, generation), out)
+    into `out`, exactly `len(plain) + TAG_BYTES` bytes (a send slot: no sealed copy is allocated).
+    `kernel=False`: cryptography's cipher, the same bytes (what bench/kv_transport.py compares)."""
+    Gcm(key, kernel).encrypt_into(
+        _nonce(logical), plain, _associated(request_id, logical, page, generation), out
+    )
 
 
 def open_into(
-    key: bytes, request_id: str, logical: int, page: int, generation: int, sealed: bytes, out: memoryview
+    key: bytes,
+    request_id: str,
+    logical: int,
+    page: int,
+    generation: int,
+    sealed: bytes,
+    out: memoryview,
+    kernel: bool = True,
 ) -> bool:
     """Whether `sealed` was sealed with `key` for exactly this slot; its plaintext is then in `out`, exactly
     `len(sealed) - TAG_BYTES` bytes. When it is not, `out` may hold garbage that must not be used."""
-    try:
-        AESGCM(key).decrypt_into(
-            _nonce(logical), sealed, _associated(request_id, logical, page, generation), out
-        )
-    except InvalidTag:
-        return False
-    return True
+    return Gcm(key, kernel).decrypt_into(
+        _nonce(logical), sealed, _associated(request_id, logical, page, generation), out
+    )
