@@ -8,7 +8,9 @@ Contract:
   through `ctypes.CDLL`, which releases the GIL for the whole call: an engine thread runs while another
   thread seals or opens a page (cryptography 48 holds the GIL through its call). Elsewhere it is
   cryptography's `AESGCM`, the same bytes with the GIL held; `backend()` names which this process uses.
-  The kernel is built (or found in the kernel cache) on the first seal, not on import.
+  The kernel is built (or found in the kernel cache) on the first seal, not on import, and trusted only
+  after a known-answer self-test against cryptography (`self_test`: seals of sizes across its code paths
+  equal, each opens, a changed tag does not); one that fails it is never used: cryptography's path is.
 - `decrypt_into` is False when the tag does not verify (a changed ciphertext, tag, nonce, associated data
   or key) or the data is shorter than a tag; `out` may then hold bytes that must not be used. A wrong
   nonce or output length raises ValueError, as cryptography's does.
@@ -48,7 +50,30 @@ def _kernel() -> ctypes.CDLL | None:
     library.kv_gcm_seal.argtypes = [_P, _P, _P, _N, _P, _N, _P, _P]
     library.kv_gcm_open.restype = ctypes.c_int
     library.kv_gcm_open.argtypes = [_P, _P, _P, _N, _P, _N, _P, _P]
-    return library
+    return library if self_test(library) else None
+
+
+SELF_TEST_SIZES = (0, 1, 15, 16, 17, 511, 512, 513, 4096 + 7)  # a step is 512 bytes: each side of one
+
+
+def self_test(library: ctypes.CDLL) -> bool:
+    """Whether `library`'s seals are cryptography's, byte for byte, and its opens accept exactly them."""
+    rng = np.random.default_rng(0x6C6D)
+    return all(_agrees(library, size, rng) for size in SELF_TEST_SIZES)
+
+
+def _agrees(library: ctypes.CDLL, size: int, rng: np.random.Generator) -> bool:
+    key, nonce, associated, plain = (rng.bytes(n) for n in (KEY_BYTES, NONCE_BYTES, size % 41, size))
+    expected = AESGCM(key).encrypt(nonce, plain, associated)
+    cipher, tag = expected[:size], expected[size:]
+    sealed, opened = ctypes.create_string_buffer(size + TAG_BYTES), ctypes.create_string_buffer(size + 1)
+    tail = ctypes.addressof(sealed) + size
+    library.kv_gcm_seal(key, nonce, associated, len(associated), plain, size, sealed, tail)
+    opens = library.kv_gcm_open(key, nonce, associated, len(associated), cipher, size, tag, opened) == 1
+    read = opened.raw[:size]
+    changed = tag[:-1] + bytes([tag[-1] ^ 1])
+    refuses = library.kv_gcm_open(key, nonce, associated, len(associated), cipher, size, changed, opened) == 0
+    return sealed.raw == expected and opens and read == plain and refuses
 
 
 def backend() -> str:

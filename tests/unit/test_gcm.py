@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import random
 import threading
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -132,3 +134,37 @@ def test_a_pd_page_sealed_by_the_kernel_is_the_one_cryptography_sealed() -> None
         assert out.tobytes() == plain
         assert not seal.open_into(key, "req-1", 3, 17, 3, slots[not kernel], out.data, kernel=kernel)
         assert not seal.open_into(key, "req-2", 3, 17, 2, slots[not kernel], out.data, kernel=kernel)
+
+
+def broken(library: Any, flip: str) -> SimpleNamespace:
+    """The kernel with one fault: its seal's last ciphertext byte wrong ("seal"), or its open accepting
+    anything ("open"). Plain functions, so that loading it may set their ctypes types as on the real one."""
+
+    def kv_gcm_seal(*args: Any) -> None:
+        library.kv_gcm_seal(*args)
+        size, out = args[5], args[6]  # the plaintext's length, the output buffer
+        if flip == "seal" and size:
+            out[size - 1] = out.raw[size - 1] ^ 1
+
+    def kv_gcm_open(*args: Any) -> int:
+        return 1 if flip == "open" else library.kv_gcm_open(*args)
+
+    return SimpleNamespace(kv_gcm_seal=kv_gcm_seal, kv_gcm_open=kv_gcm_open)
+
+
+@needs_kernel
+@pytest.mark.parametrize("flip", ["seal", "open"])
+def test_a_kernel_that_fails_the_self_test_is_never_used(flip: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real kernel passes the known-answer test; one whose seal differs from cryptography's by a byte,
+    or whose open accepts a changed tag, fails it, and then every Gcm seals with cryptography's bytes."""
+    real = gcm._kernel()
+    assert real is not None and gcm.self_test(real)
+    assert not gcm.self_test(broken(real, flip))  # type: ignore[arg-type]
+    gcm._kernel.cache_clear()
+    monkeypatch.setattr(gcm.native, "load_library", lambda *_, **__: (broken(real, flip), None))
+    try:
+        assert gcm.backend().startswith("cryptography")
+        key, nonce, plain = os.urandom(32), os.urandom(12), os.urandom(1000)
+        assert sealed_by(Gcm(key), nonce, plain, b"a") == AESGCM(key).encrypt(nonce, plain, b"a")
+    finally:
+        gcm._kernel.cache_clear()
