@@ -19,6 +19,7 @@ from kvfence.api.reasoning import PARSERS
 from kvfence.api.slow_clients import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 from kvfence.cli_checks import (
     DEFAULT_RAY_REPLICA_CPUS,
+    DEFAULT_RAY_ROUTER,
     fault_spec,
     kv_tier,
     model_file,
@@ -533,6 +534,15 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
         metavar="CPUS",
         help="with --ray-replicas: Ray CPUs each replica reserves (fractions allowed; pair with "
         "--num-threads) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ray-router",
+        choices=("kvfence", "power-of-two"),
+        default=DEFAULT_RAY_ROUTER,
+        help="with --ray-replicas: how requests are placed on replicas: kvfence (a tenant's repeated "
+        "prompt prefix goes to the replica whose pool holds it, unless its queue is longer than the "
+        "others'; no tenant is steered by another's prompts) or power-of-two (Ray's default, prefix-blind) "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--ray-temp-dir",
