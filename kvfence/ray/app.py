@@ -9,7 +9,8 @@ nothing else: an unknown or bad key is one line (ValueError). The arguments are 
 cannot honour an option before anything is deployed (kvfence.ray.replica.parse_replica_args); no key file
 is read here, where the builder runs: each replica reads its own. The Application carries those words only.
 The application is kvfence's front (kvfence.ray.front, the ingress: one replica, no CPU reserved, it only
-reads bodies and forwards) over the `num_replicas` servers, whose handle routes with the router chosen.
+reads bodies and forwards; as many requests at once as the servers together take) over the `num_replicas`
+servers, whose handle routes with the router chosen.
 """
 
 from __future__ import annotations
@@ -107,5 +108,9 @@ def fronted(
         ray_actor_options={"num_cpus": options.num_cpus},
         request_router_config=RequestRouterConfig(**routing, request_router_kwargs=router_kwargs or {}),
     )
-    front = KvfenceFront.options(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    # the front holds each request while a server answers it: as many at once as the servers take
+    slots = servers.max_ongoing_requests * options.num_replicas
+    front = KvfenceFront.options(
+        num_replicas=1, max_ongoing_requests=slots, ray_actor_options={"num_cpus": 0}
+    )
     return front.bind(servers.bind(list(options.serve_args)), list(options.serve_args))

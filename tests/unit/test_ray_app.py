@@ -57,6 +57,7 @@ def test_serve_yaml_builds_an_application() -> None:
     assert isinstance(built, serve.Application)
     front, deployment = _deployments(built)
     assert front.num_replicas == 1 and front.ray_actor_options == {"num_cpus": 0}
+    assert front.max_ongoing_requests == 2 * deployment.max_ongoing_requests  # the servers' slots
     assert deployment.num_replicas == 2 and deployment.ray_actor_options == {"num_cpus": 1}
     assert deployment.init_args == (application["args"]["serve_args"],)
     assert front.init_args[1] == application["args"]["serve_args"]
