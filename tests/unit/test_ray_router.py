@@ -20,7 +20,7 @@ from kvfence.ray.forward import ForwardedRequest, route_text
 pytest.importorskip("ray.serve")
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
-from ray.serve.request_router import PendingRequest, ReplicaID
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter
 
 from kvfence.ray.router import TenantPrefixRouter
 
@@ -162,3 +162,25 @@ def test_route_text_is_a_chats_messages_or_a_prompt() -> None:
     assert route_text("/v1/completions", b'{"prompt": [1, 2, 3]}') == ""
     assert route_text("/v1/models", b"") == ""
     assert route_text(chat, b"{not json") == "" and route_text(chat, b"[]") == ""
+
+
+def test_the_benchmarks_ray_llm_router_leaves_textless_calls_to_power_of_two() -> None:
+    """Ray Serve LLM's PrefixCacheAffinityRouter divides by the text's length: the benchmark's wrapper
+    (kvfence.ray.llm_router) places a call without text (/metrics) by power-of-two, never asking its tree."""
+    from kvfence.ray.llm_router import PrefixCacheOnPrompts
+
+    class Untouchable:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"the prefix tree was asked ({name})")
+
+    async def run() -> None:
+        router = PrefixCacheOnPrompts(deployment_id=SERVERS, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(tree_actor=Untouchable())
+        replicas = [FakeReplica("r1"), FakeReplica("r2")]
+        RequestRouter.update_replicas(router, replicas)  # type: ignore[arg-type]  # the tree's copy needs Ray
+        request = _request("tenant-a", "")
+        ranks = await router.choose_replicas(router._replicas_list, request)
+        assert len(ranks) == 1 and len(ranks[0]) == 2
+        router.on_request_routed(request, ranks[0][0].replica_id, None)  # type: ignore[arg-type]
+
+    asyncio.run(run())
