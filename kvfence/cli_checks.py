@@ -45,6 +45,7 @@ from kvfence.startup import StartupError, one_key, read_secret_file, reason
 from kvfence.trail.faults import FAULTS, parse_fault_spec
 from kvfence.units import parse_size
 
+DEFAULT_RAY_ROUTER = "kvfence"  # --ray-router: kvfence's tenant-scoped prefix router (kvfence.ray.router)
 DEFAULT_RAY_REPLICA_CPUS = 1.0  # --ray-replica-cpus: Ray's own default for an actor that runs tasks
 SPARE_FILES = 64  # file descriptors beyond the connection cap: the model, logs, ZeroMQ sockets
 T = TypeVar("T")
@@ -439,6 +440,7 @@ RAY_REFUSED = {
     "--insecure-ray": "it is kvfence serve's, not a replica's",
     "--ray-replica-cpus": "it is kvfence serve's, not a replica's: ray_actor_options are the application's",
     "--ray-temp-dir": "it is kvfence serve's, not a replica's",
+    "--ray-router": "it is kvfence serve's, not a replica's: the router is the application's",
 }
 # Secrets that would reach a replica only through the environment Ray gives it: a key file each replica
 # reads itself is the one way in (no secret in Ray's runtime_env, actor arguments or GCS).
@@ -458,6 +460,7 @@ def check_ray_options(args: argparse.Namespace) -> None:
         ("--insecure-ray", args.insecure_ray),
         ("--ray-temp-dir", args.ray_temp_dir is not None),
         ("--ray-replica-cpus", args.ray_replica_cpus != DEFAULT_RAY_REPLICA_CPUS),
+        ("--ray-router", args.ray_router != DEFAULT_RAY_ROUTER),
     ):
         if given and not ray:
             raise StartupError(f"{option}: only with --ray-replicas N (a server on Ray Serve)")

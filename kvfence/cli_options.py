@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvfence.cli_checks import (
     DEFAULT_RAY_REPLICA_CPUS,
+    DEFAULT_RAY_ROUTER,
     fault_spec,
     kv_tier,
     model_file,
@@ -402,6 +403,15 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
         metavar="CPUS",
         help="with --ray-replicas: Ray CPUs each replica reserves (fractions allowed; pair with "
         "--num-threads) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ray-router",
+        choices=("kvfence", "power-of-two"),
+        default=DEFAULT_RAY_ROUTER,
+        help="with --ray-replicas: how requests are placed on replicas: kvfence (a tenant's repeated "
+        "prompt prefix goes to the replica whose pool holds it, unless its queue is longer than the "
+        "others'; no tenant is steered by another's prompts) or power-of-two (Ray's default, prefix-blind) "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--ray-temp-dir",

@@ -2,11 +2,15 @@
 Serve config's `import_path: kvfence.ray:app` with `args` (deploy/ray/serve.yaml).
 
 Contracts: `args` takes `serve_args` (the `kvfence serve` arguments of every replica: a list of words, or
-one string split as a shell splits it), `num_replicas` (a whole number from 1 to 64, default 1) and
-`num_cpus` (Ray CPUs a replica reserves, above 0, default 1), nothing else: an unknown or bad key is one
-line (ValueError). The arguments are parsed and refused where Ray cannot honour an option before anything is
-deployed (kvfence.ray.replica.parse_replica_args); no key file is read here, where the builder runs: each
-replica reads its own. The Application carries those words only.
+one string split as a shell splits it), `num_replicas` (a whole number from 1 to 64, default 1),
+`num_cpus` (Ray CPUs a replica reserves, above 0, default 1) and `router` (`kvfence`, the default:
+kvfence's tenant-scoped prefix router, kvfence.ray.router; or `power-of-two`, Ray's default router),
+nothing else: an unknown or bad key is one line (ValueError). The arguments are parsed and refused where Ray
+cannot honour an option before anything is deployed (kvfence.ray.replica.parse_replica_args); no key file
+is read here, where the builder runs: each replica reads its own. The Application carries those words only.
+The application is kvfence's front (kvfence.ray.front, the ingress: one replica, no CPU reserved, it only
+reads bodies and forwards; as many requests at once as the servers together take) over the `num_replicas`
+servers, whose handle routes with the router chosen.
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvfence.cli_checks import DEFAULT_RAY_REPLICA_CPUS, StartupError
+from kvfence.cli_checks import DEFAULT_RAY_REPLICA_CPUS, DEFAULT_RAY_ROUTER, StartupError
 from kvfence.cli_options import MAX_WORKERS_PER_ROLE
 
 if TYPE_CHECKING:
     from ray.serve import Application
 
-APP_KEYS = ("serve_args", "num_replicas", "num_cpus")
+APP_KEYS = ("serve_args", "num_replicas", "num_cpus", "router")
+# --ray-router / `router`: the servers' request router (a Serve import path; None: Ray's default)
+ROUTERS = {"kvfence": "kvfence.ray.router:TenantPrefixRouter", "power-of-two": None}
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class AppOptions:
     serve_args: tuple[str, ...]
     num_replicas: int = 1
     num_cpus: float = DEFAULT_RAY_REPLICA_CPUS
+    router: str = DEFAULT_RAY_ROUTER
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> AppOptions:
@@ -54,7 +61,10 @@ class AppOptions:
         cpus = _number(args.get("num_cpus", DEFAULT_RAY_REPLICA_CPUS), float, "num_cpus", "a number above 0")
         if not cpus > 0:
             raise ValueError(f"kvfence.ray:app: num_cpus must be a number above 0, got {cpus}")
-        return cls(tuple(str(w) for w in words), replicas, cpus)
+        router = args.get("router", DEFAULT_RAY_ROUTER)
+        if router not in ROUTERS:
+            raise ValueError(f"kvfence.ray:app: router must be one of {', '.join(ROUTERS)}, got {router!r}")
+        return cls(tuple(str(w) for w in words), replicas, cpus, router)
 
 
 def _number(value: Any, kind: type[int] | type[float], key: str, what: str) -> Any:
@@ -71,7 +81,7 @@ def _number(value: Any, kind: type[int] | type[float], key: str, what: str) -> A
 
 
 def app(args: dict[str, Any]) -> Application:
-    """The kvfence application: `num_replicas` replicas of the kvfence server, each reserving `num_cpus`."""
+    """The kvfence application: the front over `num_replicas` kvfence servers, each reserving `num_cpus`."""
     from kvfence.ray.replica import parse_replica_args
 
     options = AppOptions.from_dict(args)
@@ -79,9 +89,28 @@ def app(args: dict[str, Any]) -> Application:
         parse_replica_args(options.serve_args)
     except StartupError as exc:
         raise ValueError(f"kvfence.ray:app: serve_args: {exc}") from None
-    from kvfence.ray.deployment import KvfenceServer  # Ray: only once the options are good
+    return fronted(options, ROUTERS[options.router])
 
-    deployment = KvfenceServer.options(
-        num_replicas=options.num_replicas, ray_actor_options={"num_cpus": options.num_cpus}
+
+def fronted(
+    options: AppOptions, router_class: str | None, router_kwargs: dict[str, Any] | None = None
+) -> Application:
+    """The front over the servers, their handle routing with `router_class` (a Serve import path; None:
+    Ray's default) given `router_kwargs` (the benchmark compares routers through this)."""
+    from ray.serve.config import RequestRouterConfig  # Ray: only once the options are good
+
+    from kvfence.ray.deployment import KvfenceServer
+    from kvfence.ray.front import KvfenceFront
+
+    routing = {} if router_class is None else {"request_router_class": router_class}
+    servers = KvfenceServer.options(
+        num_replicas=options.num_replicas,
+        ray_actor_options={"num_cpus": options.num_cpus},
+        request_router_config=RequestRouterConfig(**routing, request_router_kwargs=router_kwargs or {}),
     )
-    return deployment.bind(list(options.serve_args))
+    # the front holds each request while a server answers it: as many at once as the servers take
+    slots = servers.max_ongoing_requests * options.num_replicas
+    front = KvfenceFront.options(
+        num_replicas=1, max_ongoing_requests=slots, ray_actor_options={"num_cpus": 0}
+    )
+    return front.bind(servers.bind(list(options.serve_args)), list(options.serve_args))

@@ -1,33 +1,62 @@
-"""The Ray Serve deployment: kvfence's own ASGI app (kvfence.api.server through kvfence.ray.replica) served
-by Ray Serve's documented late-bound ingress, `@serve.ingress()` with `__serve_build_asgi_app__`.
+"""The Ray Serve deployment of kvfence's servers: kvfence's own ASGI app (kvfence.api.server through
+kvfence.ray.replica) in each replica, answering the requests kvfence's front (kvfence.ray.front, the
+application's one ingress: Ray allows one ASGI deployment per application) hands it.
 
 Contracts: the actor's one argument is the list of `kvfence serve` arguments (paths and settings, never a
-key); the app, its engine and its keys are built inside the replica when Ray initialises it (on a worker
-thread, so that the replica's event loop keeps answering while the model loads), and Ray runs the app's
-ASGI lifespan, which starts the engine thread and stops it when the replica shuts down. Streaming
-responses (SSE) pass through Ray's proxy as the app writes them.
+key); the app, its engine and its keys are built inside the replica as Ray initialises it (on a worker
+thread, so that the replica's event loop keeps answering while the model loads), then the app's lifespan
+is entered, which starts the engine thread; it is left, stopping the engine, when Ray shuts the replica
+down. `serve_http` is the front's call: one request in, its ASGI messages streamed back as the app sends
+them (SSE included); the call cancelled (the client gone) cancels the app's handling of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 from ray import serve
-from starlette.applications import Starlette
+from starlette.types import Message
 
+from kvfence.ray.forward import ForwardedRequest
 from kvfence.ray.replica import replica_app
 
 DEPLOYMENT_NAME = "kvfence"
 
 
 @serve.deployment(name=DEPLOYMENT_NAME)
-@serve.ingress()
 class KvfenceServer:
-    """One replica: a whole kvfence server (engine, fenced pool, auth) behind Ray Serve's proxy."""
+    """One replica: a whole kvfence server (engine, fenced pool, auth) behind kvfence's front."""
 
-    def __init__(self, serve_args: list[str]) -> None:
-        self.serve_args = [str(word) for word in serve_args]
-
-    async def __serve_build_asgi_app__(self) -> Starlette:
+    async def __init__(self, serve_args: list[str]) -> None:
+        self._lifespan = contextlib.AsyncExitStack()  # first: Ray calls __del__ after a failed start too
         replica = serve.get_replica_context().replica_id.unique_id
-        return await asyncio.to_thread(replica_app, self.serve_args, replica)
+        self.app = await asyncio.to_thread(replica_app, [str(word) for word in serve_args], replica)
+        await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
+
+    async def __del__(self) -> None:
+        await self._lifespan.aclose()
+
+    async def serve_http(self, request: ForwardedRequest) -> AsyncIterator[Message]:
+        """The app's answer to one request the front forwarded, message by message."""
+        messages: asyncio.Queue[Message | None] = asyncio.Queue()
+        body: list[Message] = [{"type": "http.request", "body": request.body, "more_body": False}]
+
+        async def receive() -> Message:
+            if body:
+                return body.pop()
+            never: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+            return await never  # no disconnect to report: a client gone cancels this call
+
+        async def send(message: Message) -> None:
+            await messages.put(message)
+
+        task = asyncio.create_task(self.app(dict(request.scope), receive, send))
+        task.add_done_callback(lambda _: messages.put_nowait(None))
+        try:
+            while (message := await messages.get()) is not None:
+                yield message
+            task.result()  # the app's own failure, if it raised past its error handlers
+        finally:
+            task.cancel()

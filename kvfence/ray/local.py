@@ -57,6 +57,7 @@ OWN_OPTIONS = {
     "--ray-address": True,
     "--ray-replica-cpus": True,
     "--ray-temp-dir": True,
+    "--ray-router": True,
     "--insecure-ray": False,
 }
 
@@ -91,13 +92,13 @@ def run(args: Any, argv: Sequence[str]) -> int:
         _log(line)
     _log(f"auth: {'on' if api_keys else 'WARNING: off (no --api-keys)'}; each replica reads its key files")
     del api_keys, admin_key
-    options = AppOptions(tuple(serve_args), args.ray_replicas, args.ray_replica_cpus)
-    with _ray_token(args) as token_path:
+    options = AppOptions(tuple(serve_args), args.ray_replicas, args.ray_replica_cpus, args.ray_router)
+    with ray_token(args) as token_path:
         return _serve_on_ray(args, options, served_model(replica), token_path)
 
 
 @contextlib.contextmanager
-def _ray_token(args: Any) -> Iterator[Path | None]:
+def ray_token(args: Any) -> Iterator[Path | None]:
     """Token authentication in this process's environment, which the Ray processes it starts inherit: a
     new token in an owner-only file for a cluster started here (removed on exit), or Ray's own token
     sources for one joined (None)."""
@@ -130,7 +131,7 @@ def _serve_on_ray(args: Any, options: AppOptions, name: str, token_path: Path | 
     import ray
     from ray import serve
 
-    settings = {"num_replicas": options.num_replicas, "num_cpus": options.num_cpus}
+    settings = {"num_replicas": options.num_replicas, "num_cpus": options.num_cpus, "router": options.router}
     application = app({"serve_args": list(options.serve_args), **settings})
     started, deployed = args.ray_address is None, False
     try:

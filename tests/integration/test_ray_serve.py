@@ -146,11 +146,17 @@ def ray_server() -> Iterator[RayServer]:
             proc, f"http://127.0.0.1:{port}", directory, api_key, admin_key, gcs, dashboard, token
         )
     finally:
-        stop([proc])
-        for pid in _processes_under(directory):  # only if the stop above left any (the test says so)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(directory, ignore_errors=True)
+        clean_up(proc, directory)
+
+
+def clean_up(proc: Proc, directory: Path) -> None:
+    """Stop the server; kill by pid what its Ray session left (only if the stop left any: the test says
+    so); remove the test's directory."""
+    stop([proc])
+    for pid in _processes_under(directory):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -260,13 +266,15 @@ def check_no_secret_in_ray(server: RayServer) -> None:
     replicas = [
         a for a in state["actors"] if a["class_name"].startswith("ServeReplica") and a["state"] == "ALIVE"
     ]
-    assert len(replicas) == 2 and state["serve_status"] == 200, state  # the probe sees the cluster
+    names = sorted(a["class_name"] for a in replicas)  # two servers and kvfence's front
+    assert names == ["ServeReplica:kvfence:kvfence"] * 2 + ["ServeReplica:kvfence:kvfence-front"], names
+    assert state["serve_status"] == 200, state  # the probe sees the cluster
     dump = json.dumps(state)
     token = server.token_path.read_text().strip()
     secrets_ = {"API key": server.api_key, "admin key": server.admin_key, "Ray token": token}
     for what, secret in secrets_.items():
         assert secret not in dump, f"the {what} is in Ray's state"
-    for replica in replicas:  # the replicas' own environment: keys from files, the token by its path
+    for replica in replicas:  # the replicas' (and front's) environment: keys from files, the token by path
         environ = Path(f"/proc/{replica['pid']}/environ").read_bytes()
         for what, secret in secrets_.items():
             assert secret.encode() not in environ, f"the {what} is in a replica's environment"

@@ -55,10 +55,31 @@ def test_serve_yaml_builds_an_application() -> None:
     assert application["import_path"] == "kvfence.ray:app"
     built = app(application["args"])
     assert isinstance(built, serve.Application)
-    deployment = built._bound_deployment  # Ray's Application exposes its deployment only so
+    front, deployment = _deployments(built)
+    assert front.num_replicas == 1 and front.ray_actor_options == {"num_cpus": 0}
+    assert front.max_ongoing_requests == 2 * deployment.max_ongoing_requests  # the servers' slots
     assert deployment.num_replicas == 2 and deployment.ray_actor_options == {"num_cpus": 1}
     assert deployment.init_args == (application["args"]["serve_args"],)
+    assert front.init_args[1] == application["args"]["serve_args"]
     assert not any("SECRET" in str(word).upper() for word in deployment.init_args[0])  # paths, not keys
+    router = deployment._deployment_config.request_router_config
+    assert router.request_router_class == "kvfence.ray.router:TenantPrefixRouter"  # the default
+
+
+def _deployments(built: serve.Application) -> tuple[serve.Deployment, serve.Deployment]:
+    """The front and the servers (Ray's Application exposes its deployment only so)."""
+    front = built._bound_deployment
+    return front, front.init_args[0]._bound_deployment
+
+
+def test_power_of_two_is_rays_own_router() -> None:
+    from ray.serve._private.constants import DEFAULT_REQUEST_ROUTER_PATH
+
+    from kvfence.ray import app
+
+    _, deployment = _deployments(app({"serve_args": [], "router": "power-of-two"}))
+    router = deployment._deployment_config.request_router_config
+    assert router.request_router_class == DEFAULT_REQUEST_ROUTER_PATH
 
 
 def test_the_builder_takes_serve_run_strings() -> None:
@@ -66,7 +87,7 @@ def test_the_builder_takes_serve_run_strings() -> None:
     from kvfence.ray import app
 
     built = app({"serve_args": "--model smollm2 --num-threads 1", "num_replicas": "2", "num_cpus": "0.5"})
-    deployment = built._bound_deployment
+    _, deployment = _deployments(built)
     assert deployment.init_args == (["--model", "smollm2", "--num-threads", "1"],)
     assert (deployment.num_replicas, deployment.ray_actor_options) == (2, {"num_cpus": 0.5})
 
@@ -84,6 +105,7 @@ def test_the_builder_takes_serve_run_strings() -> None:
         ({"serve_args": [], "num_replicas": 0}, "num_replicas must be a whole number from 1 to 64"),
         ({"serve_args": [], "num_replicas": 1.5}, "num_replicas must be a whole number"),
         ({"serve_args": [], "num_cpus": "-1"}, "num_cpus must be a number above 0"),
+        ({"serve_args": [], "router": "prefix"}, "router must be one of kvfence, power-of-two"),
     ],
 )
 def test_the_builder_refuses_in_one_line(args: dict, error: str) -> None:
@@ -103,6 +125,7 @@ def test_a_replica_parse_error_raises_not_exits() -> None:
 def test_the_command_hands_replicas_its_arguments_less_its_own() -> None:
     argv = ["serve", "--ray-replicas", "2", "--port=9000", "--host", "0.0.0.0", "--num-pages", "64"]
     argv += ["--ray-address", "10.0.0.1:6379", "--insecure-ray", "--ray-replica-cpus", "0.5", "--model", "m"]
+    argv += ["--ray-router", "power-of-two"]
     assert replica_argv(argv) == ["--num-pages", "64", "--model", "m"]
 
 
@@ -115,6 +138,7 @@ def test_the_command_hands_replicas_its_arguments_less_its_own() -> None:
             "error: --audit-log: not for a Ray Serve replica",
         ),
         (["--ray-address", "10.0.0.1:6379"], "error: --ray-address: only with --ray-replicas N"),
+        (["--ray-router", "power-of-two"], "error: --ray-router: only with --ray-replicas N"),
         (["--ray-replicas", "2", "--insecure-ray"], "error: --insecure-ray: a cluster kvfence starts always"),
         (
             ["--ray-replicas", "2", "--ray-address", "h:1", "--ray-temp-dir", "/tmp/r"],
