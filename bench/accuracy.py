@@ -192,7 +192,7 @@ def main() -> int:
         for ctx in (int(c) for c in args.ctx.split(",")):
             rows.append(measure(tool, name, ctx, args.chunks, args.threads))
             print(line(rows[-1]), flush=True)
-    save(text, rows)
+            save(text, rows)  # each row as it comes: a Gemma row at 2048 takes a while
     return 1 if any(not r.get("pass", True) for r in rows) else 0
 
 
