@@ -65,6 +65,12 @@ def _visible(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Te
     return mask
 
 
+def _first_page(start: int, window: int, page_size: int) -> int:
+    """The first page a chunk whose first query is at position `start` sees: 0 without a window, else the
+    page of `start - window + 1`, the earliest key the first query's window holds."""
+    return max(0, start - window + 1) // page_size if window else 0
+
+
 def decode(
     kernel: PagedDecode | None,
     q: torch.Tensor,
@@ -130,17 +136,22 @@ def prefill(
     n_new, ctx = seq.end - seq.start, seq.context_len
     if seq.block_table is None:  # the values as the pool holds them: a later chunk reads them from there
         keys, values = as_stored(k[seq.start : seq.end], k_cache), as_stored(v[seq.start : seq.end], v_cache)
-    else:
-        keys = gather_pages(k_cache, seq.block_table)[:ctx].to(q.dtype)
-        values = gather_pages(v_cache, seq.block_table)[:ctx].to(q.dtype)
+    else:  # from the first page a query of the chunk sees: a window's earlier pages are neither read nor
+        # attended (over an 8,000-token context, 512-position windows read 1/8 of it)
+        page_size = k_cache.shape[1]
+        first = _first_page(ctx - n_new, spec.window, page_size)
+        table = seq.block_table[first : -(-ctx // page_size)]  # nor a page past the context
+        begin = first * page_size
+        keys = gather_pages(k_cache, table)[: ctx - begin].to(q.dtype)
+        values = gather_pages(v_cache, table)[: ctx - begin].to(q.dtype)
     keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
     if seq.block_table is None and not spec.window:
         out = F.scaled_dot_product_attention(
             qs, keys, values, is_causal=True, enable_gqa=True, scale=spec.scale
         )
     else:
-        positions = torch.arange(ctx, device=q.device)
-        mask = _visible(positions[ctx - n_new :], positions, spec.window)
+        positions = torch.arange(ctx - keys.shape[2], ctx, device=q.device)
+        mask = _visible(positions[-n_new:], positions, spec.window)
         out = F.scaled_dot_product_attention(
             qs, keys, values, attn_mask=mask, enable_gqa=True, scale=spec.scale
         )
