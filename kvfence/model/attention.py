@@ -12,6 +12,7 @@ Query i of a chunk at position p sees keys at positions j with j <= p and, in a 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,12 +58,20 @@ def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
-def _visible(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
-    """[len(queries), len(keys)] bool: key position j is visible from query position p."""
-    mask = keys[None, :] <= queries[:, None]
+@functools.lru_cache(maxsize=2)
+def _chunk_bias(begin: int, ctx: int, n_new: int, window: int, device: torch.device) -> torch.Tensor:
+    """[n_new, ctx - begin] float32: 0 where key position j in [begin, ctx) is visible from query position
+    p in [ctx - n_new, ctx) (j <= p, and p - j < window in a window), else -inf.
+
+    What SDPA turns a bool mask into, made once for a chunk's layers instead of per layer: the compare and
+    that conversion took 9% of a profiled 6,000-token prefill. Kept: the last two (a global and a local layer
+    alternate in Gemma); read-only to SDPA."""
+    queries = torch.arange(ctx - n_new, ctx, device=device)[:, None]
+    keys = torch.arange(begin, ctx, device=device)[None, :]
+    hidden = keys > queries
     if window:
-        mask &= queries[:, None] - keys[None, :] < window
-    return mask
+        hidden |= queries - keys >= window
+    return torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def _first_page(start: int, window: int, page_size: int) -> int:
@@ -150,9 +159,8 @@ def prefill(
             qs, keys, values, is_causal=True, enable_gqa=True, scale=spec.scale
         )
     else:
-        positions = torch.arange(ctx - keys.shape[2], ctx, device=q.device)
-        mask = _visible(positions[-n_new:], positions, spec.window)
+        bias = _chunk_bias(ctx - keys.shape[2], ctx, n_new, spec.window, q.device)
         out = F.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=mask, enable_gqa=True, scale=spec.scale
+            qs, keys, values, attn_mask=bias, enable_gqa=True, scale=spec.scale
         )
     return out[0].transpose(0, 1)
