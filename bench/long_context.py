@@ -3,6 +3,7 @@ CPU build, with the roofline context of every row.
 
     .venv/bin/python bench/long_context.py [--rows smollm2:2000:64:1,...] [--requests 2] [--threads 2]
                                            [--llama-server PATH | --build] [--serve-vllm PATH]
+                                           [--vllm-start-timeout 300]
 
 Rows (MODEL:PROMPT:OUTPUT:STREAMS; default all of them): SmolLM2 with 2,000-token prompts and 64 output
 tokens and with 6,000 and 256, each at 1 and 4 streams; Gemma-3-270M with 8,000 and 256 at 1 stream, on
@@ -25,13 +26,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from common import add_llama_server_options, exit_status, make_prompts, read_bandwidth, verdict, write_json
 
-from kvfence.harness.peers import VLLM_MODEL, VLLM_SERVE, llama_server, llama_server_binary, vllm_server
+from kvfence.harness.peers import (
+    VLLM_MODEL,
+    VLLM_SERVE,
+    Peer,
+    llama_server,
+    llama_server_binary,
+    vllm_server,
+)
 from kvfence.harness.roofline import ModelWork, achieved, model_work
 from kvfence.harness.side_by_side import PeerSpec, kvfence_spec, started, timed_row
 from kvfence.harness.streams import GREEDY
@@ -77,19 +86,17 @@ def parse_rows(text: str) -> list[Row]:
 
 def specs(args: argparse.Namespace, model: str, sizing: Sizing) -> list[PeerSpec]:
     """The servers a model's rows run on, in run order, each sized for them."""
-    binary = args.binary
-    found = [
-        PeerSpec(
-            "llama-server",
-            lambda path, a: llama_server(binary, path, a.threads, sizing.seqs, sizing.seqs * sizing.window),
-            lambda path: path.stem,
-        )
-    ]
-    if model in VLLM_MODELS:
+
+    def llama(path: Path, a: argparse.Namespace) -> AbstractContextManager[Peer]:
+        return llama_server(args.binary, path, a.threads, sizing.seqs, sizing.seqs * sizing.window)
+
+    def vllm(_path: Path, _a: argparse.Namespace) -> AbstractContextManager[Peer]:
         extra = ["--max-model-len", str(sizing.window)]  # after the script's own: argparse's last wins
-        found.append(
-            PeerSpec("vllm", lambda _p, _a: vllm_server(args.serve_vllm, extra), lambda _p: VLLM_MODEL)
-        )
+        return vllm_server(args.serve_vllm, extra, args.vllm_start_timeout)
+
+    found = [PeerSpec("llama-server", llama, lambda path: path.stem)]
+    if model in VLLM_MODELS:
+        found.append(PeerSpec("vllm", vllm, lambda _path: VLLM_MODEL))
     return [*found, kvfence_spec(lambda path, a: kvfence_args(path, a, sizing))]
 
 
@@ -193,6 +200,7 @@ def main() -> int:
     )
     add_llama_server_options(parser)
     parser.add_argument("--serve-vllm", type=Path, default=VLLM_SERVE, help="(default: %(default)s)")
+    parser.add_argument("--vllm-start-timeout", type=float, default=300.0, help="seconds (default 300)")
     parser.add_argument("--rows", type=parse_rows, default=parse_rows(DEFAULT_ROWS))
     parser.add_argument("--requests", type=int, default=2, help="requests per stream in a row (default 2)")
     parser.add_argument("--threads", type=int, default=2)
