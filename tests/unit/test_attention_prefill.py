@@ -12,7 +12,9 @@ from kvfence.model.attention import LayerAttention, PrefillSeq, prefill
 PAGE, HEADS, KV_HEADS, HD = 16, 4, 2, 8
 
 
-def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, spec: LayerAttention) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, spec: LayerAttention
+) -> torch.Tensor:
     """q [n, heads, hd] at the context's last n positions over keys/values [ctx, kv_heads, hd]."""
     n, ctx = q.shape[0], keys.shape[0]
     group = HEADS // KV_HEADS
