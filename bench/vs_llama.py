@@ -30,27 +30,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common import (
-    RunResult,
     add_llama_server_options,
     exit_status,
     make_prompts,
-    run_streams,
     verdict,
     write_json,
 )
 
 from kvfence.config import ACTIVATION_DTYPES, KV_CACHE_DTYPES
-from kvfence.harness.cluster import cluster
 from kvfence.harness.peers import Peer, llama_server, llama_server_binary
-from kvfence.harness.procs import cpu_seconds, memory_mb
+from kvfence.harness.procs import memory_mb
+from kvfence.harness.side_by_side import PeerSpec, Served, kvfence_spec, started, timed_row
 from kvfence.harness.streams import Sampling
 from kvfence.harness.synthetic import benchmark_file
 from kvfence.harness.tables import print_table
@@ -63,24 +59,6 @@ KV_POOL = "512MiB"
 SHARE_STREAMS = 16  # where sampled throughput is held to 0.9 x greedy
 WINDOW = 2048  # both servers: prompt + output fit many times over
 TARGET = 1.2  # kvfence / llama-server output tok/s at every row, with kvfence's defaults
-
-
-@dataclass(frozen=True)
-class Served:
-    url: str
-    pid: int
-    ready_s: float  # from its start until /health answered
-    model: str  # the model id its requests name
-
-
-@dataclass(frozen=True)
-class PeerSpec:
-    """The engine kvfence is set beside: its name in the tables, how it starts on a model file (beside the
-    bench's arguments), and the model id its requests name."""
-
-    name: str
-    start: Callable[[Path, argparse.Namespace], AbstractContextManager[Peer]]
-    model_id: Callable[[Path], str]
 
 
 def llama_peer(binary: Path) -> PeerSpec:
@@ -97,18 +75,8 @@ def servers(
     """The servers `systems` names (the peer's name, "kvfence") on `model`, started one after the other
     (each on an idle machine)."""
     with ExitStack() as stack:
-        found: dict[str, Served] = {}
-        if peer.name in systems:
-            start = time.perf_counter()
-            running_peer = stack.enter_context(peer.start(model, args))
-            ready = time.perf_counter() - start
-            found[peer.name] = Served(running_peer.url, running_peer.pid, ready, peer.model_id(model))
-        if "kvfence" in systems:
-            start = time.perf_counter()
-            running = stack.enter_context(cluster(serve_args=kvfence_args(model, args)))
-            ready = time.perf_counter() - start
-            found["kvfence"] = Served(running.url, running.processes[0].pid, ready, model.stem)
-        yield found
+        specs = [spec for spec in (peer, KVFENCE) if spec.name in systems]
+        yield {spec.name: stack.enter_context(started(spec, model, args)) for spec in specs}
 
 
 def kvfence_args(model: Path, args: argparse.Namespace) -> list[str]:
@@ -122,17 +90,14 @@ def kvfence_args(model: Path, args: argparse.Namespace) -> list[str]:
     return serve
 
 
+KVFENCE = kvfence_spec(kvfence_args)
+
+
 def row(
     served: Served, prompts: list[list[int]], args: argparse.Namespace, streams: int, sampling: str
 ) -> dict[str, Any]:
     """One row's summary, with the CPU the server (its processes) used over the row's wall time."""
-    cpu = cpu_seconds(served.pid)
-    _, timings, wall = run_streams(
-        served.url, prompts, args.max_tokens, streams, served.model, SAMPLINGS[sampling]
-    )
-    used = cpu_seconds(served.pid) - cpu
-    result = RunResult(sampling, streams, len(timings), wall, sum(t.num_output for t in timings), timings)
-    return result.summary() | {"cpu_pct": 100 * used / wall}
+    return timed_row(served, prompts, args.max_tokens, streams, SAMPLINGS[sampling], sampling)
 
 
 def bench_model(

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from common import exit_status, verdict, write_json
-from vs_llama import PeerSpec, bench_model, ratio_verdicts, table
+from vs_llama import bench_model, ratio_verdicts, table
 
 from kvfence.harness.peers import VLLM_MODEL, VLLM_SERVE, vllm_server
+from kvfence.harness.side_by_side import PeerSpec
 
 TARGET = 1.0
 

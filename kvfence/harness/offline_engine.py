@@ -61,10 +61,11 @@ def make_prompts(tokenizer: Tokenizer, count: int, length: int, salt: int = 0) -
     prompts = []
     for index in range(count):
         rng = random.Random(f"{salt}-{index}")
-        sentences, ids = [f"Request {salt}-{index}."], []
-        while len(ids) < length:
-            sentences.append(f"Sentence {len(sentences)}: " + " ".join(rng.choices(WORDS, k=12)) + ".")
-            ids = tokenizer.encode(" ".join(sentences))
+        sentences, ids, batch = [f"Request {salt}-{index}."], [], 1
+        while len(ids) < length:  # sentences in doubling batches: one encode per batch, not per sentence
+            for _ in range(batch):
+                sentences.append(f"Sentence {len(sentences)}: " + " ".join(rng.choices(WORDS, k=12)) + ".")
+            ids, batch = tokenizer.encode(" ".join(sentences)), 2 * batch
         prompts.append(ids[:length])
     assert len({tuple(p) for p in prompts}) == count, "prompts must be distinct"
     return prompts

