@@ -9,20 +9,28 @@ Scheduler process (vLLM's EngineCore):
 - `Scheduler.update_from_output`: the condemned requests' sampled tokens are dropped before vLLM reads
   them, and the requests go to vLLM's own finish-with-error path (FinishReason.ERROR: a 500, or an error
   event on a stream), one warning line each; the rest of the batch is untouched.
+API server:
+- `init_entrypoints_middleware` (as vLLM's app module calls it): TenantSalt is added outermost where
+  tenant keys are known (tenants.py), so every request's cache_salt is its tenant's.
 Worker (GPUModelRunner, which the CPU runner is):
 - `_update_states`: once vLLM has brought its persistent block table up to the step, the fault (if set)
   swaps two running rows, then every planned row is checked (rows.py); a condemned row is pointed at the
   null block before `_prepare_inputs` builds the slot mapping, so it reads and writes no one's KV.
-- `sample_tokens`: the worker's verdict rides on the ModelRunnerOutput as `kvfence_verdict`.
-The plan and the verdict are attributes on vLLM's own objects: handed over as they are by the in-process
-(uniproc) executor vLLM uses for one CPU worker, the case tested; other executors are not claimed.
+- `sample_tokens`: the worker's verdict rides on the ModelRunnerOutput as `kvfence_verdict`, and the
+  seconds its hooks took as `kvfence_seconds`.
+The plan, the verdict and the seconds are attributes on vLLM's own objects, which vLLM's executor carries
+between its processes itself (the CPU build's multiprocessing executor pickles both objects whole over its
+shared-memory queues: tested with one worker); no new channel is opened. Every STATS_EVERY steps the
+scheduler logs the fence's cost (stats.py).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +38,10 @@ from kvfence_vllm.records import SchedulerRecords, StepPlan
 from kvfence_vllm.rows import check_rows, choose_swap, neutralise
 from kvfence_vllm.settings import PluginRefused, Settings
 from kvfence_vllm.tags import BlockTags
+from kvfence_vllm.tenants import TenantSalt, tenant_keys
 
 log = logging.getLogger("vllm.kvfence")  # under vLLM's logger, so its handlers print it
+STATS_EVERY = 128  # steps between the fence's cost lines (bench/vllm_fence_overhead.py reads the last)
 _installed: list[Settings] = []
 
 
@@ -39,6 +49,7 @@ def install(settings: Settings) -> None:
     if _installed:
         return
     _installed.append(settings)
+    from vllm.entrypoints.launchers import app
     from vllm.v1.core import block_pool, kv_cache_manager
     from vllm.v1.core.sched import scheduler
     from vllm.v1.worker import gpu_model_runner
@@ -47,6 +58,7 @@ def install(settings: Settings) -> None:
     _patch_manager(kv_cache_manager.KVCacheManager)
     _patch_scheduler(scheduler.Scheduler, settings)
     _patch_runner(gpu_model_runner.GPUModelRunner, settings)
+    _patch_front(app)
 
 
 def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -132,8 +144,10 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
 
     def schedule(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            output = original(self, *args, **kwargs)
             records: SchedulerRecords = self.kv_cache_manager.kvfence_records
+            records.stats.start_step()
+            output = original(self, *args, **kwargs)
+            started = time.perf_counter()
             manager, requests = self.kv_cache_manager, self.requests
             scheduled = [
                 (req_id, requests[req_id].cache_salt or "", manager.get_block_ids(req_id)[0])
@@ -141,6 +155,7 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
             ]
             plan = records.plan(scheduled)  # records are kept (and tags claimed) with the fence off too
             output.kvfence_plan = plan if settings.fence else None
+            records.stats.scheduler_s += time.perf_counter() - started
             return output
 
         return run
@@ -157,6 +172,9 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
                 log.warning("kvfence-vllm: aborted request %s: %s", req_id, reason)
             # vLLM's own path for a request that must end in an error (FINISHED_ERROR, never resumed).
             self.encoder_cache_mismatch_reqs.update(r for r in verdict if r in self.requests)
+            stats = self.kv_cache_manager.kvfence_records.stats
+            if stats.end_step(getattr(model_runner_output, "kvfence_seconds", 0.0)) % STATS_EVERY == 0:
+                log.info("kvfence-vllm: %s", stats.line())
             return original(self, scheduler_output, model_runner_output)
 
         return run
@@ -167,11 +185,14 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
 
 
 def _patch_runner(cls: type, settings: Settings) -> None:
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
     rng = random.Random(settings.fault_seed)
 
     def update_states(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, scheduler_output: Any) -> Any:
             deferred = original(self, scheduler_output)
+            started = time.perf_counter()
             batch = self.input_batch
             table = batch.block_table[0]
             if settings.swap_probability:
@@ -184,6 +205,7 @@ def _patch_runner(cls: type, settings: Settings) -> None:
                 rows = [batch.req_id_to_index[r] for r in verdict if r in batch.req_id_to_index]
                 neutralise(array, lengths, rows)
                 self.kvfence_verdict = verdict
+            self.kvfence_seconds = time.perf_counter() - started
             return deferred
 
         return run
@@ -192,15 +214,38 @@ def _patch_runner(cls: type, settings: Settings) -> None:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             output = original(self, *args, **kwargs)
             verdict = getattr(self, "kvfence_verdict", None)
-            if verdict and hasattr(output, "req_id_to_index"):
-                output.kvfence_verdict = verdict
-            self.kvfence_verdict = None
+            if hasattr(output, "req_id_to_index") and output is not EMPTY_MODEL_RUNNER_OUTPUT:
+                output.kvfence_seconds = getattr(self, "kvfence_seconds", 0.0)
+                if verdict:
+                    output.kvfence_verdict = verdict
+            self.kvfence_verdict, self.kvfence_seconds = None, 0.0
             return output
 
         return run
 
     _wrap(cls, "_update_states", update_states)
     _wrap(cls, "sample_tokens", sample_tokens)
+
+
+def _patch_front(app: Any) -> None:
+    """The API server: TenantSalt outside vLLM's own middleware (tenants.py), where keys are known."""
+    original = app.init_entrypoints_middleware
+
+    @functools.wraps(original)
+    def run(args: Any, fastapi_app: Any, *rest: Any, **kwargs: Any) -> Any:
+        result = original(args, fastapi_app, *rest, **kwargs)
+        try:
+            keys = tenant_keys(getattr(args, "api_key", None), os.environ)
+        except PluginRefused as refused:
+            raise SystemExit(str(refused)) from None
+        if keys:
+            fastapi_app.add_middleware(TenantSalt, keys=keys)
+        log.info(
+            "kvfence-vllm: %d tenant keys, cache_salt %s", len(keys), "per tenant" if keys else "the client's"
+        )
+        return result
+
+    app.init_entrypoints_middleware = run
 
 
 def _inject_swap(rng: random.Random, probability: float, batch: Any) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvfence.cache.block_table import BlockTable
 from kvfence.cache.mapping import MappingRecord, StepLayout, check_reads
+from kvfence_vllm.stats import FenceStats
 from kvfence_vllm.tags import BlockTags
 
 
@@ -44,6 +45,7 @@ class SchedulerRecords:
         self.records: dict[str, MappingRecord] = {}
         self._tenants: dict[str, int] = {}
         self.rebuilt = 0
+        self.stats = FenceStats()  # kept here, beside the records, by the scheduler hooks (patches.py)
 
     def tenant_id(self, name: str) -> int:
         """A small integer per tenant name (a request's cache_salt; '' for none), stable for the process."""
