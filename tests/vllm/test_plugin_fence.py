@@ -26,6 +26,7 @@ SERVE = os.environ.get("KVFENCE_TEST_VLLM", "")
 pytestmark = pytest.mark.skipif(not SERVE, reason="vLLM's CPU build and the plugin: `make test-vllm`")
 START_TIMEOUT_S = 900.0  # a busy 2-core machine; its first start also compiles the model
 FAULT = {"KVFENCE_INJECT_FAULT": "swap_block_tables:1"}
+EAGER = ["--optimization-level", "0"]  # no torch.compile: minutes less per start, the same block tables
 LONG = "long"
 PROMPTS = {
     LONG: "Write a long story about a lighthouse keeper named Tom who finds a message in a bottle.",
@@ -113,7 +114,7 @@ def test_with_the_fence_off_the_swapped_rows_leak_into_200s() -> None:
 
 
 def test_with_the_fence_on_the_swapped_requests_end_in_an_error_and_every_200_is_their_own() -> None:
-    with vllm_server(Path(SERVE), env=FAULT, start_timeout_s=START_TIMEOUT_S) as peer:
+    with vllm_server(Path(SERVE), EAGER, FAULT, START_TIMEOUT_S) as peer:
         references, together = scenario(peer)
         swaps = trail(peer, "fault swap_block_tables swapped")
         aborts = trail(peer, "kvfence-vllm: aborted request")
@@ -126,3 +127,64 @@ def test_with_the_fence_on_the_swapped_requests_end_in_an_error_and_every_200_is
         if answer.status == 200:
             assert answer.text == references[name].text, name
     assert after == references["count"]
+
+
+PREAMBLE = " ".join(
+    f"Rule {n}: keep the lighthouse lamp clean, log the ships, and sound the horn in fog." for n in range(16)
+)
+QUESTIONS = [
+    "What is rule 3?",
+    "Summarise the rules.",
+    "Which rule mentions fog?",
+    "Write a poem about rule 7.",
+]
+
+
+def metric(url: str, name: str) -> float:
+    lines = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+
+def test_without_a_fault_prefix_hits_chunked_prefill_and_a_small_pool_raise_no_false_abort() -> None:
+    """A shared preamble of several blocks (prefix-cache hits), prefills split into chunks of 64 tokens,
+    and a pool of 12 blocks that four such requests outgrow (vLLM preempts when it must): every answer
+    together equals the one asked alone, and the fence aborts nothing."""
+    extra = [
+        *EAGER,
+        "--max-model-len",
+        "1024",
+        "--num-gpu-blocks-override",
+        "12",
+        "--max-num-batched-tokens",
+        "64",
+    ]
+    with vllm_server(Path(SERVE), extra=extra, start_timeout_s=START_TIMEOUT_S) as peer:
+        body = {"model": VLLM_MODEL, "max_tokens": 256, "temperature": 0, "ignore_eos": True}
+
+        def one(question: str) -> Answer:
+            reply = httpx.post(
+                f"{peer.url}/v1/completions", json={**body, "prompt": PREAMBLE + question}, timeout=900
+            )
+            return Answer(
+                reply.status_code, reply.json()["choices"][0]["text"] if reply.status_code == 200 else ""
+            )
+
+        references = [one(q) for q in QUESTIONS]
+        together: list[Answer | None] = [None] * len(QUESTIONS)
+
+        def run(index: int) -> None:
+            together[index] = one(QUESTIONS[index])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(QUESTIONS))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(900)
+        hits, preemptions = (
+            metric(peer.url, "vllm:prefix_cache_hits_total"),
+            metric(peer.url, "vllm:num_preemptions_total"),
+        )
+        aborts = trail(peer, "kvfence-vllm: aborted request")
+    print(f"no fault: {hits:.0f} prefix-cache hit tokens, {preemptions:.0f} preemptions, aborts {aborts}")
+    assert hits > 0 and not aborts
+    assert all(a.status == 200 for a in references) and together == references
