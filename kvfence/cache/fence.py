@@ -1,7 +1,8 @@
-"""The fence: expected-mapping records and the batched validation run before every model step.
+"""The fence: the batched validation run before every model step, over expected-mapping records.
 
-A request's MappingRecord says which pages it may touch, at which generation, for which tenant. The
-allocator creates and extends it; nothing else edits it. Before a step, `validate_step` compares every
+A request's MappingRecord (cache/mapping.py, with StepLayout and the numpy read check) says which pages
+it may touch, at which generation, for which tenant. The allocator creates and extends it; nothing else
+edits it. Before a step, `validate_step` compares every
 record in the batch with the pool's metadata in one pass and names the requests that must be aborted:
 one call into csrc/fence.c (a Python extension module, a few microseconds) where a C compiler is found,
 else the same check in numpy (gathers and compares over flat arrays, no Python loop over pages; also the
@@ -14,14 +15,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 
-from kvfence.cache.block_table import BlockTable
+from kvfence.cache.mapping import MappingRecord, StepLayout, check_reads, first_reason_per_row
 from kvfence.cache.pool import KVPool, PageState
 from kvfence.model import native
 from kvfence.trail.reasons import (
@@ -32,130 +32,6 @@ from kvfence.trail.reasons import (
     STALE_WRITE,
     UNWRITTEN_READ,
 )
-
-
-class MappingRecord:
-    """Pages in logical order with the generation each had when handed out, for one tenant: a row of a
-    BlockTable (the cache manager's, shared by every request's record; a record made alone gets its own).
-    Allocator-edited only (`append`, `clear`); read as tuples (`pages`, `generations`), by `entry`, or
-    through the table's rows (`row`, -1 while the record holds nothing)."""
-
-    __slots__ = ("row", "table", "tenant")
-
-    def __init__(
-        self,
-        tenant: int,
-        pages: Sequence[int] = (),
-        generations: Sequence[int] = (),
-        table: BlockTable | None = None,
-    ) -> None:
-        self.tenant = tenant
-        self.table = table if table is not None else BlockTable(rows=1)
-        self.row = -1
-        for page, generation in zip(pages, generations, strict=True):
-            self.append(page, generation)
-
-    def __len__(self) -> int:
-        return int(self.table.lengths[self.row]) if self.row >= 0 else 0
-
-    @property
-    def pages(self) -> tuple[int, ...]:
-        return tuple(self.table.pages[self.row, : len(self)].tolist()) if self.row >= 0 else ()
-
-    @property
-    def generations(self) -> tuple[int, ...]:
-        return tuple(self.table.generations[self.row, : len(self)].tolist()) if self.row >= 0 else ()
-
-    def entry(self, logical: int) -> tuple[int, int]:
-        """(page, generation) of one logical page; IndexError past the record's length."""
-        if not 0 <= logical < len(self):
-            raise IndexError(logical)
-        return int(self.table.pages[self.row, logical]), int(self.table.generations[self.row, logical])
-
-    def append(self, page: int, generation: int) -> None:
-        if self.row < 0:
-            self.row = self.table.take_row()
-        self.table.append(self.row, page, generation)
-
-    def clear(self) -> None:
-        if self.row >= 0:
-            self.table.give_row(self.row)
-            self.row = -1
-
-
-# StepLayout's arrays in the order csrc/fence.c reads them from `StepLayout.flat`.
-_SECTIONS = (
-    "starts",
-    "tenants",
-    "num_cached",
-    "write_rows",
-    "write_pages",
-    "write_generations",
-    "write_offsets",
-    "pages",
-    "generations",
-)
-
-
-@dataclass(frozen=True)  # its arrays are edited in place only: a new array would not be in `flat`
-class StepLayout:
-    """A batch flattened for one step: what each request reads and where each new token is written.
-
-    Row r of the batch reads its first `num_cached[r]` tokens from `pages[starts[r]:starts[r+1]]` and
-    writes new token t (at `write_positions[t]`) into `write_pages[t]`, slot `write_offsets[t]`.
-    Every array but `write_positions` is a view into `flat`, one int64 buffer: the fence validates it
-    through one address, and the model then reads the very arrays the fence cleared.
-    """
-
-    flat: np.ndarray
-    starts: np.ndarray  # [batch + 1] offsets into pages
-    tenants: np.ndarray  # [batch]
-    num_cached: np.ndarray  # [batch] tokens that must already be written before the step
-    write_rows: np.ndarray  # [new tokens] batch row of each new token
-    write_pages: np.ndarray
-    write_generations: np.ndarray
-    write_offsets: np.ndarray
-    pages: np.ndarray  # [sum of mapped pages]
-    generations: np.ndarray
-    write_positions: np.ndarray  # token position of each new token in its sequence
-
-    @classmethod
-    def empty(cls, rows: int, pages: int, writes: int) -> StepLayout:
-        """A layout of these sizes to fill in place (its arrays are views into one new `flat`)."""
-        sizes = (rows + 1, rows, rows, writes, writes, writes, writes, pages, pages)
-        flat = np.empty(sum(sizes), dtype=np.int64)
-        views, begin = [], 0
-        for size in sizes:
-            views.append(flat[begin : begin + size])
-            begin += size
-        return cls(flat, *views, write_positions=np.empty(writes, dtype=np.int64))
-
-    @classmethod
-    def of(cls, write_positions: np.ndarray, **arrays: np.ndarray) -> StepLayout:
-        """A layout holding copies of the given arrays (each of `_SECTIONS`, by name)."""
-        assert arrays.keys() == set(_SECTIONS), arrays.keys() ^ set(_SECTIONS)
-        layout = cls.empty(len(arrays["tenants"]), len(arrays["pages"]), len(arrays["write_rows"]))
-        for name, values in arrays.items():
-            getattr(layout, name)[:] = values
-        layout.write_positions[:] = write_positions
-        return layout
-
-    @classmethod
-    def reads_only(cls, records: list[MappingRecord], num_cached: list[int]) -> StepLayout:
-        """A layout that reads each record's first `num_cached` tokens from all its pages and writes none."""
-        no_writes = np.zeros(0, dtype=np.int64)
-        return cls.of(
-            tenants=np.array([r.tenant for r in records], dtype=np.int64),
-            num_cached=np.array(num_cached, dtype=np.int64),
-            starts=np.concatenate([[0], np.cumsum([len(r) for r in records])]).astype(np.int64),
-            pages=np.array([p for r in records for p in r.pages], dtype=np.int64),
-            generations=np.array([g for r in records for g in r.generations], dtype=np.int64),
-            write_rows=no_writes,
-            write_pages=no_writes,
-            write_generations=no_writes,
-            write_offsets=no_writes,
-            write_positions=no_writes,
-        )
 
 
 @dataclass
@@ -268,26 +144,8 @@ class Fence:
         return False
 
     def _check_reads(self, layout: StepLayout) -> dict[int, str]:
-        """Rows whose reads fail, as csrc/fence.c judges them: a page id outside [0, num_pages) fails
-        closed as a foreign page (never wrapped by a negative index, never an IndexError)."""
-        pool, pages = self.pool, layout.pages
-        if pages.size == 0:
-            return {}
-        counts = np.diff(layout.starts)
-        rows = np.repeat(np.arange(counts.size), counts)
-        logical = np.arange(pages.size) - layout.starts[rows]
-        required = np.clip(layout.num_cached[rows] - logical * pool.page_size, 0, pool.page_size)
-        inside = (pages >= 0) & (pages < pool.num_pages)
-        safe = np.where(inside, pages, 0)  # gathered at page 0 only to be judged foreign below
-        failures = (
-            (STALE_GENERATION, inside & (pool.generation[safe] != layout.generations)),
-            (
-                FOREIGN_OWNER,
-                ~inside | (pool.owner[safe] != layout.tenants[rows]) | (pool.state[safe] != PageState.OWNED),
-            ),
-            (UNWRITTEN_READ, inside & (pool.written[safe] < required)),
-        )
-        return _first_reason_per_row(rows, failures)
+        pool = self.pool
+        return check_reads(layout, pool.generation, pool.owner, pool.state, pool.written, pool.page_size)
 
     def _check_writes(self, layout: StepLayout) -> dict[int, str]:
         if layout.write_pages.size == 0:
@@ -298,17 +156,7 @@ class Fence:
             layout.tenants[layout.write_rows],
             layout.write_offsets,
         )
-        return _first_reason_per_row(layout.write_rows, ((STALE_WRITE, ~allowed),))
-
-
-def _first_reason_per_row(rows: np.ndarray, failures: tuple[tuple[str, np.ndarray], ...]) -> dict[int, str]:
-    verdict: dict[int, str] = {}
-    for reason, bad in failures:
-        if not bad.any():  # the common case, and several times cheaper than np.unique of nothing
-            continue
-        for row in np.unique(rows[bad]).tolist():
-            verdict.setdefault(row, reason)
-    return verdict
+        return first_reason_per_row(layout.write_rows, ((STALE_WRITE, ~allowed),))
 
 
 # csrc/fence.c's codes.

@@ -22,21 +22,12 @@ never has to synchronise with the device.
 
 from __future__ import annotations
 
-import enum
-
 import numpy as np
 import torch
 import xxhash
 
+from kvfence.cache.mapping import NO_OWNER, PageState
 from kvfence.config import page_bytes
-
-NO_OWNER = -1
-
-
-class PageState(enum.IntEnum):
-    FREE = 0
-    OWNED = 1
-    QUARANTINED = 2
 
 
 class KVPool:

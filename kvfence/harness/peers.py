@@ -15,7 +15,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +61,7 @@ def llama_tool(name: str, server: Path) -> Path:
 class Peer:
     url: str
     pid: int
+    log: Path | None = None  # its stdout and stderr while it runs (vllm_server), gone once it is stopped
 
 
 def _free_port() -> int:
@@ -102,20 +103,27 @@ def llama_server(
 
 @contextmanager
 def vllm_server(
-    script: Path = VLLM_SERVE, extra: Sequence[str] = (), start_timeout_s: float = VLLM_START_TIMEOUT_S
+    script: Path = VLLM_SERVE,
+    extra: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    start_timeout_s: float = VLLM_START_TIMEOUT_S,
 ) -> Iterator[Peer]:
     """vLLM's CPU build serving SmolLM2 (float32, as `script` starts it: its OpenMP threads bound to every
-    core) on 127.0.0.1, healthy within `start_timeout_s`; its processes are stopped on leaving."""
+    core) on 127.0.0.1, with `env` added to this process's environment (the vLLM plugin's settings),
+    healthy within `start_timeout_s`; its processes are stopped on leaving."""
     if not script.is_file():
         raise FileNotFoundError(f"no {script}: run ../shared/peers/install-vllm-cpu.sh")
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp, Path(tmp, "vllm.log").open("w") as log:
         command = ["bash", str(script), str(port), *extra]
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        environment = {**os.environ, **(env or {})}
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environment
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, process, start_timeout_s)
-            yield Peer(url, process.pid)
+            yield Peer(url, process.pid, Path(log.name))
         finally:
             os.killpg(process.pid, 15)
             try:

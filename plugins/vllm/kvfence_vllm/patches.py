@@ -1,0 +1,268 @@
+"""The hooks into vLLM 0.32's v1 engine, installed by `register()` in every vLLM process (idempotent).
+
+Scheduler process (vLLM's EngineCore):
+- `BlockPool`: tags (tags.py) on its blocks; `get_new_blocks`, `touch` and `free_blocks` bump them.
+- `Scheduler.__init__`: refuses anything but one full-attention KV cache group; creates the records.
+- `KVCacheManager.free` / `pop_blocks_for_free`: the request's record is forgotten (finish, preemption).
+- `Scheduler.schedule`: after vLLM's own schedule, the records of every scheduled request are synced and
+  judged (records.py); the plan rides on the SchedulerOutput as `kvfence_plan` (None with the fence off).
+- `Scheduler.update_from_output`: the condemned requests' sampled tokens are dropped before vLLM reads
+  them, and the requests go to vLLM's own finish-with-error path (FinishReason.ERROR: a 500, or an error
+  event on a stream), one warning line each; the rest of the batch is untouched.
+API server:
+- `init_entrypoints_middleware` (as vLLM's app module calls it): TenantSalt is added outermost where
+  tenant keys are known (tenants.py), so every request's cache_salt is its tenant's.
+Worker (GPUModelRunner, which the CPU runner is):
+- `_update_states`: once vLLM has brought its persistent block table up to the step, the fault (if set)
+  swaps two running rows, then every planned row is checked (rows.py); a condemned row is pointed at the
+  null block before `_prepare_inputs` builds the slot mapping, so it reads and writes no one's KV.
+- `sample_tokens`: the worker's verdict rides on the ModelRunnerOutput as `kvfence_verdict`, and the
+  seconds its hooks took as `kvfence_seconds`.
+The plan, the verdict and the seconds are attributes on vLLM's own objects, which vLLM's executor carries
+between its processes itself (the CPU build's multiprocessing executor pickles both objects whole over its
+shared-memory queues: tested with one worker); no new channel is opened. Every STATS_EVERY steps the
+scheduler logs the fence's cost (stats.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvfence_vllm.records import SchedulerRecords, StepPlan
+from kvfence_vllm.rows import check_rows, choose_swap, neutralise
+from kvfence_vllm.settings import PluginRefused, Settings
+from kvfence_vllm.tags import BlockTags
+from kvfence_vllm.tenants import TenantSalt, tenant_keys
+
+log = logging.getLogger("vllm.kvfence")  # under vLLM's logger, so its handlers print it
+STATS_EVERY = 128  # steps between the fence's cost lines (bench/vllm_fence_overhead.py reads the last)
+_installed: list[Settings] = []
+
+
+def install(settings: Settings) -> None:
+    if _installed:
+        return
+    _installed.append(settings)
+    from vllm.entrypoints.launchers import app
+    from vllm.v1.core import block_pool, kv_cache_manager
+    from vllm.v1.core.sched import scheduler
+    from vllm.v1.worker import gpu_model_runner
+
+    _patch_block_pool(block_pool.BlockPool)
+    _patch_manager(kv_cache_manager.KVCacheManager)
+    _patch_scheduler(scheduler.Scheduler, settings)
+    _patch_runner(gpu_model_runner.GPUModelRunner, settings)
+    _patch_front(app)
+
+
+def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = getattr(cls, name)
+    setattr(cls, name, functools.wraps(original)(make(original)))
+
+
+def _patch_block_pool(cls: type) -> None:
+    def init(original: Callable[..., None]) -> Callable[..., None]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            self.kvfence_tags = BlockTags(self.num_gpu_blocks)
+
+        return run
+
+    def get_new_blocks(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        def run(self: Any, num_blocks: int) -> list[Any]:
+            blocks = original(self, num_blocks)
+            self.kvfence_tags.handed_out([b.block_id for b in blocks])
+            return blocks
+
+        return run
+
+    def touch(original: Callable[..., None]) -> Callable[..., None]:
+        def run(self: Any, blocks: Any) -> None:
+            revived = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
+            original(self, blocks)
+            self.kvfence_tags.revived(revived)
+
+        return run
+
+    def free_blocks(original: Callable[..., None]) -> Callable[..., None]:
+        def run(self: Any, ordered_blocks: Any) -> None:
+            blocks = list(ordered_blocks)  # may be a generator: read twice
+            original(self, blocks)
+            mine = [b for b in blocks if b.pool is None or b.pool is self]  # others' pools tag their own
+            self.kvfence_tags.freed([b.block_id for b in mine if b.ref_cnt == 0 and not b.is_null])
+
+        return run
+
+    _wrap(cls, "__init__", init)
+    _wrap(cls, "get_new_blocks", get_new_blocks)
+    _wrap(cls, "touch", touch)
+    _wrap(cls, "free_blocks", free_blocks)
+
+
+def _patch_manager(cls: type) -> None:
+    def forgetting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, request: Any) -> Any:
+            result = original(self, request)
+            records = getattr(self, "kvfence_records", None)
+            if records is not None:
+                records.forget(request.request_id)
+            return result
+
+        return run
+
+    _wrap(cls, "free", forgetting)
+    _wrap(cls, "pop_blocks_for_free", forgetting)
+
+
+def _patch_scheduler(cls: type, settings: Settings) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    def init(original: Callable[..., None]) -> Callable[..., None]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            groups = self.kv_cache_config.kv_cache_groups
+            if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+                kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+                raise SystemExit(
+                    f"kvfence-vllm: only one full-attention KV cache group is supported, not {kinds}"
+                )
+            manager = self.kv_cache_manager
+            manager.kvfence_records = SchedulerRecords(
+                manager.block_pool.kvfence_tags, groups[0].kv_cache_spec.block_size
+            )
+            log.info(
+                "kvfence-vllm: %d blocks tagged, fence %s", manager.block_pool.num_gpu_blocks, _mode(settings)
+            )
+
+        return run
+
+    def schedule(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            records: SchedulerRecords = self.kv_cache_manager.kvfence_records
+            records.stats.start_step()
+            output = original(self, *args, **kwargs)
+            started = time.perf_counter()
+            manager, requests = self.kv_cache_manager, self.requests
+            scheduled = [
+                (req_id, requests[req_id].cache_salt or "", manager.get_block_ids(req_id)[0])
+                for req_id in output.num_scheduled_tokens
+            ]
+            plan = records.plan(scheduled)  # records are kept (and tags claimed) with the fence off too
+            output.kvfence_plan = plan if settings.fence else None
+            records.stats.scheduler_s += time.perf_counter() - started
+            return output
+
+        return run
+
+    def update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+            plan: StepPlan | None = getattr(scheduler_output, "kvfence_plan", None)
+            verdict = dict(plan.condemned) if plan is not None else {}
+            verdict.update(getattr(model_runner_output, "kvfence_verdict", {}))
+            for req_id, reason in verdict.items():
+                index = model_runner_output.req_id_to_index.get(req_id)
+                if index is not None and index < len(model_runner_output.sampled_token_ids):
+                    model_runner_output.sampled_token_ids[index] = []  # never a token from the wrong KV
+                log.warning("kvfence-vllm: aborted request %s: %s", req_id, reason)
+            # vLLM's own path for a request that must end in an error (FINISHED_ERROR, never resumed).
+            self.encoder_cache_mismatch_reqs.update(r for r in verdict if r in self.requests)
+            stats = self.kv_cache_manager.kvfence_records.stats
+            if stats.end_step(getattr(model_runner_output, "kvfence_seconds", 0.0)) % STATS_EVERY == 0:
+                log.info("kvfence-vllm: %s", stats.line())
+            return original(self, scheduler_output, model_runner_output)
+
+        return run
+
+    _wrap(cls, "__init__", init)
+    _wrap(cls, "schedule", schedule)
+    _wrap(cls, "update_from_output", update_from_output)
+
+
+def _patch_runner(cls: type, settings: Settings) -> None:
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    rng = random.Random(settings.fault_seed)
+
+    def update_states(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, scheduler_output: Any) -> Any:
+            deferred = original(self, scheduler_output)
+            started = time.perf_counter()
+            batch = self.input_batch
+            table = batch.block_table[0]
+            if settings.swap_probability:
+                _inject_swap(rng, settings.swap_probability, batch)
+            plan: StepPlan | None = getattr(scheduler_output, "kvfence_plan", None)
+            if plan is not None:
+                array, lengths = table.block_table.np, table.num_blocks_per_row
+                verdict = check_rows(plan, batch.req_id_to_index, array, lengths)
+                verdict.update(plan.condemned)
+                rows = [batch.req_id_to_index[r] for r in verdict if r in batch.req_id_to_index]
+                neutralise(array, lengths, rows)
+                self.kvfence_verdict = verdict
+            self.kvfence_seconds = time.perf_counter() - started
+            return deferred
+
+        return run
+
+    def sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            output = original(self, *args, **kwargs)
+            verdict = getattr(self, "kvfence_verdict", None)
+            if hasattr(output, "req_id_to_index") and output is not EMPTY_MODEL_RUNNER_OUTPUT:
+                output.kvfence_seconds = getattr(self, "kvfence_seconds", 0.0)
+                if verdict:
+                    output.kvfence_verdict = verdict
+            self.kvfence_verdict, self.kvfence_seconds = None, 0.0
+            return output
+
+        return run
+
+    _wrap(cls, "_update_states", update_states)
+    _wrap(cls, "sample_tokens", sample_tokens)
+
+
+def _patch_front(app: Any) -> None:
+    """The API server: TenantSalt outside vLLM's own middleware (tenants.py), where keys are known."""
+    original = app.init_entrypoints_middleware
+
+    @functools.wraps(original)
+    def run(args: Any, fastapi_app: Any, *rest: Any, **kwargs: Any) -> Any:
+        result = original(args, fastapi_app, *rest, **kwargs)
+        try:
+            keys = tenant_keys(getattr(args, "api_key", None), os.environ)
+        except PluginRefused as refused:
+            raise SystemExit(str(refused)) from None
+        if keys:
+            fastapi_app.add_middleware(TenantSalt, keys=keys)
+        log.info(
+            "kvfence-vllm: %d tenant keys, cache_salt %s", len(keys), "per tenant" if keys else "the client's"
+        )
+        return result
+
+    app.init_entrypoints_middleware = run
+
+
+def _inject_swap(rng: random.Random, probability: float, batch: Any) -> None:
+    """The fault: two running requests (KV already computed) trade block-table rows."""
+    running = [i for i in range(batch.num_reqs) if batch.num_computed_tokens_cpu[i] > 0]
+    pair = choose_swap(rng, probability, running)
+    if pair is not None:
+        batch.block_table.swap_row(*pair)
+        ids = batch.req_ids
+        log.warning(
+            "kvfence-vllm: fault swap_block_tables swapped the rows of %s and %s", ids[pair[0]], ids[pair[1]]
+        )
+
+
+def _mode(settings: Settings) -> str:
+    fault = f", fault swap_block_tables:{settings.swap_probability}" if settings.swap_probability else ""
+    return ("on" if settings.fence else "off") + fault
+
+
+__all__ = ["PluginRefused", "install"]
