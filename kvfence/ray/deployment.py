@@ -5,7 +5,8 @@ Contracts: the actor's one argument is the list of `kvfence serve` arguments (pa
 key); the app, its engine and its keys are built inside the replica when Ray initialises it (on a worker
 thread, so that the replica's event loop keeps answering while the model loads), and Ray runs the app's
 ASGI lifespan, which starts the engine thread and stops it when the replica shuts down. Streaming
-responses (SSE) pass through Ray's proxy as the app writes them.
+responses (SSE) pass through Ray's proxy as the app writes them. Once built, the replica joins its
+application's fleet (kvfence.ray.fleet): the admin reads answer for every replica (kvfence.ray.fleet_views).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import asyncio
 
 from ray import serve
-from starlette.applications import Starlette
 
+from kvfence.ray.fleet import join
+from kvfence.ray.fleet_views import FleetViews
 from kvfence.ray.replica import replica_app
 
 DEPLOYMENT_NAME = "kvfence"
@@ -27,7 +29,12 @@ class KvfenceServer:
 
     def __init__(self, serve_args: list[str]) -> None:
         self.serve_args = [str(word) for word in serve_args]
+        self.fleet: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference
 
-    async def __serve_build_asgi_app__(self) -> Starlette:
-        replica = serve.get_replica_context().replica_id.unique_id
-        return await asyncio.to_thread(replica_app, self.serve_args, replica)
+    async def __serve_build_asgi_app__(self) -> FleetViews:
+        context = serve.get_replica_context()
+        replica = context.replica_id.unique_id
+        server = await asyncio.to_thread(replica_app, self.serve_args, replica)
+        views = FleetViews(server.app, replica, server.admin_key)
+        self.fleet = join(views, context.app_name, replica)
+        return views

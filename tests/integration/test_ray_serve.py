@@ -1,8 +1,11 @@
-"""`kvfence serve --ray-replicas 2` on a real local Ray cluster (one machine, the real SmolLM2, 2 replicas of
-half a CPU and one torch thread each): the same greedy answer as kvfence's own engine from both replicas, SSE
-through Ray's proxy, kvfence's auth, Ray's token authentication on, and no API key or admin key anywhere in
-Ray's state, its processes' environments or its session logs; then a clean stop with nothing left. And
-`--ray-address` to a cluster without token authentication is refused before anything is deployed.
+"""`kvfence serve --ray-replicas 2` on a real local Ray cluster (one machine, the real SmolLM2 on its exact
+float32 path, 2 replicas of half a CPU and one torch thread each, one sealed Redis tier): the same greedy
+answer as kvfence's own engine from both replicas, SSE through Ray's proxy, kvfence's auth, Ray's token
+authentication on; the fleet (tests/integration/ray_fleet_checks.py): admin reads for every replica,
+`kvfence audit` passing, a prefix restored across replicas for its tenant only, a replica killed mid-stream;
+no API key, admin key or tier key anywhere in Ray's state, its processes' environments or its session
+logs; then a clean stop with nothing left. And `--ray-address` to a cluster without token authentication
+is refused before anything is deployed.
 
 One test runs every check on the two-replica cluster: a module fixture split over pytest-xdist workers
 would start a cluster in each of them, two on two cores. Each Ray session lives in a temporary directory
@@ -26,18 +29,28 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from ray_fleet_checks import (
+    check_audit_passes,
+    check_fleet_views,
+    check_replica_killed_mid_stream,
+    check_shared_tier,
+)
 
 from kvfence.disagg.launch import free_ports
 from kvfence.harness.procs import Proc, launch, stop
+from kvfence.harness.redis_server import redis_server
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.real_model
 
 # Small enough for two replicas and this test's own engine beside the rest of the suite on 2 cores.
+# The exact path: a prefix restored from the tier is a prefill in chunks, which moves the fast path's logits.
 ENGINE_ARGS = ["--num-pages", "64", "--max-model-len", "256", "--num-threads", "1", "--disable-log-stats"]
+ENGINE_ARGS += ["--activation-dtype", "float32"]
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 START_TIMEOUT_S = 300.0
@@ -49,15 +62,17 @@ SPREAD_TRIES = 24  # sequential requests until both replicas answered: all on on
 # JSON on the last line of stdout (only JSON crosses back, nothing is unpickled here).
 STATE_PROBE = """
 import json, sys, httpx, ray
-from ray.util.state import list_actors, list_jobs, list_placement_groups
+from ray.util.state import list_actors, list_jobs, list_placement_groups, list_tasks, list_workers
 context = ray.init(address=sys.argv[1], log_to_driver=False)
 token = open(sys.argv[2]).read().strip()
 serve = httpx.get(f"http://{context.dashboard_url}/api/serve/applications/",
                   headers={"authorization": f"Bearer {token}"}, timeout=30)
 def rows(listed):
     return [json.loads(json.dumps(getattr(row, "__dict__", row), default=str)) for row in listed]
-state = {"actors": rows(list_actors(detail=True)), "jobs": rows(list_jobs(detail=True)),
-         "placement_groups": rows(list_placement_groups(detail=True)),
+at = {"address": sys.argv[1], "detail": True}  # this cluster's, though another may run on the machine
+state = {"actors": rows(list_actors(**at)), "jobs": rows(list_jobs(**at)),
+         "placement_groups": rows(list_placement_groups(**at)),
+         "tasks": rows(list_tasks(**at)), "workers": rows(list_workers(**at)),
          "serve_status": serve.status_code, "serve": serve.text}
 print(json.dumps(state))
 """
@@ -70,7 +85,9 @@ class RayServer:
     url: str
     directory: Path  # this test's own: key files, the Ray session (ray/)
     api_key: str
+    other_key: str  # a second tenant's
     admin_key: str
+    tier_key: str
     gcs: str
     dashboard: str
     token_path: Path
@@ -116,11 +133,21 @@ def _processes_under(directory: Path) -> list[int]:
 
 @contextlib.contextmanager
 def ray_server() -> Iterator[RayServer]:
+    with contextlib.ExitStack() as stack:
+        yield from _ray_server(stack)
+
+
+def _ray_server(stack: contextlib.ExitStack) -> Iterator[RayServer]:
     directory = Path(tempfile.mkdtemp(prefix="kvfr-"))
     (directory / "home").mkdir()
-    api_key, admin_key = f"sk-{secrets.token_hex(16)}", f"admin-{secrets.token_hex(16)}"
-    keys = _secret_file(directory / "api-keys", f"{api_key} tenant-a\n")
+    api_key, other_key = f"sk-{secrets.token_hex(16)}", f"sk-{secrets.token_hex(16)}"
+    admin_key, tier_key = f"admin-{secrets.token_hex(16)}", secrets.token_hex(32)
+    keys = _secret_file(directory / "api-keys", f"{api_key} tenant-a\n{other_key} tenant-b\n")
     admin = _secret_file(directory / "admin-key", f"{admin_key}\n")
+    tier = _secret_file(directory / "tier-key", f"{tier_key}\n")
+    redis_directory = Path(tempfile.mkdtemp(prefix="kvfr-redis-"))  # not the Ray session's: outlives it
+    stack.callback(shutil.rmtree, redis_directory, ignore_errors=True)
+    redis = stack.enter_context(redis_server(redis_directory))
     (port,) = free_ports(1)
     args = ["serve", "--ray-replicas", "2", "--port", str(port), "--ray-temp-dir", str(directory / "ray")]
     args += [
@@ -131,6 +158,7 @@ def ray_server() -> Iterator[RayServer]:
         str(keys),
         "--admin-key-file",
         str(admin),
+        *("--kv-tier", redis.patient(), "--kv-tier-key-file", str(tier)),
     ]
     began = time.monotonic()
     proc = launch("kvfence serve --ray-replicas 2", args, env={"OMP_NUM_THREADS": "1"})
@@ -142,9 +170,8 @@ def ray_server() -> Iterator[RayServer]:
         )
         token = Path(_line(proc, r"ray: token in (\S+) \(mode 0600").group(1))
         gcs, dashboard = cluster.group(1), cluster.group(3)
-        yield RayServer(
-            proc, f"http://127.0.0.1:{port}", directory, api_key, admin_key, gcs, dashboard, token
-        )
+        url = f"http://127.0.0.1:{port}"
+        yield RayServer(proc, url, directory, api_key, other_key, admin_key, tier_key, gcs, dashboard, token)
     finally:
         stop([proc])
         for pid in _processes_under(directory):  # only if the stop above left any (the test says so)
@@ -187,7 +214,11 @@ def test_two_replicas_on_ray(reference_text: str) -> None:
         check_streaming(server, reference_text)
         check_kvfence_auth(server)
         check_ray_token_auth(server)
+        replicas = check_fleet_views(server, PROMPT)
+        check_shared_tier(server, replicas)
+        check_audit_passes(server)
         check_no_secret_in_ray(server)
+        check_replica_killed_mid_stream(server, lambda: replica_pids(server))
         proc, directory, token_path = server.proc, server.directory, server.token_path
         stop([proc])
         assert proc.popen.returncode == 0, proc.tail()
@@ -253,17 +284,37 @@ def check_ray_token_auth(server: RayServer) -> None:
     assert "InvalidAuthToken" in output or "Unauthenticated" in output, output[-2000:]  # refused for that
 
 
-def check_no_secret_in_ray(server: RayServer) -> None:
+def ray_state(server: RayServer) -> dict[str, Any]:
     probe = server.ray_python(STATE_PROBE, str(server.token_path))
     assert probe.returncode == 0, probe.stderr[-3000:]
-    state = json.loads(probe.stdout.strip().splitlines()[-1])
+    return dict(json.loads(probe.stdout.strip().splitlines()[-1]))
+
+
+def replica_pids(server: RayServer) -> dict[str, int]:
+    """Each live replica's process, by replica id (Serve names a replica's actor after its id)."""
+    actors = ray_state(server)["actors"]
+    return {
+        a["name"].rsplit("#", 1)[1]: int(a["pid"])
+        for a in actors
+        if a["class_name"].startswith("ServeReplica") and a["state"] == "ALIVE"
+    }
+
+
+def check_no_secret_in_ray(server: RayServer) -> None:
+    state = ray_state(server)
     replicas = [
         a for a in state["actors"] if a["class_name"].startswith("ServeReplica") and a["state"] == "ALIVE"
     ]
     assert len(replicas) == 2 and state["serve_status"] == 200, state  # the probe sees the cluster
     dump = json.dumps(state)
     token = server.token_path.read_text().strip()
-    secrets_ = {"API key": server.api_key, "admin key": server.admin_key, "Ray token": token}
+    secrets_ = {
+        "API key": server.api_key,
+        "second API key": server.other_key,
+        "admin key": server.admin_key,
+        "tier key": server.tier_key,
+        "Ray token": token,
+    }
     for what, secret in secrets_.items():
         assert secret not in dump, f"the {what} is in Ray's state"
     for replica in replicas:  # the replicas' own environment: keys from files, the token by its path
