@@ -22,6 +22,8 @@ import re
 import secrets
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -91,6 +93,8 @@ class RayServer:
     gcs: str
     dashboard: str
     token_path: Path
+    tls: dict[str, str]  # Ray's TLS variables: every Ray process of this cluster, and its clients, has them
+    tls_key: str
 
     def post(self, path: str, body: dict[str, object], key: str | None = None) -> httpx.Response:
         headers = {"authorization": f"Bearer {key or self.api_key}"}
@@ -100,7 +104,7 @@ class RayServer:
         """`python -c CODE GCS ARGS` as a Ray client: with this cluster's token (by its file's path), or
         with no token anywhere Ray looks (no RAY_AUTH_* variable, a HOME without ~/.ray)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-        env |= {"HOME": str(self.directory / "home"), "RAY_USAGE_STATS_ENABLED": "0"}
+        env |= {"HOME": str(self.directory / "home"), "RAY_USAGE_STATS_ENABLED": "0", **self.tls}
         if token:
             env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
         command = [sys.executable, "-c", code, self.gcs, *args]
@@ -131,6 +135,23 @@ def _processes_under(directory: Path) -> list[int]:
     return pids
 
 
+def _tls(directory: Path) -> tuple[dict[str, str], str]:
+    """Ray's TLS on loopback: a self-signed certificate for this node (Ray's own test helper makes it with
+    the names Ray connects by), its key in a 0600 file; the variables and the key."""
+    from ray._common.tls_utils import generate_self_signed_tls_certs
+
+    cert, key = generate_self_signed_tls_certs()
+    cert_path = directory / "tls.crt"
+    cert_path.write_text(cert)
+    key_path = _secret_file(directory / "tls.key", key)
+    variables = {
+        "RAY_USE_TLS": "1",
+        "RAY_TLS_SERVER_CERT": str(cert_path),
+        "RAY_TLS_SERVER_KEY": str(key_path),
+    }
+    return variables | {"RAY_TLS_CA_CERT": str(cert_path)}, key
+
+
 @contextlib.contextmanager
 def ray_server() -> Iterator[RayServer]:
     with contextlib.ExitStack() as stack:
@@ -148,6 +169,7 @@ def _ray_server(stack: contextlib.ExitStack) -> Iterator[RayServer]:
     redis_directory = Path(tempfile.mkdtemp(prefix="kvfr-redis-"))  # not the Ray session's: outlives it
     stack.callback(shutil.rmtree, redis_directory, ignore_errors=True)
     redis = stack.enter_context(redis_server(redis_directory))
+    tls, tls_key = _tls(directory)
     (port,) = free_ports(1)
     args = ["serve", "--ray-replicas", "2", "--port", str(port), "--ray-temp-dir", str(directory / "ray")]
     args += [
@@ -161,7 +183,7 @@ def _ray_server(stack: contextlib.ExitStack) -> Iterator[RayServer]:
         *("--kv-tier", redis.patient(), "--kv-tier-key-file", str(tier)),
     ]
     began = time.monotonic()
-    proc = launch("kvfence serve --ray-replicas 2", args, env={"OMP_NUM_THREADS": "1"})
+    proc = launch("kvfence serve --ray-replicas 2", args, env={"OMP_NUM_THREADS": "1", **tls})
     try:
         proc.wait_for_http(f"http://127.0.0.1:{port}", START_TIMEOUT_S)
         print(f"  serving after {time.monotonic() - began:.1f} s (reported, not asserted)")
@@ -171,7 +193,8 @@ def _ray_server(stack: contextlib.ExitStack) -> Iterator[RayServer]:
         token = Path(_line(proc, r"ray: token in (\S+) \(mode 0600").group(1))
         gcs, dashboard = cluster.group(1), cluster.group(3)
         url = f"http://127.0.0.1:{port}"
-        yield RayServer(proc, url, directory, api_key, other_key, admin_key, tier_key, gcs, dashboard, token)
+        keys_ = (api_key, other_key, admin_key, tier_key)
+        yield RayServer(proc, url, directory, *keys_, gcs, dashboard, token, tls, tls_key)
     finally:
         stop([proc])
         for pid in _processes_under(directory):  # only if the stop above left any (the test says so)
@@ -214,6 +237,7 @@ def test_two_replicas_on_ray(reference_text: str) -> None:
         check_streaming(server, reference_text)
         check_kvfence_auth(server)
         check_ray_token_auth(server)
+        check_ray_tls(server)
         replicas = check_fleet_views(server, PROMPT)
         check_shared_tier(server, replicas)
         check_audit_passes(server)
@@ -284,6 +308,33 @@ def check_ray_token_auth(server: RayServer) -> None:
     assert "InvalidAuthToken" in output or "Unauthenticated" in output, output[-2000:]  # refused for that
 
 
+def check_ray_tls(server: RayServer) -> None:
+    """The GCS speaks TLS with this cluster's certificate, and only to a client with a certificate of its
+    CA (Ray requires client certificates when RAY_TLS_CA_CERT is set)."""
+    host, _, port = server.gcs.rpartition(":")
+    cert = server.tls["RAY_TLS_SERVER_CERT"]
+    for with_certificate in (True, False):
+        context = ssl.create_default_context(cafile=cert)
+        context.check_hostname = False  # Ray's certificate names the node's address as a DNS name
+        context.set_alpn_protocols(["h2"])
+        if with_certificate:
+            context.load_cert_chain(cert, server.tls["RAY_TLS_SERVER_KEY"])
+        with socket.create_connection((host, int(port)), timeout=HTTP_TIMEOUT_S) as raw:
+            try:
+                with context.wrap_socket(raw) as tls:
+                    peer = tls.getpeercert(binary_form=True)
+                    tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # gRPC's first bytes
+                    first = tls.recv(9)  # HTTP/2's SETTINGS frame header, or nothing
+            except (ssl.SSLError, ConnectionError) as exc:
+                assert not with_certificate, f"a client with the CA's certificate was refused: {exc}"
+                continue
+        assert peer == ssl.PEM_cert_to_DER_cert(Path(cert).read_text())
+        if with_certificate:
+            assert len(first) == 9, f"the GCS did not answer gRPC's preface over TLS: {first!r}"
+        else:
+            assert first == b"", f"a client without a certificate was answered: {first!r}"
+
+
 def ray_state(server: RayServer) -> dict[str, Any]:
     probe = server.ray_python(STATE_PROBE, str(server.token_path))
     assert probe.returncode == 0, probe.stderr[-3000:]
@@ -313,6 +364,7 @@ def check_no_secret_in_ray(server: RayServer) -> None:
         "second API key": server.other_key,
         "admin key": server.admin_key,
         "tier key": server.tier_key,
+        "TLS key": "".join(server.tls_key.splitlines()[1:-1])[:64],  # the PEM's body, not its armour
         "Ray token": token,
     }
     for what, secret in secrets_.items():
