@@ -6,7 +6,8 @@ key); the app, its engine and its keys are built inside the replica when Ray ini
 thread, so that the replica's event loop keeps answering while the model loads), and Ray runs the app's
 ASGI lifespan, which starts the engine thread and stops it when the replica shuts down. Streaming
 responses (SSE) pass through Ray's proxy as the app writes them. Once built, the replica joins its
-application's fleet (kvfence.ray.fleet): the admin reads answer for every replica (kvfence.ray.fleet_views).
+application's fleet (kvfence.ray.fleet): the admin reads answer for every replica (kvfence.ray.fleet_views),
+and its series go to Ray's metrics too (kvfence.ray.export).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 
 from ray import serve
 
+from kvfence.ray.export import RayExport
 from kvfence.ray.fleet import join
 from kvfence.ray.fleet_views import FleetViews
 from kvfence.ray.replica import replica_app
@@ -29,12 +31,12 @@ class KvfenceServer:
 
     def __init__(self, serve_args: list[str]) -> None:
         self.serve_args = [str(word) for word in serve_args]
-        self.fleet: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference
+        self.tasks: list[asyncio.Task[None]] = []  # held: the loop keeps only a weak reference
 
     async def __serve_build_asgi_app__(self) -> FleetViews:
         context = serve.get_replica_context()
         replica = context.replica_id.unique_id
         server = await asyncio.to_thread(replica_app, self.serve_args, replica)
         views = FleetViews(server.app, replica, server.admin_key)
-        self.fleet = join(views, context.app_name, replica)
+        self.tasks = [join(views, context.app_name, replica), asyncio.create_task(RayExport(views).run())]
         return views

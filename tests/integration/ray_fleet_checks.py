@@ -156,6 +156,26 @@ def check_audit_passes(server: Server) -> None:
     print(f"  kvfence audit: exit {done.returncode}, not proven: {unproven or 'none'}")
 
 
+def check_ray_prometheus_export(exports: list[str], replicas: list[str]) -> None:
+    """Ray's own Prometheus export (each node's metrics agent) carries every replica's kvfence series,
+    `ray_` prefixed and labelled by replica: the pool's pages of each, as /metrics counts them."""
+
+    def exported() -> dict[str, float] | None:
+        pages: dict[str, float] = {}
+        for address in exports:
+            text = httpx.get(f"http://{address}/metrics", timeout=HTTP_TIMEOUT_S).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "ray_kvfence_pages" and sample.labels.get("deployment") == "kvfence":
+                        replica = sample.labels["replica"]
+                        pages[replica] = pages.get(replica, 0.0) + sample.value
+        return pages if sorted(pages) == replicas else None
+
+    pages = wait_for("both replicas' series in Ray's Prometheus export", exported)
+    assert all(total == 64 for total in pages.values()), pages  # --num-pages 64 each
+    print(f"  Ray's Prometheus export: ray_kvfence_pages of {sorted(pages)}")
+
+
 # ---- the shared sealed tier -------------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ import pytest
 from ray_fleet_checks import (
     check_audit_passes,
     check_fleet_views,
+    check_ray_prometheus_export,
     check_replica_killed_mid_stream,
     check_shared_tier,
 )
@@ -75,7 +76,8 @@ at = {"address": sys.argv[1], "detail": True}  # this cluster's, though another 
 state = {"actors": rows(list_actors(**at)), "jobs": rows(list_jobs(**at)),
          "placement_groups": rows(list_placement_groups(**at)),
          "tasks": rows(list_tasks(**at)), "workers": rows(list_workers(**at)),
-         "serve_status": serve.status_code, "serve": serve.text}
+         "serve_status": serve.status_code, "serve": serve.text,
+         "metrics_exports": [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes()]}
 print(json.dumps(state))
 """
 CONNECT_PROBE = "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); print('CONNECTED')"
@@ -241,6 +243,7 @@ def test_two_replicas_on_ray(reference_text: str) -> None:
         replicas = check_fleet_views(server, PROMPT)
         check_shared_tier(server, replicas)
         check_audit_passes(server)
+        check_ray_prometheus_export(ray_state(server)["metrics_exports"], replicas)
         check_no_secret_in_ray(server)
         check_replica_killed_mid_stream(server, lambda: replica_pids(server))
         proc, directory, token_path = server.proc, server.directory, server.token_path
