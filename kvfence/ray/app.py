@@ -2,9 +2,10 @@
 Serve config's `import_path: kvfence.ray:app` with `args` (deploy/ray/serve.yaml).
 
 Contracts: `args` takes `serve_args` (the `kvfence serve` arguments of every replica: a list of words, or
-one string split as a shell splits it), `num_replicas` (a whole number from 1 to 64, default 1) and
-`num_cpus` (Ray CPUs a replica reserves, above 0, default 1), nothing else: an unknown or bad key is one
-line (ValueError). The arguments are parsed and refused where Ray cannot honour an option before anything is
+one string split as a shell splits it), `num_replicas` (a whole number from 1 to 64, default 1),
+`num_cpus` (Ray CPUs a replica reserves, above 0, default 1) and `autoscaling_config` (Ray Serve's, a
+mapping Serve checks; instead of `num_replicas`), nothing else: an unknown or bad key is one line
+(ValueError). The arguments are parsed and refused where Ray cannot honour an option before anything is
 deployed (kvfence.ray.replica.parse_replica_args); no key file is read here, where the builder runs: each
 replica reads its own. The Application carries those words only.
 """
@@ -17,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvfence.cli_checks import DEFAULT_RAY_REPLICA_CPUS, StartupError
 from kvfence.cli_options import MAX_WORKERS_PER_ROLE
+from kvfence.startup import reason
 
 if TYPE_CHECKING:
     from ray.serve import Application
 
-APP_KEYS = ("serve_args", "num_replicas", "num_cpus")
+APP_KEYS = ("serve_args", "num_replicas", "num_cpus", "autoscaling_config")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class AppOptions:
     serve_args: tuple[str, ...]
     num_replicas: int = 1
     num_cpus: float = DEFAULT_RAY_REPLICA_CPUS
+    autoscaling: tuple[tuple[str, Any], ...] | None = None  # Serve's autoscaling_config, as given
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> AppOptions:
@@ -54,7 +57,13 @@ class AppOptions:
         cpus = _number(args.get("num_cpus", DEFAULT_RAY_REPLICA_CPUS), float, "num_cpus", "a number above 0")
         if not cpus > 0:
             raise ValueError(f"kvfence.ray:app: num_cpus must be a number above 0, got {cpus}")
-        return cls(tuple(str(w) for w in words), replicas, cpus)
+        autoscaling = args.get("autoscaling_config")
+        if autoscaling is not None and not isinstance(autoscaling, dict):
+            raise ValueError("kvfence.ray:app: autoscaling_config must be a mapping (Ray Serve's)")
+        if autoscaling is not None and "num_replicas" in args:
+            raise ValueError("kvfence.ray:app: give num_replicas or autoscaling_config, not both")
+        scaling = tuple(sorted(autoscaling.items())) if autoscaling is not None else None
+        return cls(tuple(str(w) for w in words), replicas, cpus, scaling)
 
 
 def _number(value: Any, kind: type[int] | type[float], key: str, what: str) -> Any:
@@ -81,7 +90,11 @@ def app(args: dict[str, Any]) -> Application:
         raise ValueError(f"kvfence.ray:app: serve_args: {exc}") from None
     from kvfence.ray.deployment import KvfenceServer  # Ray: only once the options are good
 
-    deployment = KvfenceServer.options(
-        num_replicas=options.num_replicas, ray_actor_options={"num_cpus": options.num_cpus}
-    )
+    scale: dict[str, Any] = {"num_replicas": options.num_replicas}
+    if options.autoscaling is not None:
+        scale = {"autoscaling_config": dict(options.autoscaling)}
+    try:
+        deployment = KvfenceServer.options(**scale, ray_actor_options={"num_cpus": options.num_cpus})
+    except (TypeError, ValueError) as exc:  # Serve's check of autoscaling_config (pydantic's is a ValueError)
+        raise ValueError(f"kvfence.ray:app: autoscaling_config: {reason(exc)}") from None
     return deployment.bind(list(options.serve_args))
