@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ray_fleet_checks import fleet_replicas, wait_for
+from ray_fleet_checks import fleet_replicas, processes_under, wait_for
 
 from kvfence.disagg.launch import free_ports
 from kvfence.harness.key_files import write_key_file
@@ -128,20 +128,10 @@ def autoscaled_fleet() -> Iterator[Fleet]:
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             cluster.communicate("", timeout=120)  # stdin closed: Serve and Ray shut down
         cluster.kill()
-        for pid in _processes_under(directory):
+        for pid in processes_under(directory):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def _processes_under(directory: Path) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            with contextlib.suppress(OSError):
-                if str(directory).encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.append(int(entry))
-    return pids
 
 
 @pytest.mark.timeout(900)

@@ -41,6 +41,7 @@ from ray_fleet_checks import (
     check_ray_prometheus_export,
     check_replica_killed_mid_stream,
     check_shared_tier,
+    processes_under,
 )
 
 from kvfence.disagg.launch import free_ports
@@ -126,17 +127,6 @@ def _line(proc: Proc, pattern: str) -> re.Match[str]:
     return found[0]
 
 
-def _processes_under(directory: Path) -> list[int]:
-    """Live processes whose command line names `directory` (this test's Ray session: its raylet, GCS...)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            with contextlib.suppress(OSError):
-                if str(directory).encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.append(int(entry))
-    return pids
-
-
 def _tls(directory: Path) -> tuple[dict[str, str], str]:
     """Ray's TLS on loopback: a self-signed certificate for this node (Ray's own test helper makes it with
     the names Ray connects by), its key in a 0600 file; the variables and the key."""
@@ -199,7 +189,7 @@ def _ray_server(stack: contextlib.ExitStack) -> Iterator[RayServer]:
         yield RayServer(proc, url, directory, *keys_, gcs, dashboard, token, tls, tls_key)
     finally:
         stop([proc])
-        for pid in _processes_under(directory):  # only if the stop above left any (the test says so)
+        for pid in processes_under(directory):  # only if the stop above left any (the test says so)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(directory, ignore_errors=True)
@@ -250,7 +240,7 @@ def test_two_replicas_on_ray(reference_text: str) -> None:
         stop([proc])
         assert proc.popen.returncode == 0, proc.tail()
         assert not token_path.parent.exists(), "the token's directory outlived the server"
-        assert _processes_under(directory) == [], "Ray processes outlived the server"
+        assert processes_under(directory) == [], "Ray processes outlived the server"
 
 
 def check_both_replicas_answer_as_the_engine(server: RayServer, reference_text: str) -> None:
@@ -439,7 +429,7 @@ def test_joining_a_cluster_without_token_auth_is_refused() -> None:
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             head.communicate("", timeout=60)  # stdin closed: the head shuts its cluster down
         head.kill()
-        for pid in _processes_under(directory):
+        for pid in processes_under(directory):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(directory, ignore_errors=True)
