@@ -191,26 +191,25 @@ def check_ray_prometheus_export(exports: list[str], replicas: list[str]) -> None
 # ---- the shared sealed tier -------------------------------------------------------------------------
 
 
-def check_shared_tier(server: Server, replicas: list[str]) -> None:
-    """Tenant a's prefix computed on one replica comes back from Redis on the other, the cold answer token
-    for token; tenant b gets nothing of it from the tier (computes its own)."""
+def check_shared_tier(server: Server, pids_of: Callable[[], dict[str, int]]) -> None:
+    """Tenant a's prefix computed on one replica comes back from Redis on another, the cold answer token
+    for token; tenant b gets nothing of it from the tier (computes its own). The tenant router keeps a's
+    prompt on the replica that computed it, so that replica is killed (-9) once its pages are stored: the
+    survivor and Ray's replacement never computed the prompt, and whichever answers it must restore it.
+    `pids_of()`: each replica's process id, by replica id."""
     cold, first_id, first = complete(server, TIER_PROMPT, server.api_key)
-    (other,) = [r for r in replicas if r != first]
     stores = lambda: replica_metric(server, "kvfence_kv_tier_stores_total", first, tier="redis")  # noqa: E731
     wait_for(f"replica {first} storing the prompt's pages", lambda: stores() >= TIER_PAGES)
-    hits_before = replica_metric(server, "kvfence_kv_tier_hits_total", other, tier="redis")
-
-    def on_other() -> tuple[str, str] | None:
-        text, request_id, replica = complete(server, TIER_PROMPT, server.api_key)
-        return (text, request_id) if replica == other else None
-
-    text, restored_id = until(f"tenant a's prompt on replica {other}", on_other)
-    assert text == cold
+    assert not [e for e in trail(server, first_id)[0]["events"] if e["kind"] == "tier_restored"]
+    os.kill(pids_of()[first], signal.SIGKILL)
+    replicas = _replaced(server, first)
+    before = {r: replica_metric(server, "kvfence_kv_tier_hits_total", r, tier="redis") for r in replicas}
+    text, restored_id, other = complete(server, TIER_PROMPT, server.api_key)
+    assert text == cold and other != first
     restored = [e for e in trail(server, restored_id)[0]["events"] if e["kind"] == "tier_restored"]
     assert restored and sum(len(e["pages"]) for e in restored) >= TIER_PAGES, restored
-    hits = replica_metric(server, "kvfence_kv_tier_hits_total", other, tier="redis") - hits_before
+    hits = replica_metric(server, "kvfence_kv_tier_hits_total", other, tier="redis") - before[other]
     assert hits >= TIER_PAGES, hits
-    assert not [e for e in trail(server, first_id)[0]["events"] if e["kind"] == "tier_restored"]
     before = {r: replica_metric(server, "kvfence_kv_tier_hits_total", r, tier="redis") for r in replicas}
     text_b, b_id, _ = complete(server, TIER_PROMPT, server.other_key)
     assert text_b == cold
@@ -218,7 +217,7 @@ def check_shared_tier(server: Server, replicas: list[str]) -> None:
     assert not kinds & {"tier_restored", "prefix_hit"}, kinds
     after = {r: replica_metric(server, "kvfence_kv_tier_hits_total", r, tier="redis") for r in replicas}
     assert after == before, (before, after)
-    print(f"  shared tier: {first} stored, {other} restored {hits:.0f} pages for tenant a; none for b")
+    print(f"  shared tier: {first} stored (then killed), {other} restored {hits:.0f} pages for a; none for b")
 
 
 # ---- a replica killed --------------------------------------------------------------------------------

@@ -238,10 +238,10 @@ def test_two_replicas_on_ray(reference_text: str) -> None:
         check_ray_token_auth(server)
         check_ray_tls(server)
         replicas = check_fleet_views(server, PROMPT)
-        check_shared_tier(server, replicas)
         check_audit_passes(server)
         check_ray_prometheus_export(ray_state(server)["metrics_exports"], replicas)
         check_no_secret_in_ray(server)
+        check_shared_tier(server, lambda: replica_pids(server))
         check_replica_killed_mid_stream(server, lambda: replica_pids(server))
         proc, directory, token_path = server.proc, server.directory, server.token_path
         stop([proc])
