@@ -36,7 +36,9 @@ HEADERS = ["tokens", "row", "ms", "GFLOPS", "x F.linear f32"]
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--source", type=Path, default=SOURCE, help="a float32 Hugging Face directory")
     parser.add_argument("--tokens", default="64,512")
     parser.add_argument("--repeats", type=int, default=5)
