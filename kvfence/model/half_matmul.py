@@ -90,8 +90,9 @@ class HalfMatmulKernel:
 
 
 @functools.cache
-def load(avx512: bool = True) -> tuple[HalfMatmulKernel | None, str]:
-    """(the kernel, "") or (None, why not). `avx512=False` builds the plain C path (what a machine without
-    AVX-512 runs): the same bits (tested)."""
-    library, why = native.load_library("half_matmul", () if avx512 else ("-mno-avx512f",))
+def load(avx512: bool = True, avx2: bool = True) -> tuple[HalfMatmulKernel | None, str]:
+    """(the kernel, "") or (None, why not). `avx512=False` builds the AVX2 path (what an AVX2-only machine
+    runs), `avx2=False` too the plain C one: all give the same bits (tested)."""
+    flags = (() if avx512 else ("-mno-avx512f",)) + (() if avx2 else ("-mno-avx2",))
+    library, why = native.load_library("half_matmul", flags)
     return (HalfMatmulKernel(library), "") if library is not None else (None, why)

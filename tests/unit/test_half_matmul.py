@@ -1,6 +1,6 @@
 """The 16-bit kernel (csrc/half_matmul.c) and its panels: rows read back exactly; products within float32
 rounding of float64's; each row bit for bit the same alone or among any number of rows, on one thread or
-two, split or not, AVX-512 or plain C; and a tiny random HF directory whose prompt is prefilled in one
+two, split or not, AVX-512, AVX2 or plain C; and a tiny random HF directory whose prompt is prefilled in one
 chunk of several row blocks through it, against transformers in float32 within the golden tolerance.
 """
 
@@ -28,8 +28,8 @@ SHAPES = [(130, 100), (64, 576), (7, 33)]
 ROW_COUNTS = [1, 2, 5, 6, 7, 23, 24, 25, 61]
 
 
-def kernel(avx512: bool = True) -> half_matmul.HalfMatmulKernel:
-    built, why = half_matmul.load(avx512)
+def kernel(avx512: bool = True, avx2: bool = True) -> half_matmul.HalfMatmulKernel:
+    built, why = half_matmul.load(avx512, avx2)
     if built is None:
         pytest.skip(why)
     return built
@@ -67,8 +67,8 @@ def test_each_row_alone_in_any_batch(dtype: torch.dtype, out_features: int, in_f
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_threads_and_instruction_sets_give_the_same_bits(dtype: torch.dtype) -> None:
-    if "avx512f" not in native.cpu_flags():
-        pytest.skip("no AVX-512 here: the plain C path is the only one")
+    if not {"avx512f", "avx2"} <= native.cpu_flags():
+        pytest.skip("no AVX-512 here: not every path can run")
     panels = HalfWeight.from_rows(weights(300, 576, dtype))
     x = torch.randn(30, 576, generator=torch.Generator().manual_seed(2))
     previous = torch.get_num_threads()
@@ -81,6 +81,7 @@ def test_threads_and_instruction_sets_give_the_same_bits(dtype: torch.dtype) -> 
         torch.set_num_threads(previous)
     assert torch.equal(one, two)
     assert torch.equal(kernel(avx512=False)(x, panels), one)
+    assert torch.equal(kernel(avx512=False, avx2=False)(x, panels), one)
 
 
 def test_a_prefill_of_many_row_blocks_matches_transformers(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@
  *   y  [rows, out_features] float32, contiguous
  * Each output accumulates alone, one fused multiply-add per k in increasing k from 0: a row's result does
  * not depend on how many rows share the call, nor on the tiling, the threads or the instruction set (the
- * AVX-512 path and the plain C one, fmaf, give the same bits). Work is split over threads: `half_matmul`
+ * AVX-512, AVX2 and plain C paths, fmaf, give the same bits). Work is split over threads: `half_matmul`
  * only where the product is large enough to repay waking the pool, `half_matmul_threads` always (the
  * decoder layer's back-to-back calls, which find the pool awake: decoder_layer.c).
  */
@@ -83,6 +83,7 @@ INLINE void tile(const float *x, int64_t x_stride, const uint16_t *w, int64_t in
     for (int64_t k = 0; k < in_features; k++) {
         __m512 wk[PANEL_TILE];
         for (int p = 0; p < NP; p++) wk[p] = widen16(w + p * panel_stride + k * PANEL, half);
+#pragma GCC unroll 6 /* the accumulators stay in registers only where every row's loop is unrolled */
         for (int r = 0; r < R; r++) {
             __m512 xk = _mm512_set1_ps(x[r * x_stride + k]);
             for (int p = 0; p < NP; p++) acc[r][p] = _mm512_fmadd_ps(xk, wk[p], acc[r][p]);
@@ -92,6 +93,40 @@ INLINE void tile(const float *x, int64_t x_stride, const uint16_t *w, int64_t in
         int64_t n = n0 + p * PANEL;
         __mmask16 mask = (__mmask16)((1u << columns(n, out_features)) - 1);
         for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * out_features + n, mask, acc[r][p]);
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+INLINE __m256 widen8(const uint16_t *w, const int half) {
+    __m128i bits = _mm_loadu_si128((const __m128i *)w);
+    if (half) return _mm256_cvtph_ps(bits);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+/* AVX2 has 16 registers: R rows x one panel (two vectors) at a time, the same operations per output. */
+INLINE void tile(const float *x, int64_t x_stride, const uint16_t *w, int64_t in_features, float *y,
+                 int64_t out_features, int64_t n0, const int R, const int NP, const int half) {
+    for (int p = 0; p < NP; p++) {
+        const uint16_t *wp = w + p * in_features * PANEL;
+        __m256 acc[ROW_TILE][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < in_features; k++) {
+            __m256 lo = widen8(wp + k * PANEL, half), hi = widen8(wp + k * PANEL + 8, half);
+#pragma GCC unroll 6 /* as above */
+            for (int r = 0; r < R; r++) {
+                __m256 xk = _mm256_broadcast_ss(x + r * x_stride + k);
+                acc[r][0] = _mm256_fmadd_ps(xk, lo, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(xk, hi, acc[r][1]);
+            }
+        }
+        int64_t n = n0 + p * PANEL;
+        for (int r = 0; r < R; r++) {
+            float out[PANEL];
+            _mm256_storeu_ps(out, acc[r][0]);
+            _mm256_storeu_ps(out + 8, acc[r][1]);
+            memcpy(y + r * out_features + n, out, columns(n, out_features) * sizeof(float));
+        }
     }
 }
 #else
