@@ -7,6 +7,7 @@ and float16 copies into a temporary directory. For each prompt length: kvfence's
 defaults) over each 16-bit directory and over the float32 one (whose weights kvfence multiplies on BLAS),
 and torch's F.linear over every layer's weights at that many rows in float32 and bfloat16 (the matmuls
 alone). GFLOPS = 2 x layer weights x tokens / seconds for every row, so the ratios are like for like.
+Each row's figure is its best over --repeats rounds that run every row once in turn.
 Prints the load average and what other processes took of the CPUs (the machine is shared). Writes
 bench/results/hf_prefill.json.
 """
@@ -23,11 +24,12 @@ from common import DEFAULT_THREADS, THREADS_HELP, ForeignCpu, write_json
 
 from kvfence.harness.hf_prefill import (
     engine_for,
+    interleaved_best,
     layer_weights,
-    linear_s,
+    linear_run,
     prefill_flops,
     sixteen_bit_dir,
-    ttft_s,
+    ttft_run,
 )
 from kvfence.harness.tables import print_table
 
@@ -58,11 +60,12 @@ def main() -> None:
             directory = sixteen_bit_dir(args.source, Path(tmp) / name, dtype)
             engines[f"kvfence {name} dir"] = engine_for(directory)
         for tokens in (int(t) for t in args.tokens.split(",")):
-            seconds = {
-                "F.linear f32": linear_s(weights, tokens, torch.float32, args.repeats),
-                "F.linear bf16": linear_s(weights, tokens, torch.bfloat16, args.repeats),
+            runs = {
+                "F.linear f32": linear_run(weights, tokens, torch.float32),
+                "F.linear bf16": linear_run(weights, tokens, torch.bfloat16),
             }
-            seconds |= {name: ttft_s(engine, tokens, args.repeats) for name, engine in engines.items()}
+            runs |= {name: ttft_run(engine, tokens, args.repeats + 1) for name, engine in engines.items()}
+            seconds = interleaved_best(runs, args.repeats)
             flops = prefill_flops(weights, tokens)
             for name, s in seconds.items():
                 ratio = seconds["F.linear f32"] / s

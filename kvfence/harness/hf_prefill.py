@@ -4,15 +4,17 @@ directory, kvfence's TTFT over each, and torch's matmuls (F.linear) over the sam
 Contracts: `sixteen_bit_dir` writes `source`'s tensors in `dtype` (every other file copied as it is);
 `layer_weights` are the float32 [out, in] weights of every layer's projections, in the forward's order,
 with the width of the rows each multiplies; `prefill_flops` counts 2 x those weights x tokens (attention
-and the LM head left out: the same count for every row compared); `ttft_s` is the best wall time of a
-request with one output token over fresh prompts (no prefix-cache hit); `linear_s` the best time of
-F.linear over every weight at `rows` rows, the rows and weights in `dtype`.
+and the LM head left out: the same count for every row compared); `ttft_run` runs one request with one
+output token over a fresh prompt each call (no prefix-cache hit); `linear_run` F.linear over every weight
+at `rows` rows, the rows and weights in `dtype`; `interleaved_best` is each run's best wall time over
+rounds that call every run once in turn (on a shared machine, each then sees the same load).
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,18 +62,17 @@ def prefill_flops(weights: list[torch.Tensor], tokens: int) -> float:
     return 2.0 * sum(w.numel() for w in weights) * tokens
 
 
-def linear_s(weights: list[torch.Tensor], rows: int, dtype: torch.dtype, repeats: int) -> float:
-    """The best time of F.linear over every weight at `rows` rows, rows and weights in `dtype`."""
+def linear_run(weights: list[torch.Tensor], rows: int, dtype: torch.dtype) -> Callable[[], None]:
+    """F.linear over every weight at `rows` rows, rows and weights in `dtype`."""
     cast = [w.to(dtype) for w in weights]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w in cast}
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats + 1):  # the first call warms oneDNN's kernels
-            started = time.perf_counter()
-            for w in cast:
-                F.linear(inputs[w.shape[1]], w)
-            best = min(best, time.perf_counter() - started)
-    return best
+
+    @torch.inference_mode()
+    def run() -> None:
+        for w in cast:
+            F.linear(inputs[w.shape[1]], w)
+
+    return run
 
 
 def engine_for(directory: Path, **model_options: str) -> LLMEngine:
@@ -81,15 +82,26 @@ def engine_for(directory: Path, **model_options: str) -> LLMEngine:
     return LLMEngine(config, model, Tokenizer.from_hf_dir(directory), log=lambda _: None)
 
 
-def ttft_s(engine: LLMEngine, tokens: int, repeats: int) -> float:
-    """The best wall time of one request of `tokens` prompt tokens and one output token."""
+def ttft_run(engine: LLMEngine, tokens: int, calls: int) -> Callable[[], None]:
+    """One request of `tokens` prompt tokens and one output token, a fresh prompt for each of `calls`."""
     assert engine.tokenizer is not None
-    prompts = make_prompts(engine.tokenizer, repeats + 1, tokens, salt=tokens)
+    prompts = iter(make_prompts(engine.tokenizer, calls, tokens, salt=tokens))
     params = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.generate(prompts[:1], params)  # a warm-up
-    best = float("inf")
-    for prompt in prompts[1:]:
-        started = time.perf_counter()
-        engine.generate([prompt], params)
-        best = min(best, time.perf_counter() - started)
+
+    def run() -> None:
+        engine.generate([next(prompts)], params)
+
+    return run
+
+
+def interleaved_best(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Each run's best wall time over `repeats` rounds, after one warm-up round (oneDNN's kernels, the
+    C kernels' builds); every round calls each run once, in turn."""
+    best = dict.fromkeys(runs, float("inf"))
+    for round_ in range(repeats + 1):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            if round_:
+                best[name] = min(best[name], time.perf_counter() - started)
     return best
