@@ -34,9 +34,9 @@ def decode_matmul_bandwidth(model: Transformer, threads: int, repeats: int = 5) 
         read += sum(w.codes.numel() + 4 * (w.scales.numel() + w.offsets.numel()) for w in packed)
         calls += [(model.packed_matmul, w, w.in_features, {}) for w in packed]
     if model.half_matmul is not None:
-        half = [p.dense.T for p in projections if p.packed is None and p.dense is not None]
-        read += sum(2 * w.numel() for w in half)
-        calls += [(model.half_matmul, w, w.shape[1], {"split": True}) for w in half]
+        half = [p.half for p in projections if p.half is not None]
+        read += sum(2 * w.panels.numel() for w in half)
+        calls += [(model.half_matmul, w, w.in_features, {"split": True}) for w in half]
     if not calls:
         return 0.0, 0.0
     rows = {width: torch.randn(1, width) for _, _, width, _ in calls}

@@ -22,7 +22,7 @@ import torch
 
 from kvfence.model import native
 from kvfence.model.archs.base import ModelConfig
-from kvfence.model.half_matmul import HALF_DTYPES
+from kvfence.model.half_matmul import HALF_DTYPES, HalfWeight
 from kvfence.model.weights import Layer, Projection
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -91,22 +91,30 @@ def _address(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _sixteen_bit(projection: Projection) -> torch.Tensor | None:
-    """The projection's 16-bit [out, in] rows, contiguous as half_matmul.c reads them; None if it has none."""
-    dense = projection.dense
-    if projection.packed is not None or dense is None or dense.dtype not in HALF_DTYPES:
+def _sixteen_bit(projection: Projection) -> HalfWeight | None:
+    """The projection's 16-bit panels, as half_matmul.c reads them; None if it has none."""
+    half = projection.half
+    if projection.packed is not None or half is None or half.dtype not in HALF_DTYPES:
         return None
-    return dense.T if dense.T.is_contiguous() else None
+    return half if half.panels.is_contiguous() else None
 
 
 def _weight(projection: Projection) -> _Weight:
     bias, packed = _address(projection.bias), projection.packed
     if packed is None:
-        rows = _sixteen_bit(projection)
-        assert rows is not None
-        out_features, in_features = rows.shape
+        half = _sixteen_bit(projection)
+        assert half is not None
         return _Weight(
-            rows.data_ptr(), None, None, bias, in_features, out_features, 0, 0, 0, _KINDS[rows.dtype]
+            half.panels.data_ptr(),
+            None,
+            None,
+            bias,
+            half.in_features,
+            half.out_features,
+            0,
+            0,
+            0,
+            _KINDS[half.dtype],
         )
     assert packed.codes.is_contiguous()
     return _Weight(

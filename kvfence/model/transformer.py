@@ -170,14 +170,15 @@ class Transformer:
         self._half_kernel = kernel if isinstance(kernel, HalfMatmulKernel) else None
         if activation_dtype == "auto":
             activation_dtype = "int8" if self._packed_kernel is not None else "float32"
-        binder = Binder(tensors, quantized, self._packed_kernel, dot=activation_dtype == "int8")
+        half = self._half_kernel is not None
+        binder = Binder(tensors, quantized, self._packed_kernel, activation_dtype == "int8", half)
         self.lm_head, self.layers = _bind(binder, config.num_layers, progress)
         packed = [self.lm_head.packed] + [p.packed for layer in self.layers for p in layer.projections()]
         if self._packed_kernel is not None and not any(packed):
             if decode_matmul == "kernel":
                 raise ValueError("decode matmul 'kernel' is unavailable: no weight fits its panels")
             self._packed_kernel, self.decode_matmul_note = None, "no weight fits the kernel's panels"
-            binder = Binder(tensors, quantized, None)
+            binder = Binder(tensors, quantized, None, half=half)
             self.lm_head, self.layers = _bind(binder, config.num_layers, progress)
         self.decode_matmul = "kernel" if self._packed_kernel or self._half_kernel else "dense"
         self.activation_dtype = activation_dtype
@@ -416,17 +417,9 @@ class Transformer:
         dequantizing), 94 vs 178 ms at 64 rows, 860 vs 1013 at 512, 3497 vs 3536 at 2048."""
         if self._packed_kernel is not None and weight.packed is not None:
             out = self._packed_kernel(x, weight.packed)
-        elif weight.dense is not None and weight.dense.dtype != x.dtype:
-            out = self._narrow_matmul(x, weight.dense)
+        elif self._half_kernel is not None and weight.half is not None:
+            out = self._half_kernel(x if x.stride(-1) == 1 else x.contiguous(), weight.half)
         else:
-            assert weight.dense is not None
-            out = _matmul(x, weight.dense)
+            assert weight.dense is not None  # 16-bit weights without the 16-bit kernel widen for the call
+            out = _matmul(x, weight.dense.to(x.dtype))
         return out if weight.bias is None else out + weight.bias
-
-    def _narrow_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """`x @ weight` for 16-bit weights ([in, out], a view of their rows) under a float32 model, in
-        float32 over the weights' exact values: the 16-bit kernel reads each weight's 2 bytes once (each
-        row alone, as the packed kernel), else torch widens the weight for the call."""
-        if self._half_kernel is not None:
-            return self._half_kernel(x if x.stride(-1) == 1 else x.contiguous(), weight.T)
-        return _matmul(x, weight.to(x.dtype))

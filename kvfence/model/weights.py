@@ -5,9 +5,11 @@ Contract: `Binder` reads `tensors` (dense, [out_features, in_features]) and `qua
 in one of the two, never both. Each layer gets one Q|K|V projection (with the file's Q/K/V biases, if any),
 O, gate|up and down, and the norms it holds (None where its architecture has none). A quantized
 projection that fits the packed kernel's panels is held only as packed codes when the kernel runs
-(`Projection.dense` None), so no float32 copy of the model stays resident. Every other projection is one
-dense [in_features, out_features] tensor (quantized ones dequantized, on the model's device, in its dtype;
-16-bit weights under a wider model stay 16-bit, as a view of their [out_features, in_features] rows).
+(`Projection.dense` None), so no float32 copy of the model stays resident. 16-bit weights under a wider
+model, where the 16-bit kernel runs, are held only in its panels (`Projection.half`). Every other
+projection is one dense [in_features, out_features] tensor (quantized ones dequantized, on the model's
+device, in its dtype; 16-bit weights under a wider model stay 16-bit, as a view of their [out_features,
+in_features] rows).
 """
 
 from __future__ import annotations
@@ -19,17 +21,20 @@ import torch
 
 from kvfence.model import block_packer
 from kvfence.model.gguf import QuantizedWeight, QuantizedWeights
+from kvfence.model.half_matmul import HalfWeight
 from kvfence.model.packed_matmul import PackedMatmulKernel, PackedWeight
 
 
 @dataclass(frozen=True)
 class Projection:
-    """One (fused) weight: `packed` for the kernel, else `dense` ([in, out], BLAS's `x @ w`); never
-    neither. `bias` [out] is added after the matmul, whichever path ran."""
+    """One (fused) weight: `packed` for the packed kernel, `half` for the 16-bit one, else `dense` ([in,
+    out], BLAS's `x @ w`); exactly one of the three. `bias` [out] is added after the matmul, whichever path
+    ran."""
 
     dense: torch.Tensor | None
     packed: PackedWeight | None
     bias: torch.Tensor | None = None
+    half: HalfWeight | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,8 @@ class Layer:
 
 class Binder:
     """Reads the named weights out of the loader's two dicts, packed where `kernel` runs (laid out for its
-    int8 dot products where `dot` and the codes allow: `pack`)."""
+    int8 dot products where `dot` and the codes allow: `pack`); 16-bit weights under a wider model in the
+    16-bit kernel's panels where `half` (that kernel runs)."""
 
     def __init__(
         self,
@@ -63,11 +69,12 @@ class Binder:
         quantized: Mapping[str, QuantizedWeight],
         kernel: PackedMatmulKernel | None,
         dot: bool = False,
+        half: bool = False,
     ) -> None:
         both = sorted(tensors.keys() & quantized.keys())
         if both:
             raise ValueError(f"weights given both dense and quantized: {both[:4]}")
-        self.tensors, self.quantized, self.kernel, self.dot = tensors, quantized, kernel, dot
+        self.tensors, self.quantized, self.kernel, self.dot, self.half = tensors, quantized, kernel, dot, half
         norm = tensors["output_norm.weight"]  # never quantized: its dtype and device are the model's
         self.dtype, self.device = norm.dtype, norm.device
 
@@ -98,18 +105,23 @@ class Binder:
         packed = None
         if self.kernel is not None:
             packed = self.pack(names, self.dot)
-        dense = None if packed is not None else self._dense_projection(names)
+        dense = half = None
+        if packed is None:
+            dense, half = self._unpacked(names)
         biases = [self.tensors.get(name.removesuffix(".weight") + ".bias") for name in names]
         bias = torch.cat(biases) if all(b is not None for b in biases) else None  # type: ignore[misc]
         if bias is None and any(b is not None for b in biases):
             raise ValueError(f"biases on only some of {list(names)}")
-        return Projection(dense, packed, bias)
+        return Projection(dense, packed, bias, half)
 
-    def _dense_projection(self, names: Sequence[str]) -> torch.Tensor:
-        """[in, out]: contiguous for BLAS, or, for 16-bit weights under a wider model, the transposed view
-        of contiguous [out, in] rows, which the 16-bit kernel reads (half_matmul.py)."""
+    def _unpacked(self, names: Sequence[str]) -> tuple[torch.Tensor | None, HalfWeight | None]:
+        """(dense, half): 16-bit weights under a wider model in the 16-bit kernel's panels where it runs,
+        else a dense [in, out]: contiguous for BLAS, or the transposed view of 16-bit [out, in] rows (torch
+        widens them for each call)."""
         weights = torch.cat([self.dense(n) for n in names])
-        return weights.T if weights.dtype != self.dtype else weights.T.contiguous()
+        if weights.dtype == self.dtype:
+            return weights.T.contiguous(), None
+        return (None, HalfWeight.from_rows(weights)) if self.half else (weights.T, None)
 
     def layer(self, i: int) -> Layer:
         p = f"blk.{i}."
@@ -135,24 +147,31 @@ class Binder:
             else "token_embd.weight"
         )
         packed = self.pack([name], self.dot) if self.kernel is not None else None
-        return Projection(None if packed is not None else self.dense(name).T, packed)
+        if packed is not None:
+            return Projection(None, packed)
+        weight = self.dense(name)
+        if self.half and weight.dtype != self.dtype:
+            return Projection(None, None, half=HalfWeight.from_rows(weight))
+        return Projection(weight.T, None)
 
 
 class Embedding:
     """Token embeddings from whichever copy the model already holds: the LM head's when the file ties the
-    two (its packed rows, or its dense table). Untied, the file's table packed as the kernel's panels are
-    (0.56-0.75 bytes a weight for 4-bit formats, where its int8 codes and float32 scales took 1.25), else
-    its codes, else its dense table. Packed rows are, bit for bit, the dequantized ones (`PackedWeight`)."""
+    two (its packed rows, its 16-bit panels' rows, or its dense table). Untied, the file's table packed as
+    the kernel's panels are (0.56-0.75 bytes a weight for 4-bit formats, where its int8 codes and float32
+    scales took 1.25), else its codes, else its dense table. Packed rows are, bit for bit, the dequantized
+    ones (`PackedWeight`)."""
 
     def __init__(self, binder: Binder, lm_head: Projection, tied: bool) -> None:
         self.dtype, self.device = binder.dtype, binder.device
         self._packed, self._quantized = lm_head.packed if tied else None, None
+        self._half = lm_head.half if tied else None
         if not tied and "token_embd.weight" in binder.quantized:
             self._packed = binder.pack(["token_embd.weight"], dot=False)
             if self._packed is None:
                 self._quantized = binder.quantized["token_embd.weight"]
         self._dense = None
-        if self._packed is None and self._quantized is None:
+        if self._packed is None and self._quantized is None and self._half is None:
             self._dense = (
                 lm_head.dense.T if tied and lm_head.dense is not None else binder.dense("token_embd.weight")
             )
@@ -160,5 +179,7 @@ class Embedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self._dense is not None:
             return self._dense[ids].to(self.dtype)  # 16-bit tables widen here, a row at a time
+        if self._half is not None:
+            return self._half.rows(ids.cpu()).to(self.dtype).to(self.device)
         source = self._packed.rows if self._packed is not None else self._quantized.dequantize  # type: ignore[union-attr]
         return source(ids.cpu()).to(self.dtype).to(self.device)

@@ -48,8 +48,8 @@ def test_logits_and_tokens_match_transformers(tmp_path: Path, variant: str) -> N
     assert loaded.config.architecture == ARCH[variant]
     model = Transformer.from_gguf(loaded, activation_dtype="float32")
     assert model.weight_dtype == torch.bfloat16 and model.decode_matmul == "kernel"
-    dense = [p.dense for layer in model.layers for p in layer.projections()] + [model.lm_head.dense]
-    assert all(w is not None and w.dtype == torch.bfloat16 for w in dense)  # no float32 copy of a weight
+    half = [p.half for layer in model.layers for p in layer.projections()] + [model.lm_head.half]
+    assert all(w is not None and w.dtype == torch.bfloat16 for w in half)  # no float32 copy of a weight
     assert_engine_matches(model, reference)
 
 

@@ -43,7 +43,7 @@ enum { KVF_PACKED, KVF_BF16, KVF_FP16 }; /* a weight's kind: which kernel multip
 
 typedef struct {
     const void *codes, *scales, *offsets; /* packed: as packed_matmul.c stores them, in `format`;
-                                           * 16-bit: codes the [out_features, in_features] rows, no others */
+                                           * 16-bit: codes the panels half_matmul.c reads, no others */
     const float *bias;                    /* NULL for none */
     int64_t in_features, out_features, group, panels, format, kind;
 } kvf_weight;

@@ -1,30 +1,35 @@
 /* y = x @ W.T over 16-bit weights (bfloat16 or float16) kept as stored, in float32.
  *
- * Why: a decode step reads every weight once for a handful of rows, so it runs at the speed weights are
- * read. BLAS reads float32 (4 bytes a weight, and a resident float32 copy of the model); torch's own
+ * Why: BLAS reads float32 (4 bytes a weight, and a resident float32 copy of the model); torch's own
  * bfloat16 matmul rounds the activations and the result to bfloat16. Here each weight is widened to float32
  * in registers (exact for both formats) and multiplied by the float32 row: the float32 arithmetic of a
- * float32 model over the same weights, 2 bytes a weight read.
+ * float32 model over the same weights, 2 bytes a weight read. The weights are laid out in panels of 16
+ * output features, k-major, so that one vector of weights serves every row of a tile: a prefill tile of 6
+ * rows x 64 outputs does 24 multiply-adds for 4 weight vectors and 6 broadcasts (a GEMM's register
+ * blocking), where a dot-product layout does about one load a multiply-add.
  *
  * Contract:
  *   x  [rows, in_features] float32, rows x_stride floats apart, each row contiguous
- *   w  [out_features, in_features] uint16 (bfloat16 bits, or float16 bits with `half`), contiguous
+ *   w  [ceil(out_features / 16), in_features, 16] uint16 (bfloat16 bits, or float16 bits with `half`),
+ *      contiguous: panel p, line k holds W[16p + j, k] at j (0 past out_features)
  *   y  [rows, out_features] float32, contiguous
- * Each row accumulates alone, in a fixed order (64 lanes over k, lane j taking k = j mod 64, then the
- * lanes summed in one fixed tree, then the last in_features mod 64 products in order): a row's result does
- * not depend on how many rows share the call (batch invariance). Output features are split over threads:
- * `half_matmul` only where the product is large enough to repay waking the pool, `half_matmul_threads`
- * always (the decoder layer's back-to-back calls, which find the pool awake: decoder_layer.c).
+ * Each output accumulates alone, one fused multiply-add per k in increasing k from 0: a row's result does
+ * not depend on how many rows share the call, nor on the tiling, the threads or the instruction set (the
+ * AVX-512, AVX2 and plain C paths, fmaf, give the same bits). Work is split over threads: `half_matmul`
+ * only where the product is large enough to repay waking the pool, `half_matmul_threads` always (the
+ * decoder layer's back-to-back calls, which find the pool awake: decoder_layer.c).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16
-#define CHAINS 4 /* independent sums a row keeps: one would wait on the multiply-add's latency */
-#define BODY (LANES * CHAINS)
-#define ROW_TILE 4
+#define PANEL 16
+#define ROW_TILE 6
+#define PANEL_TILE 4
+#define ROW_BLOCK (4 * ROW_TILE) /* rows of one unit of threaded work */
 /* Below this many multiply-adds one thread does the call, as packed_matmul.c: waking the pool costs more. */
 #define PARALLEL_WORK (4L << 20)
+#define INLINE static inline __attribute__((always_inline))
 
 static inline float widen(uint16_t bits, int half) {
     if (!half) {
@@ -54,69 +59,127 @@ static inline float widen(uint16_t bits, int half) {
     return f;
 }
 
+/* Where output column n0 + j of a panel is past out_features, nothing is stored. */
+static inline int columns(int64_t n0, int64_t out_features) {
+    return out_features - n0 < PANEL ? (int)(out_features - n0) : PANEL;
+}
+
 #if defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
 
-static inline __m512 widen16(const uint16_t *w, int half) {
+INLINE __m512 widen16(const uint16_t *w, const int half) {
     __m256i bits = _mm256_loadu_si256((const __m256i *)w);
     if (half) return _mm512_cvtph_ps(bits);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-/* Up to ROW_TILE rows against one weight row: sums[r] gets row r's BODY lanes summed. */
-static void tile(const float *x, int64_t x_stride, int rows, const uint16_t *w, int64_t in_features, int half,
-                 float *sums) {
-    __m512 acc[ROW_TILE][CHAINS];
-    for (int r = 0; r < ROW_TILE; r++)
-        for (int c = 0; c < CHAINS; c++) acc[r][c] = _mm512_setzero_ps();
-    int64_t body = in_features - in_features % BODY;
-    for (int64_t k = 0; k < body; k += BODY) {
-        for (int c = 0; c < CHAINS; c++) {
-            __m512 wk = widen16(w + k + c * LANES, half);
-            for (int r = 0; r < rows; r++)
-                acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * x_stride + k + c * LANES), wk, acc[r][c]);
+/* R rows x NP panels (R, NP, half constant where it is inlined: the accumulators stay in registers). */
+INLINE void tile(const float *x, int64_t x_stride, const uint16_t *w, int64_t in_features, float *y,
+                 int64_t out_features, int64_t n0, const int R, const int NP, const int half) {
+    __m512 acc[ROW_TILE][PANEL_TILE];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();
+    const int64_t panel_stride = in_features * PANEL;
+    for (int64_t k = 0; k < in_features; k++) {
+        __m512 wk[PANEL_TILE];
+        for (int p = 0; p < NP; p++) wk[p] = widen16(w + p * panel_stride + k * PANEL, half);
+#pragma GCC unroll 6 /* the accumulators stay in registers only where every row's loop is unrolled */
+        for (int r = 0; r < R; r++) {
+            __m512 xk = _mm512_set1_ps(x[r * x_stride + k]);
+            for (int p = 0; p < NP; p++) acc[r][p] = _mm512_fmadd_ps(xk, wk[p], acc[r][p]);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        __m512 total = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
-        sums[r] = _mm512_reduce_add_ps(total);
+    for (int p = 0; p < NP; p++) {
+        int64_t n = n0 + p * PANEL;
+        __mmask16 mask = (__mmask16)((1u << columns(n, out_features)) - 1);
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * out_features + n, mask, acc[r][p]);
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+INLINE __m256 widen8(const uint16_t *w, const int half) {
+    __m128i bits = _mm_loadu_si128((const __m128i *)w);
+    if (half) return _mm256_cvtph_ps(bits);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+/* AVX2 has 16 registers: R rows x one panel (two vectors) at a time, the same operations per output. */
+INLINE void tile(const float *x, int64_t x_stride, const uint16_t *w, int64_t in_features, float *y,
+                 int64_t out_features, int64_t n0, const int R, const int NP, const int half) {
+    for (int p = 0; p < NP; p++) {
+        const uint16_t *wp = w + p * in_features * PANEL;
+        __m256 acc[ROW_TILE][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < in_features; k++) {
+            __m256 lo = widen8(wp + k * PANEL, half), hi = widen8(wp + k * PANEL + 8, half);
+#pragma GCC unroll 6 /* as above */
+            for (int r = 0; r < R; r++) {
+                __m256 xk = _mm256_broadcast_ss(x + r * x_stride + k);
+                acc[r][0] = _mm256_fmadd_ps(xk, lo, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(xk, hi, acc[r][1]);
+            }
+        }
+        int64_t n = n0 + p * PANEL;
+        for (int r = 0; r < R; r++) {
+            float out[PANEL];
+            _mm256_storeu_ps(out, acc[r][0]);
+            _mm256_storeu_ps(out + 8, acc[r][1]);
+            memcpy(y + r * out_features + n, out, columns(n, out_features) * sizeof(float));
+        }
     }
 }
 #else
-static void tile(const float *x, int64_t x_stride, int rows, const uint16_t *w, int64_t in_features, int half,
-                 float *sums) {
-    float acc[ROW_TILE][BODY] = {{0}};
-    int64_t body = in_features - in_features % BODY;
-    for (int64_t k = 0; k < body; k += BODY) {
-        float wk[BODY];
-        for (int j = 0; j < BODY; j++) wk[j] = widen(w[k + j], half);
-        for (int r = 0; r < rows; r++)
-            for (int j = 0; j < BODY; j++) acc[r][j] += x[r * x_stride + k + j] * wk[j];
+INLINE void tile(const float *x, int64_t x_stride, const uint16_t *w, int64_t in_features, float *y,
+                 int64_t out_features, int64_t n0, const int R, const int NP, const int half) {
+    float acc[ROW_TILE][PANEL_TILE * PANEL] = {{0}};
+    const int64_t panel_stride = in_features * PANEL;
+    for (int64_t k = 0; k < in_features; k++) {
+        float wk[PANEL_TILE * PANEL];
+        for (int p = 0; p < NP; p++)
+            for (int j = 0; j < PANEL; j++) wk[p * PANEL + j] = widen(w[p * panel_stride + k * PANEL + j], half);
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NP * PANEL; j++) acc[r][j] = fmaf(x[r * x_stride + k], wk[j], acc[r][j]);
     }
-    for (int r = 0; r < rows; r++) {
-        float s = 0;
-        for (int j = 0; j < BODY; j++) s += acc[r][j];
-        sums[r] = s;
+    for (int p = 0; p < NP; p++) {
+        int64_t n = n0 + p * PANEL;
+        for (int r = 0; r < R; r++) memcpy(y + r * out_features + n, acc[r] + p * PANEL, columns(n, out_features) * sizeof(float));
     }
 }
 #endif
 
+#define TILE(R, NP)                                                                                            \
+    case (R - 1) * PANEL_TILE + NP - 1:                                                                        \
+        if (half)                                                                                              \
+            tile(x, x_stride, w, in_features, y, out_features, n0, R, NP, 1);                                  \
+        else                                                                                                   \
+            tile(x, x_stride, w, in_features, y, out_features, n0, R, NP, 0);                                  \
+        break;
+#define TILES(R) TILE(R, 1) TILE(R, 2) TILE(R, 3) TILE(R, 4)
+
+/* `rows` (1..ROW_TILE) rows x `panels` (1..PANEL_TILE) panels from output column n0. */
+static void any_tile(const float *x, int64_t x_stride, int rows, const uint16_t *w, int panels,
+                     int64_t in_features, int half, float *y, int64_t out_features, int64_t n0) {
+    switch ((rows - 1) * PANEL_TILE + panels - 1) {
+        TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6)
+    }
+}
+
 void half_matmul_threads(const float *x, int64_t x_stride, int64_t rows, const uint16_t *w, int64_t in_features,
                          int64_t out_features, int half, float *y, int num_threads) {
-    int64_t body = in_features - in_features % BODY;
+    const int64_t panels = (out_features + PANEL - 1) / PANEL;
+    const int64_t groups = (panels + PANEL_TILE - 1) / PANEL_TILE;
+    const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    /* Units of (panel group, block of rows), group-major: a thread's consecutive units share weights. */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < out_features; n++) {
-        const uint16_t *wn = w + n * in_features;
-        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-            int count = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-            float sums[ROW_TILE];
-            tile(x + r0 * x_stride, x_stride, count, wn, in_features, half, sums);
-            for (int r = 0; r < count; r++) {
-                const float *xr = x + (r0 + r) * x_stride;
-                float s = sums[r];
-                for (int64_t k = body; k < in_features; k++) s += xr[k] * widen(wn[k], half);
-                y[(r0 + r) * out_features + n] = s;
-            }
+    for (int64_t unit = 0; unit < groups * blocks; unit++) {
+        const int64_t g = unit / blocks, b = unit % blocks;
+        const int64_t p0 = g * PANEL_TILE, row_end = (b + 1) * ROW_BLOCK < rows ? (b + 1) * ROW_BLOCK : rows;
+        const int np = panels - p0 < PANEL_TILE ? (int)(panels - p0) : PANEL_TILE;
+        for (int64_t r0 = b * ROW_BLOCK; r0 < row_end; r0 += ROW_TILE) {
+            const int count = row_end - r0 < ROW_TILE ? (int)(row_end - r0) : ROW_TILE;
+            any_tile(x + r0 * x_stride, x_stride, count, w + p0 * in_features * PANEL, np, in_features, half,
+                     y + r0 * out_features, out_features, p0 * PANEL);
         }
     }
 }
