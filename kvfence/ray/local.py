@@ -4,7 +4,7 @@ It checks what `kvfence serve` checks before anything starts (the model's header
 window, the key files, the port), then starts a local Ray cluster with token authentication, or joins
 `--ray-address`, runs Serve's HTTP proxy on --host/--port, deploys N replicas of kvfence.ray:app with the
 command's own arguments (less --host, --port and the Ray options) and blocks until SIGINT or SIGTERM; then it
-deletes the application (and, on a cluster it started, shuts Serve and Ray down).
+deletes the application and its fleet registry (and, on a cluster it started, shuts Serve and Ray down).
 
 Contracts: a cluster kvfence starts has RAY_AUTH_MODE=token, its token a random 256-bit value written to
 a new owner-only file (0600, in a 0700 directory removed on exit) whose path alone is in the Ray processes'
@@ -131,6 +131,8 @@ def _serve_on_ray(args: Any, options: AppOptions, name: str, token_path: Path | 
     import ray
     from ray import serve
 
+    from kvfence.ray.fleet import kill_registry
+
     settings = {"num_replicas": options.num_replicas, "num_cpus": options.num_cpus, "router": options.router}
     application = app({"serve_args": list(options.serve_args), **settings})
     started, deployed = args.ray_address is None, False
@@ -179,6 +181,7 @@ def _serve_on_ray(args: Any, options: AppOptions, name: str, token_path: Path | 
                 serve.shutdown()
             elif deployed:
                 serve.delete(APP_NAME)  # a cluster joined keeps its other applications
+                kill_registry(APP_NAME)  # detached: it would outlive the application
         ray.shutdown()
 
 

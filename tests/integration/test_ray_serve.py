@@ -1,8 +1,11 @@
-"""`kvfence serve --ray-replicas 2` on a real local Ray cluster (one machine, the real SmolLM2, 2 replicas of
-half a CPU and one torch thread each): the same greedy answer as kvfence's own engine from both replicas, SSE
-through Ray's proxy, kvfence's auth, Ray's token authentication on, and no API key or admin key anywhere in
-Ray's state, its processes' environments or its session logs; then a clean stop with nothing left. And
-`--ray-address` to a cluster without token authentication is refused before anything is deployed.
+"""`kvfence serve --ray-replicas 2` on a real local Ray cluster (one machine, the real SmolLM2 on its exact
+float32 path, 2 replicas of half a CPU and one torch thread each, one sealed Redis tier): the same greedy
+answer as kvfence's own engine from both replicas, SSE through Ray's proxy, kvfence's auth, Ray's token
+authentication on; the fleet (tests/integration/ray_fleet_checks.py): admin reads for every replica,
+`kvfence audit` passing, a prefix restored across replicas for its tenant only, a replica killed mid-stream;
+no API key, admin key or tier key anywhere in Ray's state, its processes' environments or its session
+logs; then a clean stop with nothing left. And `--ray-address` to a cluster without token authentication
+is refused before anything is deployed.
 
 One test runs every check on the two-replica cluster: a module fixture split over pytest-xdist workers
 would start a cluster in each of them, two on two cores. Each Ray session lives in a temporary directory
@@ -19,6 +22,8 @@ import re
 import secrets
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -26,39 +31,55 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from ray_fleet_checks import (
+    check_audit_passes,
+    check_fleet_views,
+    check_ray_prometheus_export,
+    check_replica_killed_mid_stream,
+    check_shared_tier,
+    processes_under,
+)
 
 from kvfence.disagg.launch import free_ports
 from kvfence.harness.procs import Proc, launch, stop
+from kvfence.harness.redis_server import redis_server
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.real_model
 
 # Small enough for two replicas and this test's own engine beside the rest of the suite on 2 cores.
+# The exact path: a prefix restored from the tier is a prefill in chunks, which moves the fast path's logits.
 ENGINE_ARGS = ["--num-pages", "64", "--max-model-len", "256", "--num-threads", "1", "--disable-log-stats"]
+ENGINE_ARGS += ["--activation-dtype", "float32"]
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 START_TIMEOUT_S = 300.0
 HTTP_TIMEOUT_S = 60.0
 RAY_CLIENT_TIMEOUT_S = 90.0
+SERVER_ACTOR = "ServeReplica:kvfence:kvfence"  # a server replica's actor (the front's is kvfence-front)
 SPREAD_TRIES = 24  # sequential requests until both replicas answered: all on one has odds 2 * 2^-24
 
 # Run by a fresh interpreter with the token in its environment: Ray's state API and Serve's REST status as
 # JSON on the last line of stdout (only JSON crosses back, nothing is unpickled here).
 STATE_PROBE = """
 import json, sys, httpx, ray
-from ray.util.state import list_actors, list_jobs, list_placement_groups
+from ray.util.state import list_actors, list_jobs, list_placement_groups, list_tasks, list_workers
 context = ray.init(address=sys.argv[1], log_to_driver=False)
 token = open(sys.argv[2]).read().strip()
 serve = httpx.get(f"http://{context.dashboard_url}/api/serve/applications/",
                   headers={"authorization": f"Bearer {token}"}, timeout=30)
 def rows(listed):
     return [json.loads(json.dumps(getattr(row, "__dict__", row), default=str)) for row in listed]
-state = {"actors": rows(list_actors(detail=True)), "jobs": rows(list_jobs(detail=True)),
-         "placement_groups": rows(list_placement_groups(detail=True)),
-         "serve_status": serve.status_code, "serve": serve.text}
+at = {"address": sys.argv[1], "detail": True}  # this cluster's, though another may run on the machine
+state = {"actors": rows(list_actors(**at)), "jobs": rows(list_jobs(**at)),
+         "placement_groups": rows(list_placement_groups(**at)),
+         "tasks": rows(list_tasks(**at)), "workers": rows(list_workers(**at)),
+         "serve_status": serve.status_code, "serve": serve.text,
+         "metrics_exports": [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes()]}
 print(json.dumps(state))
 """
 CONNECT_PROBE = "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); print('CONNECTED')"
@@ -70,10 +91,14 @@ class RayServer:
     url: str
     directory: Path  # this test's own: key files, the Ray session (ray/)
     api_key: str
+    other_key: str  # a second tenant's
     admin_key: str
+    tier_key: str
     gcs: str
     dashboard: str
     token_path: Path
+    tls: dict[str, str]  # Ray's TLS variables: every Ray process of this cluster, and its clients, has them
+    tls_key: str
 
     def post(self, path: str, body: dict[str, object], key: str | None = None) -> httpx.Response:
         headers = {"authorization": f"Bearer {key or self.api_key}"}
@@ -83,7 +108,7 @@ class RayServer:
         """`python -c CODE GCS ARGS` as a Ray client: with this cluster's token (by its file's path), or
         with no token anywhere Ray looks (no RAY_AUTH_* variable, a HOME without ~/.ray)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-        env |= {"HOME": str(self.directory / "home"), "RAY_USAGE_STATS_ENABLED": "0"}
+        env |= {"HOME": str(self.directory / "home"), "RAY_USAGE_STATS_ENABLED": "0", **self.tls}
         if token:
             env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
         command = [sys.executable, "-c", code, self.gcs, *args]
@@ -103,24 +128,41 @@ def _line(proc: Proc, pattern: str) -> re.Match[str]:
     return found[0]
 
 
-def _processes_under(directory: Path) -> list[int]:
-    """Live processes whose command line names `directory` (this test's Ray session: its raylet, GCS...)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            with contextlib.suppress(OSError):
-                if str(directory).encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.append(int(entry))
-    return pids
+def _tls(directory: Path) -> tuple[dict[str, str], str]:
+    """Ray's TLS on loopback: a self-signed certificate for this node (Ray's own test helper makes it with
+    the names Ray connects by), its key in a 0600 file; the variables and the key."""
+    from ray._common.tls_utils import generate_self_signed_tls_certs
+
+    cert, key = generate_self_signed_tls_certs()
+    cert_path = directory / "tls.crt"
+    cert_path.write_text(cert)
+    key_path = _secret_file(directory / "tls.key", key)
+    variables = {
+        "RAY_USE_TLS": "1",
+        "RAY_TLS_SERVER_CERT": str(cert_path),
+        "RAY_TLS_SERVER_KEY": str(key_path),
+    }
+    return variables | {"RAY_TLS_CA_CERT": str(cert_path)}, key
 
 
 @contextlib.contextmanager
 def ray_server() -> Iterator[RayServer]:
+    with contextlib.ExitStack() as stack:
+        yield from _ray_server(stack)
+
+
+def _ray_server(stack: contextlib.ExitStack) -> Iterator[RayServer]:
     directory = Path(tempfile.mkdtemp(prefix="kvfr-"))
     (directory / "home").mkdir()
-    api_key, admin_key = f"sk-{secrets.token_hex(16)}", f"admin-{secrets.token_hex(16)}"
-    keys = _secret_file(directory / "api-keys", f"{api_key} tenant-a\n")
+    api_key, other_key = f"sk-{secrets.token_hex(16)}", f"sk-{secrets.token_hex(16)}"
+    admin_key, tier_key = f"admin-{secrets.token_hex(16)}", secrets.token_hex(32)
+    keys = _secret_file(directory / "api-keys", f"{api_key} tenant-a\n{other_key} tenant-b\n")
     admin = _secret_file(directory / "admin-key", f"{admin_key}\n")
+    tier = _secret_file(directory / "tier-key", f"{tier_key}\n")
+    redis_directory = Path(tempfile.mkdtemp(prefix="kvfr-redis-"))  # not the Ray session's: outlives it
+    stack.callback(shutil.rmtree, redis_directory, ignore_errors=True)
+    redis = stack.enter_context(redis_server(redis_directory))
+    tls, tls_key = _tls(directory)
     (port,) = free_ports(1)
     args = ["serve", "--ray-replicas", "2", "--port", str(port), "--ray-temp-dir", str(directory / "ray")]
     args += [
@@ -131,9 +173,10 @@ def ray_server() -> Iterator[RayServer]:
         str(keys),
         "--admin-key-file",
         str(admin),
+        *("--kv-tier", redis.patient(), "--kv-tier-key-file", str(tier)),
     ]
     began = time.monotonic()
-    proc = launch("kvfence serve --ray-replicas 2", args, env={"OMP_NUM_THREADS": "1"})
+    proc = launch("kvfence serve --ray-replicas 2", args, env={"OMP_NUM_THREADS": "1", **tls})
     try:
         proc.wait_for_http(f"http://127.0.0.1:{port}", START_TIMEOUT_S)
         print(f"  serving after {time.monotonic() - began:.1f} s (reported, not asserted)")
@@ -142,9 +185,9 @@ def ray_server() -> Iterator[RayServer]:
         )
         token = Path(_line(proc, r"ray: token in (\S+) \(mode 0600").group(1))
         gcs, dashboard = cluster.group(1), cluster.group(3)
-        yield RayServer(
-            proc, f"http://127.0.0.1:{port}", directory, api_key, admin_key, gcs, dashboard, token
-        )
+        url = f"http://127.0.0.1:{port}"
+        keys_ = (api_key, other_key, admin_key, tier_key)
+        yield RayServer(proc, url, directory, *keys_, gcs, dashboard, token, tls, tls_key)
     finally:
         clean_up(proc, directory)
 
@@ -153,7 +196,7 @@ def clean_up(proc: Proc, directory: Path) -> None:
     """Stop the server; kill by pid what its Ray session left (only if the stop left any: the test says
     so); remove the test's directory."""
     stop([proc])
-    for pid in _processes_under(directory):
+    for pid in processes_under(directory):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     shutil.rmtree(directory, ignore_errors=True)
@@ -193,12 +236,18 @@ def test_two_replicas_on_ray(reference_text: str) -> None:
         check_streaming(server, reference_text)
         check_kvfence_auth(server)
         check_ray_token_auth(server)
+        check_ray_tls(server)
+        replicas = check_fleet_views(server, PROMPT)
+        check_audit_passes(server)
+        check_ray_prometheus_export(ray_state(server)["metrics_exports"], replicas)
         check_no_secret_in_ray(server)
+        check_shared_tier(server, lambda: replica_pids(server))
+        check_replica_killed_mid_stream(server, lambda: replica_pids(server))
         proc, directory, token_path = server.proc, server.directory, server.token_path
         stop([proc])
         assert proc.popen.returncode == 0, proc.tail()
         assert not token_path.parent.exists(), "the token's directory outlived the server"
-        assert _processes_under(directory) == [], "Ray processes outlived the server"
+        assert processes_under(directory) == [], "Ray processes outlived the server"
 
 
 def check_both_replicas_answer_as_the_engine(server: RayServer, reference_text: str) -> None:
@@ -259,19 +308,68 @@ def check_ray_token_auth(server: RayServer) -> None:
     assert "InvalidAuthToken" in output or "Unauthenticated" in output, output[-2000:]  # refused for that
 
 
-def check_no_secret_in_ray(server: RayServer) -> None:
+def check_ray_tls(server: RayServer) -> None:
+    """The GCS speaks TLS with this cluster's certificate, and only to a client with a certificate of its
+    CA (Ray requires client certificates when RAY_TLS_CA_CERT is set)."""
+    host, _, port = server.gcs.rpartition(":")
+    cert = server.tls["RAY_TLS_SERVER_CERT"]
+    for with_certificate in (True, False):
+        context = ssl.create_default_context(cafile=cert)
+        context.check_hostname = False  # Ray's certificate names the node's address as a DNS name
+        context.set_alpn_protocols(["h2"])
+        if with_certificate:
+            context.load_cert_chain(cert, server.tls["RAY_TLS_SERVER_KEY"])
+        with socket.create_connection((host, int(port)), timeout=HTTP_TIMEOUT_S) as raw:
+            try:
+                with context.wrap_socket(raw) as tls:
+                    peer = tls.getpeercert(binary_form=True)
+                    tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # gRPC's first bytes
+                    first = tls.recv(9)  # HTTP/2's SETTINGS frame header, or nothing
+            except (ssl.SSLError, ConnectionError) as exc:
+                assert not with_certificate, f"a client with the CA's certificate was refused: {exc}"
+                continue
+        assert peer == ssl.PEM_cert_to_DER_cert(Path(cert).read_text())
+        if with_certificate:
+            assert len(first) == 9, f"the GCS did not answer gRPC's preface over TLS: {first!r}"
+        else:
+            assert first == b"", f"a client without a certificate was answered: {first!r}"
+
+
+def ray_state(server: RayServer) -> dict[str, Any]:
     probe = server.ray_python(STATE_PROBE, str(server.token_path))
     assert probe.returncode == 0, probe.stderr[-3000:]
-    state = json.loads(probe.stdout.strip().splitlines()[-1])
+    return dict(json.loads(probe.stdout.strip().splitlines()[-1]))
+
+
+def replica_pids(server: RayServer) -> dict[str, int]:
+    """Each live server replica's process, by replica id (Serve names a replica's actor after its id); the
+    front is not one of them: it only forwards."""
+    actors = ray_state(server)["actors"]
+    return {
+        a["name"].rsplit("#", 1)[1]: int(a["pid"])
+        for a in actors
+        if a["class_name"] == SERVER_ACTOR and a["state"] == "ALIVE"
+    }
+
+
+def check_no_secret_in_ray(server: RayServer) -> None:
+    state = ray_state(server)
     replicas = [
         a for a in state["actors"] if a["class_name"].startswith("ServeReplica") and a["state"] == "ALIVE"
     ]
     names = sorted(a["class_name"] for a in replicas)  # two servers and kvfence's front
-    assert names == ["ServeReplica:kvfence:kvfence"] * 2 + ["ServeReplica:kvfence:kvfence-front"], names
+    assert names == [SERVER_ACTOR] * 2 + ["ServeReplica:kvfence:kvfence-front"], names
     assert state["serve_status"] == 200, state  # the probe sees the cluster
     dump = json.dumps(state)
     token = server.token_path.read_text().strip()
-    secrets_ = {"API key": server.api_key, "admin key": server.admin_key, "Ray token": token}
+    secrets_ = {
+        "API key": server.api_key,
+        "second API key": server.other_key,
+        "admin key": server.admin_key,
+        "tier key": server.tier_key,
+        "TLS key": "".join(server.tls_key.splitlines()[1:-1])[:64],  # the PEM's body, not its armour
+        "Ray token": token,
+    }
     for what, secret in secrets_.items():
         assert secret not in dump, f"the {what} is in Ray's state"
     for replica in replicas:  # the replicas' (and front's) environment: keys from files, the token by path
@@ -341,7 +439,7 @@ def test_joining_a_cluster_without_token_auth_is_refused() -> None:
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             head.communicate("", timeout=60)  # stdin closed: the head shuts its cluster down
         head.kill()
-        for pid in _processes_under(directory):
+        for pid in processes_under(directory):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(directory, ignore_errors=True)

@@ -92,6 +92,19 @@ def test_the_builder_takes_serve_run_strings() -> None:
     assert (deployment.num_replicas, deployment.ray_actor_options) == (2, {"num_cpus": 0.5})
 
 
+def test_the_builder_hands_serve_its_autoscaling_config() -> None:
+    from kvfence.ray import app
+
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1}
+    front, deployment = _deployments(app({"serve_args": [], "autoscaling_config": scaling}))
+    config = deployment._deployment_config.autoscaling_config  # Ray's Deployment exposes it only so
+    assert (config.min_replicas, config.max_replicas, config.target_ongoing_requests) == (1, 2, 1)
+    assert front._deployment_config.autoscaling_config is None and front.num_replicas == 1  # servers scale
+    assert front.max_ongoing_requests == 2 * deployment.max_ongoing_requests  # slots for the most servers
+    router = deployment._deployment_config.request_router_config  # scaling keeps the tenant router
+    assert router.request_router_class == "kvfence.ray.router:TenantPrefixRouter"
+
+
 @pytest.mark.parametrize(
     ("args", "error"),
     [
@@ -106,6 +119,12 @@ def test_the_builder_takes_serve_run_strings() -> None:
         ({"serve_args": [], "num_replicas": 1.5}, "num_replicas must be a whole number"),
         ({"serve_args": [], "num_cpus": "-1"}, "num_cpus must be a number above 0"),
         ({"serve_args": [], "router": "prefix"}, "router must be one of kvfence, power-of-two"),
+        ({"serve_args": [], "autoscaling_config": 2}, "autoscaling_config must be a mapping"),
+        ({"serve_args": [], "num_replicas": 2, "autoscaling_config": {}}, "not both"),
+        (
+            {"serve_args": [], "autoscaling_config": {"min_replicas": 3, "max_replicas": 2}},
+            "autoscaling_config:",
+        ),
     ],
 )
 def test_the_builder_refuses_in_one_line(args: dict, error: str) -> None:
