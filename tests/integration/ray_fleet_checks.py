@@ -30,6 +30,7 @@ SPREAD_TRIES = 24
 WAIT_S = 240.0  # hang guard on states the cluster must reach (a stored page, a replacement replica)
 TIER_PROMPT = " ".join(f"Clause {i}: the tenant's ledger entry {i * 7 % 31} is settled." for i in range(13))
 TIER_PAGES = 8  # full pages of TIER_PROMPT (about 190 tokens, 16 a page) that must come from the tier
+STORES = "kvfence_kv_tier_stores_total"
 KILL_TRIES = 5  # streams until one is cut mid-way (a stream that finished before the stop is no test)
 AUDIT_TIMEOUT_S = 600.0
 
@@ -196,9 +197,12 @@ def check_shared_tier(server: Server, pids_of: Callable[[], dict[str, int]]) -> 
     for token; tenant b gets nothing of it from the tier (computes its own). The tenant router keeps a's
     prompt on the replica that computed it, so that replica is killed (-9) once its pages are stored: the
     survivor and Ray's replacement never computed the prompt, and whichever answers it must restore it.
+    The stores counted are the prompt's own (the counter's value before it is subtracted: earlier checks
+    stored pages too).
     `pids_of()`: each replica's process id, by replica id."""
+    stored = {r: replica_metric(server, STORES, r, tier="redis") for r in fleet_replicas(server)}
     cold, first_id, first = complete(server, TIER_PROMPT, server.api_key)
-    stores = lambda: replica_metric(server, "kvfence_kv_tier_stores_total", first, tier="redis")  # noqa: E731
+    stores = lambda: replica_metric(server, STORES, first, tier="redis") - stored[first]  # noqa: E731
     wait_for(f"replica {first} storing the prompt's pages", lambda: stores() >= TIER_PAGES)
     assert not [e for e in trail(server, first_id)[0]["events"] if e["kind"] == "tier_restored"]
     os.kill(pids_of()[first], signal.SIGKILL)
