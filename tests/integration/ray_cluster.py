@@ -11,6 +11,7 @@ Only JSON crosses back from a probe (a fresh interpreter with the token's path):
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,12 +137,14 @@ def _tls(directory: Path) -> tuple[dict[str, str], str]:
 
 
 @contextlib.contextmanager
-def ray_server() -> Iterator[RayServer]:
+def ray_server() -> Iterator[Callable[[], RayServer]]:
+    """The server launched; what it yields waits until it serves (once: later calls return the same), so
+    that a caller may do something else while the cluster boots."""
     with contextlib.ExitStack() as stack:
         yield from _ray_server(stack)
 
 
-def _ray_server(stack: contextlib.ExitStack) -> Iterator[RayServer]:
+def _ray_server(stack: contextlib.ExitStack) -> Iterator[Callable[[], RayServer]]:
     directory = Path(tempfile.mkdtemp(prefix="kvfr-"))
     (directory / "home").mkdir()
     api_key, other_key = f"sk-{secrets.token_hex(16)}", f"sk-{secrets.token_hex(16)}"
@@ -160,7 +163,9 @@ def _ray_server(stack: contextlib.ExitStack) -> Iterator[RayServer]:
     args += ["--ray-replica-cpus", str(REPLICA_CPUS), *serve_args]
     began = time.monotonic()
     proc = launch("kvfence serve --ray-replicas 2", args, env={"OMP_NUM_THREADS": "1", **tls})
-    try:
+
+    @functools.cache
+    def ready() -> RayServer:
         proc.wait_for_http(f"http://127.0.0.1:{port}", START_TIMEOUT_S)
         print(f"  serving after {time.monotonic() - began:.1f} s (reported, not asserted)")
         cluster = _line(
@@ -170,7 +175,10 @@ def _ray_server(stack: contextlib.ExitStack) -> Iterator[RayServer]:
         gcs, dashboard = cluster.group(1), cluster.group(3)
         url = f"http://127.0.0.1:{port}"
         keys_ = (api_key, other_key, admin_key, tier_key)
-        yield RayServer(proc, url, directory, serve_args, *keys_, gcs, dashboard, token, tls, tls_key)
+        return RayServer(proc, url, directory, serve_args, *keys_, gcs, dashboard, token, tls, tls_key)
+
+    try:
+        yield ready
     finally:
         clean_up(proc, directory)
 

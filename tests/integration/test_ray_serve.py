@@ -8,7 +8,7 @@ processes' environments or its session logs; a tenant's next turn on the replica
 steering for another tenant; a prefix restored across replicas for its tenant only, a replica killed
 mid-stream; autoscaling from Serve's config (tests/integration/ray_scaling_checks.py); then a clean stop
 with nothing left. And `--ray-address` to a cluster without token authentication is refused before
-anything is deployed (a cluster of its own, started before the shared one).
+anything is deployed (a cluster of its own, run while the shared one boots).
 
 The module's tests are one xdist group (`make test` runs pytest-xdist with --dist loadgroup): one worker
 runs them all, in order, on the one cluster its module fixture starts (a fixture split over workers would
@@ -29,7 +29,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -70,9 +70,15 @@ CONNECT_PROBE = "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=Fa
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RayServer]:
-    with ray_server() as started:
-        yield started
+def booting() -> Iterator[Callable[[], RayServer]]:
+    """The shared cluster, launched; calling it waits until it serves."""
+    with ray_server() as ready:
+        yield ready
+
+
+@pytest.fixture(scope="module")
+def server(booting: Callable[[], RayServer]) -> RayServer:
+    return booting()
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +119,7 @@ ray.shutdown()
 """
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("booting")  # the shared cluster boots meanwhile: its start is mostly waiting
 def test_joining_a_cluster_without_token_auth_is_refused() -> None:
     """`--ray-address` to a cluster whose dashboard reports authentication mode `disabled`: one line, exit 2,
     before anything is deployed, though this side holds a token (Ray would connect with it)."""
