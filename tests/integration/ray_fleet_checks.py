@@ -232,7 +232,7 @@ def check_replica_killed_mid_stream(server: Server, pids_of: Callable[[], dict[s
     the client's stream ends cut, without [DONE], and what it got is the start of the greedy answer; the
     other replica answers meanwhile; Ray replaces the killed one, which then answers as the others do.
     `pids_of()`: each replica's process id, by replica id (Ray's state API)."""
-    prompt, tokens = "Once upon a time", 200
+    prompt, tokens = "Once upon a time", 64  # long enough to be cut: the stop comes after its first token
     killed, texts, survivor = _cut_stream(server, pids_of, prompt, tokens)
     full, _, by = complete(server, prompt, server.api_key, max_tokens=tokens, ignore_eos=True)
     assert by == survivor and full.startswith("".join(texts)) and len(full) > len("".join(texts))
