@@ -38,7 +38,6 @@ serve: setup
 # The suite on TEST_WORKERS processes (pytest-xdist; CI has 2 cores), each test on one OpenMP thread: two
 # processes' OpenMP threads spinning on each other's barriers would slow both many times over. The kernels'
 # tests set two threads where a thread count could change a result.
-# --dist loadgroup: the tests of one xdist_group run on one worker, in order (the Ray tests share one cluster).
 # tests/suite.py runs pytest as a subreaper and fails the run if any process the suite started is left alive;
 # TEST_HOGS busy loops run beside it (`make test-loaded`, CI: a shared runner's neighbours), since no test may
 # depend on the machine's speed.
@@ -47,7 +46,7 @@ TEST_HOGS ?= 0
 test: setup-test
 	$(VENV)/bin/ruff check kvfence tests bench docs plugins
 	$(MAKE) docs-check
-	OMP_NUM_THREADS=1 $(PY) tests/suite.py --hogs $(TEST_HOGS) -- -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
+	OMP_NUM_THREADS=1 $(PY) tests/suite.py --hogs $(TEST_HOGS) -- -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 test-loaded:
 	$(MAKE) test TEST_HOGS=2

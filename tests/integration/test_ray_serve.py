@@ -10,9 +10,9 @@ mid-stream; autoscaling from Serve's config (tests/integration/ray_scaling_check
 with nothing left. And `--ray-address` to a cluster without token authentication is refused before
 anything is deployed (a cluster of its own, run while the shared one boots).
 
-The module's tests are one xdist group (`make test` runs pytest-xdist with --dist loadgroup): one worker
-runs them all, in order, on the one cluster its module fixture starts (a fixture split over workers would
-start a cluster in each, two on two cores). A test later in the order relies only on the fleet being whole
+Under pytest-xdist one worker runs them all, in order, on the one cluster its module fixture starts
+(tests/conftest.py: ONE_WORKER_MODULES; a fixture split over workers would start a cluster in each, two
+on two cores). A test later in the order relies only on the fleet being whole
 again (every wait for Ray's replacement is inside the test that killed), so any one of them also runs alone.
 """
 
@@ -59,7 +59,7 @@ from kvfence.disagg.launch import free_ports
 from kvfence.harness.procs import stop
 
 pytest.importorskip("ray")
-pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("ray-cluster")]
+pytestmark = pytest.mark.real_model
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
