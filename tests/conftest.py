@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
+from typing import Any
 
 import gguf
 import numpy as np
@@ -31,6 +32,26 @@ from kvfence.units import cdiv
 
 # Lives as long as the process that started it, and restarts itself if killed: never a test's leftover.
 _KEPT = ("multiprocessing.resource_tracker",)
+
+
+# Modules whose tests share one module-scoped cluster (a fixture split over xdist workers would start one in
+# each, two on two cores): xdist sends each of them whole to one worker, its tests in order. Not xdist's own
+# `--dist loadgroup`: its groups rename items (item._nodeid), which pytest 9 no longer reads.
+ONE_WORKER_MODULES = frozenset({"tests/integration/test_ray_serve.py"})
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `-n N` (xdist's `load`): every test its own unit of work, but each module above one unit."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -314,7 +314,8 @@ def _path(endpoint: str) -> str:
 
 def _read_head(exchange: Exchange, response: httpx.Response) -> None:
     exchange.status = response.status_code
-    exchange.request_id = response.headers.get("x-request-id")
+    # The server's own id is the first: a proxy in front (Ray Serve's) appends an id of its own after it.
+    exchange.request_id = next(iter(response.headers.get_list("x-request-id")), None)
 
 
 def _read_body(exchange: Exchange, response: httpx.Response) -> None:

@@ -7,7 +7,10 @@ key); the app, its engine and its keys are built inside the replica as Ray initi
 thread, so that the replica's event loop keeps answering while the model loads), then the app's lifespan
 is entered, which starts the engine thread; it is left, stopping the engine, when Ray shuts the replica
 down. `serve_http` is the front's call: one request in, its ASGI messages streamed back as the app sends
-them (SSE included); the call cancelled (the client gone) cancels the app's handling of it.
+them (SSE included); the call cancelled (the client gone) cancels the app's handling of it. Once built,
+the replica joins its application's fleet (kvfence.ray.fleet; servers only, the front never joins): what
+`serve_http` answers is the app wrapped in kvfence.ray.fleet_views, whose admin reads answer for every
+server, and its series go to Ray's metrics too (kvfence.ray.export).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from collections.abc import AsyncIterator
 from ray import serve
 from starlette.types import Message
 
+from kvfence.ray.export import RayExport
+from kvfence.ray.fleet import join
+from kvfence.ray.fleet_views import FleetViews
 from kvfence.ray.forward import ForwardedRequest
 from kvfence.ray.replica import replica_app
 
@@ -31,11 +37,20 @@ class KvfenceServer:
 
     async def __init__(self, serve_args: list[str]) -> None:
         self._lifespan = contextlib.AsyncExitStack()  # first: Ray calls __del__ after a failed start too
-        replica = serve.get_replica_context().replica_id.unique_id
-        self.app = await asyncio.to_thread(replica_app, [str(word) for word in serve_args], replica)
-        await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
+        self.tasks: list[asyncio.Task[None]] = []  # held: the loop keeps only a weak reference
+        context = serve.get_replica_context()
+        replica = context.replica_id.unique_id
+        server = await asyncio.to_thread(replica_app, [str(word) for word in serve_args], replica)
+        await self._lifespan.enter_async_context(server.app.router.lifespan_context(server.app))
+        self.app = FleetViews(server.app, replica, server.admin_key)
+        self.tasks = [
+            join(self.app, context.app_name, replica),
+            asyncio.create_task(RayExport(self.app).run()),
+        ]
 
     async def __del__(self) -> None:
+        for task in self.tasks:
+            task.cancel()
         await self._lifespan.aclose()
 
     async def serve_http(self, request: ForwardedRequest) -> AsyncIterator[Message]:

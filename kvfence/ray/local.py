@@ -4,14 +4,15 @@ It checks what `kvfence serve` checks before anything starts (the model's header
 window, the key files, the port), then starts a local Ray cluster with token authentication, or joins
 `--ray-address`, runs Serve's HTTP proxy on --host/--port, deploys N replicas of kvfence.ray:app with the
 command's own arguments (less --host, --port and the Ray options) and blocks until SIGINT or SIGTERM; then it
-deletes the application (and, on a cluster it started, shuts Serve and Ray down).
+deletes the application and its fleet registry (and, on a cluster it started, shuts Serve and Ray down).
 
 Contracts: a cluster kvfence starts has RAY_AUTH_MODE=token, its token a random 256-bit value written to
 a new owner-only file (0600, in a 0700 directory removed on exit) whose path alone is in the Ray processes'
-environment (RAY_AUTH_TOKEN_PATH: never the token, never a command line); joining a cluster is refused
-unless its dashboard reports authentication mode `token`, or --insecure-ray says so. Keys never come from
-the environment here ($KVFENCE_API_KEYS and the like are refused): every replica reads its key files
-itself, so no key is in Ray's actor arguments, runtime_env or GCS. A failed check, a refused cluster, a
+environment (RAY_AUTH_TOKEN_PATH: never the token, never a command line), and its workers (the replicas)
+run at niceness 0 unless RAY_worker_niceness says otherwise (Ray's default: 15); joining a cluster is
+refused unless its dashboard reports authentication mode `token`, or --insecure-ray says so. Keys never
+come from the environment here ($KVFENCE_API_KEYS and the like are refused): every replica reads its key
+files itself, so no key is in Ray's actor arguments, runtime_env or GCS. A failed check, a refused cluster, a
 cluster that does not start or join, and an application that does not deploy are each one line, exit
 code 2 (the port is checked free before Ray starts; something may still take it before Serve's proxy).
 """
@@ -49,6 +50,7 @@ APP_NAME = "kvfence"
 OBJECT_STORE_BYTES = 256 * 2**20  # replicas pass no objects: Ray's default (30% of RAM) would reserve GBs
 DASHBOARD_TIMEOUT_S = 60.0  # a busy machine's dashboard answers late; a hang guard, not a speed check
 SERVE_STARTUP_PATIENCE_S = 60.0  # Serve's proxy readiness and health-check timeouts (Ray's: 5 and 10 s)
+WORKER_NICENESS = "RAY_worker_niceness"  # the raylet's setting for the workers it starts (Ray's default: 15)
 # `serve` options that are this command's, not a replica's: (option, takes a value)
 OWN_OPTIONS = {
     "--host": True,
@@ -113,6 +115,10 @@ def ray_token(args: Any) -> Iterator[Path | None]:
             os.environ["RAY_AUTH_MODE"] = "token"
         yield None
         return
+    # A cluster started here. Ray starts its workers at niceness 15 (the raylet ahead of tasks), but a
+    # replica is the server: at 15 it gets a few percent of a core beside any process of normal priority
+    # (beside the suite's busy loops a replica took minutes to start; autoscaling's second never came up).
+    os.environ.setdefault(WORKER_NICENESS, "0")
     directory = Path(tempfile.mkdtemp(prefix="kvfence-ray-"))  # mode 0700
     path = directory / "auth_token"
     try:
@@ -130,6 +136,8 @@ def _serve_on_ray(args: Any, options: AppOptions, name: str, token_path: Path | 
     # Ray loads only now, the token's environment set: it reads its authentication mode as it loads.
     import ray
     from ray import serve
+
+    from kvfence.ray.fleet import kill_registry
 
     settings = {"num_replicas": options.num_replicas, "num_cpus": options.num_cpus, "router": options.router}
     application = app({"serve_args": list(options.serve_args), **settings})
@@ -179,6 +187,7 @@ def _serve_on_ray(args: Any, options: AppOptions, name: str, token_path: Path | 
                 serve.shutdown()
             elif deployed:
                 serve.delete(APP_NAME)  # a cluster joined keeps its other applications
+                kill_registry(APP_NAME)  # detached: it would outlive the application
         ray.shutdown()
 
 

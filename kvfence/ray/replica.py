@@ -8,6 +8,8 @@ replica's process. Keys come only from the files the arguments name, read here b
 (read_secret_file: owner-only files), never from the environment Ray gives it (check_ray_environment).
 The engine loads here, in the replica's process: nothing of it crosses Ray. Every response carries
 `x-kvfence-replica`, the replica's Serve id (not a secret), so that a client sees which replica answered.
+The replica's admin key stays in its process (`Replica.admin_key`: its fleet views read its own trails
+with it, kvfence.ray.fleet_views).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NoReturn
 
 from starlette.applications import Starlette
@@ -54,7 +57,15 @@ def parse_replica_args(serve_args: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def replica_app(serve_args: Sequence[str], replica: str) -> Starlette:
+@dataclass(frozen=True)
+class Replica:
+    """One replica's server: its app, and the admin key it read (None: the audit endpoints refuse all)."""
+
+    app: Starlette
+    admin_key: str | None
+
+
+def replica_app(serve_args: Sequence[str], replica: str) -> Replica:
     """The server of one replica: the checks `kvfence serve` runs (the model's header, the pool against the
     window, the key files), then the engine and the OpenAI app over it, as `kvfence serve` builds them."""
     args = parse_replica_args(serve_args)
@@ -74,7 +85,7 @@ def replica_app(serve_args: Sequence[str], replica: str) -> Starlette:
     log_to_stderr()
     app = http_app(args, AsyncEngine(engine), api_keys, admin_key, sampling)
     app.add_middleware(ReplicaHeader, replica=replica)
-    return app
+    return Replica(app, admin_key)
 
 
 def _log(message: str) -> None:

@@ -5,6 +5,7 @@ the environment) is refused in one line before Ray starts. The cluster: tests/in
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from starlette.testclient import TestClient
 
 from kvfence.cli import main
 from kvfence.cli_checks import StartupError
-from kvfence.ray.local import replica_argv
+from kvfence.ray.local import WORKER_NICENESS, ray_token, replica_argv
 from kvfence.ray.replica import REPLICA_HEADER, ReplicaHeader, parse_replica_args
 
 serve = pytest.importorskip("ray.serve")
@@ -92,6 +93,19 @@ def test_the_builder_takes_serve_run_strings() -> None:
     assert (deployment.num_replicas, deployment.ray_actor_options) == (2, {"num_cpus": 0.5})
 
 
+def test_the_builder_hands_serve_its_autoscaling_config() -> None:
+    from kvfence.ray import app
+
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1}
+    front, deployment = _deployments(app({"serve_args": [], "autoscaling_config": scaling}))
+    config = deployment._deployment_config.autoscaling_config  # Ray's Deployment exposes it only so
+    assert (config.min_replicas, config.max_replicas, config.target_ongoing_requests) == (1, 2, 1)
+    assert front._deployment_config.autoscaling_config is None and front.num_replicas == 1  # servers scale
+    assert front.max_ongoing_requests == 2 * deployment.max_ongoing_requests  # slots for the most servers
+    router = deployment._deployment_config.request_router_config  # scaling keeps the tenant router
+    assert router.request_router_class == "kvfence.ray.router:TenantPrefixRouter"
+
+
 @pytest.mark.parametrize(
     ("args", "error"),
     [
@@ -106,6 +120,12 @@ def test_the_builder_takes_serve_run_strings() -> None:
         ({"serve_args": [], "num_replicas": 1.5}, "num_replicas must be a whole number"),
         ({"serve_args": [], "num_cpus": "-1"}, "num_cpus must be a number above 0"),
         ({"serve_args": [], "router": "prefix"}, "router must be one of kvfence, power-of-two"),
+        ({"serve_args": [], "autoscaling_config": 2}, "autoscaling_config must be a mapping"),
+        ({"serve_args": [], "num_replicas": 2, "autoscaling_config": {}}, "not both"),
+        (
+            {"serve_args": [], "autoscaling_config": {"min_replicas": 3, "max_replicas": 2}},
+            "autoscaling_config:",
+        ),
     ],
 )
 def test_the_builder_refuses_in_one_line(args: dict, error: str) -> None:
@@ -127,6 +147,23 @@ def test_the_command_hands_replicas_its_arguments_less_its_own() -> None:
     argv += ["--ray-address", "10.0.0.1:6379", "--insecure-ray", "--ray-replica-cpus", "0.5", "--model", "m"]
     argv += ["--ray-router", "power-of-two"]
     assert replica_argv(argv) == ["--num-pages", "64", "--model", "m"]
+
+
+@pytest.mark.parametrize(
+    ("address", "preset", "expected"), [(None, None, "0"), (None, "5", "5"), ("h:1", None, None)]
+)
+def test_a_cluster_started_here_runs_its_workers_at_normal_priority(
+    monkeypatch: pytest.MonkeyPatch, address: str | None, preset: str | None, expected: str | None
+) -> None:
+    """Ray's default niceness (15) starves the replicas beside other work: 0 for a cluster kvfence starts,
+    unless the operator set it; a cluster joined is started by someone else, its raylet already set."""
+    environ = {k: v for k, v in os.environ.items() if k != WORKER_NICENESS}
+    monkeypatch.setattr(os, "environ", environ | ({WORKER_NICENESS: preset} if preset else {}))
+    args = argparse.Namespace(ray_address=address, insecure_ray=False)
+    with ray_token(args) as token_path:
+        assert os.environ.get(WORKER_NICENESS) == expected
+        assert (token_path is None) == (address is not None)
+        assert token_path is None or token_path.stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 router needs (the key's tenant, the prompt's text, the body whole), refuses an oversized body, streams a
 server's messages back as they come and answers 503 when no server took the request; `serve_http` runs a
 server's ASGI app on a forwarded request and yields its messages in order. The cluster:
-tests/integration/test_ray_affinity.py.
+tests/integration/test_ray_serve.py (its tenant-affinity test).
 """
 
 from __future__ import annotations

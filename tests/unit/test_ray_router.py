@@ -2,7 +2,7 @@
 over a prompt's chunks), the bounded table, the imbalance threshold, the router itself over fake replicas
 (what it ranks first, what it learns when Ray reports a request routed or a replica dead), the text a
 request's affinity is computed over, the front (tenant, body limit, streaming, a replica gone) and the
-servers' `serve_http` (an ASGI app's messages in order). The cluster: tests/integration/test_ray_affinity.py.
+servers' `serve_http` (an ASGI app's messages in order). The cluster: tests/integration/test_ray_serve.py.
 """
 
 from __future__ import annotations
