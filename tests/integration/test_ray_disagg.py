@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from kvfence.disagg.launch import free_ports
+from kvfence.harness.key_files import write_key_file
 from kvfence.harness.procs import Proc, launch, stop
 from kvfence.harness.ray_state import RayCluster, processes_under, secrets_found, session_files
 from kvfence.harness.server import audit_trail
@@ -46,7 +47,7 @@ ENGINE_ARGS = ["--num-pages", "64", "--max-model-len", "256", "--num-threads", "
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 LONG_TOKENS = 160  # the stream decode is killed in: long enough to be mid-answer when the kill lands
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 420.0  # a loaded 2-core box: two engines and their landing processes start at once
 HTTP_TIMEOUT_S = 120.0
 RESTART_TIMEOUT_S = 240.0
 POLL_S = 0.5
@@ -74,26 +75,13 @@ class PdServer:
         return {re.sub(r"^WorkerActor\((.*)\)$", r"\1", a.get("repr_name") or ""): a for a in alive}
 
 
-def _secret_file(path: Path, text: str) -> Path:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as file:
-        file.write(text)
-    return path
-
-
-def _line(proc: Proc, pattern: str) -> re.Match[str]:
-    found = [m for line in proc.log if (m := re.search(pattern, line))]
-    assert found, f"no line matching {pattern!r}:\n{proc.tail()}"
-    return found[0]
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[PdServer]:
     directory = Path(tempfile.mkdtemp(prefix="kvpd-"))
     (directory / "home").mkdir()
     api_key, admin_key = f"sk-{secrets.token_hex(16)}", f"admin-{secrets.token_hex(16)}"
-    keys = _secret_file(directory / "api-keys", f"{api_key} tenant-a\n")
-    admin = _secret_file(directory / "admin-key", f"{admin_key}\n")
+    keys = write_key_file(directory / "api-keys", [f"{api_key} tenant-a"])
+    admin = write_key_file(directory / "admin-key", [admin_key])
     (port,) = free_ports(1)
     args = [
         "serve",
@@ -109,10 +97,13 @@ def server() -> Iterator[PdServer]:
     try:
         proc.wait_for_http(f"http://127.0.0.1:{port}", START_TIMEOUT_S)
         cluster_line = r"started a local cluster at (\S+) \(authentication mode: token; dashboard (\S+)\)"
-        gcs, dashboard = _line(proc, cluster_line).groups()
-        token = Path(_line(proc, r"ray: token in (\S+) \(mode 0600").group(1))
-        key_dir = Path(_line(proc, r"workers placed \(SPREAD\), keys read from (\S+)").group(1))
+        gcs, dashboard = proc.first_match(cluster_line).groups()
+        token = Path(proc.first_match(r"ray: token in (\S+) \(mode 0600").group(1))
+        key_dir = Path(proc.first_match(r"workers placed \(SPREAD\), keys read from (\S+)").group(1))
         cluster = RayCluster(gcs, dashboard, token, directory / "home")
+        for line in proc.log:  # which page transport each worker took (reported, not asserted)
+            if "KV pages:" in line:
+                print(f"  {line.strip()}")
         yield PdServer(
             proc, f"http://127.0.0.1:{port}", api_key, admin_key, cluster, directory / "ray", key_dir
         )
