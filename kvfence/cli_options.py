@@ -373,7 +373,8 @@ def add_serve_options(serve: argparse.ArgumentParser) -> None:
 
 
 def add_ray_options(parser: argparse.ArgumentParser) -> None:
-    """`serve --ray-replicas N`: the server as a Ray Serve application (kvfence/ray/)."""
+    """`serve --ray-replicas N`: the server as a Ray Serve application; `serve --disaggregated --ray`: its
+    workers as Ray actors (kvfence/ray/)."""
     g = parser.add_argument_group("ray")
     g.add_argument(
         "--ray-replicas",

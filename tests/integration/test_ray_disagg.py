@@ -46,10 +46,11 @@ pytestmark = pytest.mark.real_model
 ENGINE_ARGS = ["--num-pages", "64", "--max-model-len", "256", "--num-threads", "1", "--disable-log-stats"]
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
-LONG_TOKENS = 160  # the stream decode is killed in: long enough to be mid-answer when the kill lands
+LONG_TOKENS = 96  # the stream decode is killed in: long enough to be mid-answer when the kill lands
 START_TIMEOUT_S = 420.0  # a loaded 2-core box: two engines and their landing processes start at once
 HTTP_TIMEOUT_S = 120.0
-RESTART_TIMEOUT_S = 240.0
+RESTART_TIMEOUT_S = 420.0  # a restarted actor reloads its engine and landing process (~200 s at load 25)
+STOP_TIMEOUT_S = 120.0  # the actors' and the local cluster's stop after SIGTERM (over 20 s at load 25)
 POLL_S = 0.5
 
 
@@ -107,7 +108,7 @@ def server() -> Iterator[PdServer]:
         yield PdServer(
             proc, f"http://127.0.0.1:{port}", api_key, admin_key, cluster, directory / "ray", key_dir
         )
-        stop([proc])
+        stop([proc], STOP_TIMEOUT_S)
         assert proc.popen.returncode == 128 + signal.SIGTERM, proc.tail()  # the CLI's own SIGTERM exit
         assert not key_dir.exists() and not token.parent.exists(), "a key directory outlived the server"
         assert processes_under(directory) == [], "Ray processes outlived the server"
