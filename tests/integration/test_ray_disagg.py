@@ -94,7 +94,10 @@ def server() -> Iterator[PdServer]:
         str(directory / "ray"),
     ]
     args += [*ENGINE_ARGS, "--api-keys", str(keys), "--admin-key-file", str(admin)]
-    proc = launch("kvfence serve --disaggregated --ray", args, env={"OMP_NUM_THREADS": "1"})
+    # TMPDIR: the command's own temporary directories (its key directory, Ray's token) are made in this
+    # module's, so a server killed before its own clean-up leaves no key behind either
+    env = {"OMP_NUM_THREADS": "1", "TMPDIR": str(directory)}
+    proc = launch("kvfence serve --disaggregated --ray", args, env=env)
     try:
         proc.wait_for_http(f"http://127.0.0.1:{port}", START_TIMEOUT_S)
         cluster_line = r"started a local cluster at (\S+) \(authentication mode: token; dashboard (\S+)\)"
