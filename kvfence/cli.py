@@ -1,5 +1,6 @@
 """The `kvfence` command, one entry point: `serve` (the OpenAI-compatible server, single node, one
-prefill/decode worker, `--disaggregated` locally, or `--ray-replicas N` on Ray Serve: kvfence.ray.local),
+prefill/decode worker, `--disaggregated` locally or with `--ray` its workers as Ray actors
+(kvfence.ray.workers), or `--ray-replicas N` on Ray Serve: kvfence.ray.local),
 `router` (the front of remote workers), `audit` (acceptance checks against a running server), `lab` (the
 isolation lab) and `generate` (one prompt, offline).
 
@@ -87,6 +88,10 @@ def _report(args: argparse.Namespace, front: Front | None) -> None:
 def _serve(args: argparse.Namespace) -> int:
     resolve_model_arg(args)
     check_ray_options(args)
+    if args.ray:
+        from kvfence.ray.workers import check_options  # no Ray yet: only its refusals
+
+        check_options(args)
     if args.ray_replicas is not None:
         from kvfence.ray.local import run  # Ray: only for a server on Ray
 
@@ -117,12 +122,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_disaggregated(args: argparse.Namespace, config: EngineConfig, front: Front) -> int:
     """--prefill-workers prefill and --decode-workers decode worker processes plus the router, all on this
-    host, speaking CURVE with keys made for this run only, one per process (unless --insecure-transport).
-    A worker that dies is restarted; SIGTERM and SIGINT stop every child."""
+    host, speaking CURVE with keys made for this run only, one per process (unless --insecure-transport);
+    with --ray the workers are Ray actors instead. A worker that dies is restarted; SIGTERM and SIGINT stop
+    every child."""
     from kvfence.disagg.keys import ephemeral, worker_names
     from kvfence.disagg.launch import LocalWorkers, free_ports
 
     names = worker_names("prefill", args.prefill_workers) + worker_names("decode", args.decode_workers)
+    if args.ray:  # the workers as Ray actors, this process the router (kvfence.ray.workers)
+        from kvfence.ray.workers import serve_workers
+
+        def router(prefill: list[str], decode: list[str], listen: str, keys: TransportKeys) -> int:
+            with _terminate_on_sigterm():  # again: ray.init installed a handler of its own (sys.exit(15))
+                return _run_router(args, prefill, decode, listen, keys, front)
+
+        with _terminate_on_sigterm():
+            return serve_workers(args, config, names, kv_plane(args), router)
     ports = free_ports(len(names) + 1)
     addresses = {
         name: f"tcp://127.0.0.1:{port}" for name, port in zip([*names, "router"], ports, strict=True)

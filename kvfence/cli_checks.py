@@ -9,7 +9,7 @@ change), the audit log, the open-file limit and the HTTP port (bound here, then 
 an option's value: a command line is readable by every local user (/proc/PID/cmdline).
 A check that fails raises `StartupError`; `kvfence.cli.main` prints it. On Ray Serve (kvfence/ray/) a
 replica's options are refused where Ray cannot honour them (`check_replica_args`: Ray's proxy holds the
-port, no PD workers on Ray), and no key may come from the environment (`check_ray_environment`): each
+port, a replica is a whole server), and no key may come from the environment (`check_ray_environment`): each
 replica reads its key files itself.
 
 Once the checks pass, `protection_lines` says what protects the server: isolation, auth, who may read the
@@ -416,26 +416,27 @@ def protection_lines(isolation: bool, faults: Sequence[tuple[str, float]], front
 # ---- Ray Serve (kvfence/ray/) ----------------------------------------------------------------------------
 
 # What a replica's options may not hold, and why: Ray's proxy is the HTTP front, Ray places the replicas,
-# and the prefill/decode workers are not Ray actors (yet).
+# and a replica is a whole server (the workers as Ray actors: kvfence serve --disaggregated --ray).
 RAY_REFUSED = {
     "--host": "Ray Serve's proxy binds the address (http_options.host, or kvfence serve --host)",
     "--port": "Ray Serve's proxy binds the port (http_options.port, or kvfence serve --port)",
     "--http-read-timeout": "Ray Serve's proxy is the front door, not kvfence's",
     "--max-connections": "Ray Serve's proxy is the front door, not kvfence's",
     "--audit-log": "the replicas would append to one file at once",
-    "--role": "a replica is a whole server; prefill/decode workers do not run on Ray yet",
-    "--listen": "a replica is a whole server; prefill/decode workers do not run on Ray yet",
-    "--disaggregated": "prefill/decode workers do not run on Ray yet",
-    "--prefill-workers": "prefill/decode workers do not run on Ray yet",
-    "--decode-workers": "prefill/decode workers do not run on Ray yet",
-    "--keys": "it is the prefill/decode transport's, which does not run on Ray yet",
-    "--key-name": "it is the prefill/decode transport's, which does not run on Ray yet",
-    "--insecure-transport": "it is the prefill/decode transport's, which does not run on Ray yet",
-    "--kv-transport": "it is the prefill/decode transport's, which does not run on Ray yet",
-    "--kv-interface": "it is the prefill/decode transport's, which does not run on Ray yet",
-    "--landing-uid": "it is the prefill/decode transport's, which does not run on Ray yet",
-    "--landing-cma": "it is the prefill/decode transport's, which does not run on Ray yet",
+    "--role": "a replica is a whole server (workers on Ray: kvfence serve --disaggregated --ray)",
+    "--listen": "a replica is a whole server (workers on Ray: kvfence serve --disaggregated --ray)",
+    "--disaggregated": "its workers run on Ray with kvfence serve --disaggregated --ray",
+    "--prefill-workers": "its workers run on Ray with kvfence serve --disaggregated --ray",
+    "--decode-workers": "its workers run on Ray with kvfence serve --disaggregated --ray",
+    "--keys": "it is the prefill/decode transport's (kvfence serve --disaggregated --ray)",
+    "--key-name": "it is the prefill/decode transport's (kvfence serve --disaggregated --ray)",
+    "--insecure-transport": "it is the prefill/decode transport's (kvfence serve --disaggregated --ray)",
+    "--kv-transport": "it is the prefill/decode transport's (kvfence serve --disaggregated --ray)",
+    "--kv-interface": "it is the prefill/decode transport's (kvfence serve --disaggregated --ray)",
+    "--landing-uid": "it is the prefill/decode transport's (kvfence serve --disaggregated --ray)",
+    "--landing-cma": "it is the prefill/decode transport's (kvfence serve --disaggregated --ray)",
     "--ray-replicas": "it is kvfence serve's, not a replica's: the replica count is the application's",
+    "--ray": "it is kvfence serve --disaggregated's, not a replica's",
     "--ray-address": "it is kvfence serve's, not a replica's",
     "--insecure-ray": "it is kvfence serve's, not a replica's",
     "--ray-replica-cpus": "it is kvfence serve's, not a replica's: ray_actor_options are the application's",
@@ -452,9 +453,12 @@ RAY_SECRET_VARIABLES = {
 
 
 def check_ray_options(args: argparse.Namespace) -> None:
-    """`serve`'s Ray options go together: each needs --ray-replicas, --insecure-ray needs --ray-address
-    and --ray-temp-dir a cluster kvfence starts."""
-    ray = args.ray_replicas is not None
+    """`serve`'s Ray options go together: each needs --ray-replicas or --disaggregated --ray (whose own
+    refusals are kvfence.ray.workers'), --insecure-ray needs --ray-address and --ray-temp-dir a cluster
+    kvfence starts."""
+    if args.ray and not args.disaggregated:
+        raise StartupError("--ray: only with --disaggregated (--ray-replicas N serves whole servers on Ray)")
+    ray = args.ray_replicas is not None or args.ray
     for option, given in (
         ("--ray-address", args.ray_address is not None),
         ("--insecure-ray", args.insecure_ray),
@@ -463,7 +467,7 @@ def check_ray_options(args: argparse.Namespace) -> None:
         ("--ray-router", args.ray_router != DEFAULT_RAY_ROUTER),
     ):
         if given and not ray:
-            raise StartupError(f"{option}: only with --ray-replicas N (a server on Ray Serve)")
+            raise StartupError(f"{option}: only with --ray-replicas N (a server on Ray Serve) or --ray")
     if args.insecure_ray and args.ray_address is None:
         raise StartupError(
             "--insecure-ray: a cluster kvfence starts always has token auth; it is only for "

@@ -373,7 +373,8 @@ def add_serve_options(serve: argparse.ArgumentParser) -> None:
 
 
 def add_ray_options(parser: argparse.ArgumentParser) -> None:
-    """`serve --ray-replicas N`: the server as a Ray Serve application (kvfence/ray/)."""
+    """`serve --ray-replicas N`: the server as a Ray Serve application; `serve --disaggregated --ray`: its
+    workers as Ray actors (kvfence/ray/)."""
     g = parser.add_argument_group("ray")
     g.add_argument(
         "--ray-replicas",
@@ -384,11 +385,18 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
         "unless --ray-address names one (default: no Ray)",
     )
     g.add_argument(
+        "--ray",
+        action="store_true",
+        help="with --disaggregated: the prefill and decode workers run as Ray actors in one placement group "
+        "(SPREAD), the router on this process; a local Ray cluster with token authentication is started "
+        "unless --ray-address names one (default: worker processes on this host)",
+    )
+    g.add_argument(
         "--ray-address",
         metavar="ADDRESS",
-        help="with --ray-replicas: join this Ray cluster (its GCS, HOST:PORT) instead of starting one; its "
-        "token comes from Ray's own $RAY_AUTH_TOKEN_PATH, $RAY_AUTH_TOKEN or ~/.ray/auth_token, and a "
-        "cluster without token authentication is refused (default: start a local cluster)",
+        help="with --ray-replicas or --ray: join this Ray cluster (its GCS, HOST:PORT) instead of starting "
+        "one; its token comes from Ray's own $RAY_AUTH_TOKEN_PATH, $RAY_AUTH_TOKEN or ~/.ray/auth_token, "
+        "and a cluster without token authentication is refused (default: start a local cluster)",
     )
     g.add_argument(
         "--insecure-ray",
@@ -401,8 +409,8 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=DEFAULT_RAY_REPLICA_CPUS,
         metavar="CPUS",
-        help="with --ray-replicas: Ray CPUs each replica reserves (fractions allowed; pair with "
-        "--num-threads) (default: %(default)s)",
+        help="with --ray-replicas (--ray): Ray CPUs each replica (worker) reserves (fractions allowed; "
+        "pair with --num-threads) (default: %(default)s)",
     )
     g.add_argument(
         "--ray-router",
@@ -417,8 +425,8 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
         "--ray-temp-dir",
         type=Path,
         metavar="DIR",
-        help="with --ray-replicas and no --ray-address: the local cluster's session and log directory "
-        "(default: Ray's, /tmp/ray)",
+        help="with --ray-replicas or --ray and no --ray-address: the local cluster's session and log "
+        "directory (default: Ray's, /tmp/ray)",
     )
 
 

@@ -37,7 +37,9 @@ _KEPT = ("multiprocessing.resource_tracker",)
 # Modules whose tests share one module-scoped cluster (a fixture split over xdist workers would start one in
 # each, two on two cores): xdist sends each of them whole to one worker, its tests in order. Not xdist's own
 # `--dist loadgroup`: its groups rename items (item._nodeid), which pytest 9 no longer reads.
-ONE_WORKER_MODULES = frozenset({"tests/integration/test_ray_serve.py"})
+ONE_WORKER_MODULES = frozenset(
+    {"tests/integration/test_ray_serve.py", "tests/integration/test_ray_disagg.py"}
+)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,12 @@ class Proc:
 
     def tail(self, lines: int = 30) -> str:
         return "".join(self.log[-lines:])
+
+    def first_match(self, pattern: str) -> re.Match[str]:
+        """The first line it printed that matches `pattern` (AssertionError with the tail if none)."""
+        found = [m for line in self.log if (m := re.search(pattern, line))]
+        assert found, f"{self.name}: no line matching {pattern!r}:\n{self.tail()}"
+        return found[0]
 
     def wait_for_line(self, text: str, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until the process prints a line containing `text` (RuntimeError if it exits or times out)."""

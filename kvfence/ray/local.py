@@ -134,21 +134,54 @@ def ray_token(args: Any) -> Iterator[Path | None]:
 
 def _serve_on_ray(args: Any, options: AppOptions, name: str, token_path: Path | None) -> int:
     # Ray loads only now, the token's environment set: it reads its authentication mode as it loads.
-    import ray
     from ray import serve
 
     from kvfence.ray.fleet import kill_registry
 
     settings = {"num_replicas": options.num_replicas, "num_cpus": options.num_cpus, "router": options.router}
     application = app({"serve_args": list(options.serve_args), **settings})
-    started, deployed = args.ray_address is None, False
+    with ray_cluster(args, token_path, "--ray-replicas") as started:
+        option = "--ray-replicas" if started else f"--ray-address {args.ray_address}"
+        deployed = False
+        try:
+            if not started and APP_NAME in serve.status().applications:
+                raise StartupError(
+                    f"{option}: an application named {APP_NAME!r} already runs there; delete it first"
+                )
+            serve.start(http_options={"host": args.host, "port": args.port})
+            deployed = True  # from here on the name is ours: a failed run may have half-deployed it
+            try:
+                serve.run(application, name=APP_NAME, route_prefix="/")
+            except RuntimeError as exc:
+                raise StartupError(f"--ray-replicas: the application did not start ({reason(exc)})") from exc
+            _log(f"ray: {args.ray_replicas} replica{'s' if args.ray_replicas > 1 else ''} ready")
+            _log(f"serving '{name}' on http://{args.host}:{args.port}/v1")
+            if not started:  # Ray's rule: a Serve already running on the cluster keeps its own http_options
+                _log("ray: through the cluster's Serve proxies, at the address its Serve was started with")
+            _wait_for_signal()
+            return 0
+        finally:
+            with contextlib.suppress(Exception):  # stopping: what fails to stop is Ray's to report
+                if started:
+                    serve.shutdown()
+                elif deployed:
+                    serve.delete(APP_NAME)  # a cluster joined keeps its other applications
+                    kill_registry(APP_NAME)  # detached: it would outlive the application
+
+
+@contextlib.contextmanager
+def ray_cluster(args: Any, token_path: Path | None, flag: str) -> Iterator[bool]:
+    """A local Ray cluster started (True) or --ray-address joined (False), for the command whose Ray
+    option is `flag`; refused (StartupError) unless it reports token authentication or --insecure-ray
+    says so; disconnected (a cluster started here: stopped) when the block ends, however it ends."""
+    import ray
+
+    started = args.ray_address is None
     try:
         context = ray.init(address=args.ray_address, **(_local_cluster(args) if started else {}))
     except Exception as exc:  # Ray's errors have no common base: one line, whatever it was
         if started:
-            raise StartupError(
-                f"--ray-replicas: the local Ray cluster did not start ({reason(exc)})"
-            ) from exc
+            raise StartupError(f"{flag}: the local Ray cluster did not start ({reason(exc)})") from exc
         raise StartupError(f"--ray-address {args.ray_address}: cannot join it ({reason(exc)})") from exc
     try:
         mode = _authentication_mode(context.dashboard_url)
@@ -159,36 +192,16 @@ def _serve_on_ray(args: Any, options: AppOptions, name: str, token_path: Path | 
             _log(f"ray: token in {token_path} (mode 0600, removed on exit)")
         if mode != "token" and args.insecure_ray:
             _log(f"WARNING: ray: authentication mode {mode} (--insecure-ray): whoever reaches it runs code")
-        option = "--ray-replicas" if started else f"--ray-address {args.ray_address}"
+        option = flag if started else f"--ray-address {args.ray_address}"
         if mode != "token" and not args.insecure_ray:
             raise StartupError(
                 f"{option}: the cluster reports authentication mode {mode!r}, not 'token': start it with "
                 "RAY_AUTH_MODE=token, or pass --insecure-ray"
             )
-        if not started and APP_NAME in serve.status().applications:
-            raise StartupError(
-                f"{option}: an application named {APP_NAME!r} already runs there; delete it first"
-            )
-        serve.start(http_options={"host": args.host, "port": args.port})
-        deployed = True  # from here on the name is ours: a failed run may have half-deployed it
-        try:
-            serve.run(application, name=APP_NAME, route_prefix="/")
-        except RuntimeError as exc:
-            raise StartupError(f"--ray-replicas: the application did not start ({reason(exc)})") from exc
-        _log(f"ray: {args.ray_replicas} replica{'s' if args.ray_replicas > 1 else ''} ready")
-        _log(f"serving '{name}' on http://{args.host}:{args.port}/v1")
-        if not started:  # Ray's rule: a Serve already running on the cluster keeps its own http_options
-            _log("ray: through the cluster's Serve proxies, at the address its Serve was started with")
-        _wait_for_signal()
-        return 0
+        yield started
     finally:
         with contextlib.suppress(Exception):  # stopping: what fails to stop is Ray's to report
-            if started:
-                serve.shutdown()
-            elif deployed:
-                serve.delete(APP_NAME)  # a cluster joined keeps its other applications
-                kill_registry(APP_NAME)  # detached: it would outlive the application
-        ray.shutdown()
+            ray.shutdown()
 
 
 def _local_cluster(args: Any) -> dict[str, Any]:

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from ray_fleet_checks import processes_under
 
 from kvfence.disagg.launch import free_ports
 from kvfence.harness.procs import Proc, launch, stop
+from kvfence.harness.ray_state import processes_under
 from kvfence.harness.redis_server import redis_server
 
 # Small enough for two replicas and the test's own engine beside the rest of the suite on 2 cores.

@@ -11,7 +11,6 @@ needs answered, at most SPREAD_TRIES times (all on one replica: odds 2^-24).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -43,17 +42,6 @@ class Server(Protocol):
     directory: Path
 
     def post(self, path: str, body: dict[str, object], key: str | None = None) -> httpx.Response: ...
-
-
-def processes_under(directory: Path) -> list[int]:
-    """Live processes whose command line names `directory` (a test's Ray session: its raylet, GCS...)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            with contextlib.suppress(OSError):
-                if str(directory).encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.append(int(entry))
-    return pids
 
 
 def admin_get(server: Server, path: str) -> httpx.Response:

@@ -51,12 +51,12 @@ from ray_fleet_checks import (
     check_ray_prometheus_export,
     check_replica_killed_mid_stream,
     check_shared_tier,
-    processes_under,
 )
 from ray_scaling_checks import check_autoscaling
 
 from kvfence.disagg.launch import free_ports
 from kvfence.harness.procs import stop
+from kvfence.harness.ray_state import processes_under
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.real_model
