@@ -9,8 +9,10 @@ its tokens later (recompute), so the pool running dry is never a crash, and the 
 pays for it.
 
 With a drafter (speculative decoding), a decode row also carries the draft tokens it verifies this step
-(`Request.draft_token_ids`): as many as the step's budget, the request's output budget and the pages it
-holds plus the free ones allow (a guess never preempts anyone).
+(`Request.draft_token_ids`): as many as its adaptive draft length (draft_lengths.py: from its own
+acceptance so far), the step's draft rows (`draft_rows`: they grow with the batch), the step's token
+budget, the request's output budget and the pages it holds plus the free ones allow (a guess never
+preempts anyone).
 
 `finish` is the one way a request leaves: it makes the terminal transition and releases the pages.
 `fork` turns a parent whose prompt is computed into its n running forks (parallel sampling).
@@ -23,17 +25,27 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 from kvfence.cache.manager import KVCacheManager
+from kvfence.engine.draft_lengths import DraftLengths
 from kvfence.engine.drafter import Drafter
 from kvfence.engine.fairness import TenantQueues
 from kvfence.request import Request, Status
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
 
-# Rows a step's decode rows and drafts may come to before no more drafts are added: past it a step is
-# compute-bound on CPU (more rows cost more time, where a few rows cost about what one does, the weights
-# read once for a tile of them), so drafts that may be rejected would slow every stream. SmolLM2, 16
-# streams on 2 cores: 4 drafts each took 0.95-1.03x the tokens/s of none.
+# Rows a step's decode rows and drafts may come to, at least: below it a few rows cost about what one does
+# on CPU (the weights read once for a tile of them), so drafts are nearly free.
 DRAFT_ROWS = 16
+# Past DRAFT_ROWS a step is compute-bound (each row costs about the same), so a draft pays only where it is
+# likely kept: a step adds at most this many draft rows per decode row, spent by the requests whose draft
+# lengths (draft_lengths.py) say they keep them. SmolLM2, 16 streams on 2 cores: 4 drafts each, all
+# requests alike, took 0.95-1.03x the tokens/s of none.
+DRAFTS_PER_ROW = 1
+
+
+def draft_rows(decode_rows: int) -> int:
+    """Draft rows a step with `decode_rows` decode rows may add: up to DRAFT_ROWS rows in all, and at most
+    DRAFTS_PER_ROW per decode row beyond that (16 streams are not starved by the fixed floor)."""
+    return max(DRAFT_ROWS - decode_rows, DRAFTS_PER_ROW * decode_rows)
 
 
 @dataclass
@@ -77,6 +89,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.drafter = drafter  # speculative decoding: None, one token per decode row
         self.num_speculative_tokens = num_speculative_tokens
+        self.draft_lengths = DraftLengths(max(1, num_speculative_tokens))
         self.events = events
         self.faults = faults
         self.page_size = kv_cache.page_size
@@ -103,7 +116,7 @@ class Scheduler:
         decode = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         preempted = False
-        spare = DRAFT_ROWS - len(decode)  # verification rows the step may add
+        spare = draft_rows(len(decode))  # verification rows the step may add
         if self.drafter is not None:
             self.drafter.prepare(self._draft_wants(decode, budget, spare))
         for request in decode:  # one token each, as admitted: they keep streams moving
@@ -165,7 +178,7 @@ class Scheduler:
         return len(request.draft_token_ids)
 
     def _draft_room(self, request: Request, budget: int) -> int:
-        """Drafts a decode row may verify: at most the configured number, the step's `budget` and its output
+        """Drafts a decode row may verify: at most its draft length, the step's `budget` and its output
         budget less the one token it always produces, and no more than its own pages and the free ones hold
         (a guess never preempts anyone). 0 for a request whose every token must be sampled alone: one
         with logprobs or forks to start."""
@@ -177,7 +190,7 @@ class Scheduler:
         return max(
             0,
             min(
-                self.num_speculative_tokens,
+                self.draft_lengths.length(request.request_id, len(request.output_token_ids)),
                 budget,
                 request.params.max_tokens - len(request.output_token_ids) - 1,
                 held - request.num_computed_tokens - 1,
@@ -321,6 +334,7 @@ class Scheduler:
         request.finish(status, reason)
         if self.drafter is not None:
             self.drafter.forget(request.request_id)
+            self.draft_lengths.forget(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
