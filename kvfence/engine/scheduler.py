@@ -36,9 +36,9 @@ from kvfence.trail.faults import FaultInjector
 # on CPU (the weights read once for a tile of them), so drafts are nearly free.
 DRAFT_ROWS = 16
 # Past DRAFT_ROWS a step is compute-bound (each row costs about the same), so a draft pays only where it is
-# likely kept: a step adds at most this many draft rows per decode row, spent by the requests whose draft
-# lengths (draft_lengths.py) say they keep them. SmolLM2, 16 streams on 2 cores: 4 drafts each, all
-# requests alike, took 0.95-1.03x the tokens/s of none.
+# likely kept: a step adds at most this many draft rows per decode row, in the decode rows' order, and a
+# request whose draft length (draft_lengths.py) fell to 0 takes none. SmolLM2, 16 streams on 2 cores: 4
+# drafts each, every request alike, took 0.95-1.03x the tokens/s of none.
 DRAFTS_PER_ROW = 1
 
 
@@ -90,6 +90,7 @@ class Scheduler:
         self.drafter = drafter  # speculative decoding: None, one token per decode row
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_lengths = DraftLengths(max(1, num_speculative_tokens))
+        self.full_drafts = True  # this step's rows all draft up to num_speculative_tokens (see `schedule`)
         self.events = events
         self.faults = faults
         self.page_size = kv_cache.page_size
@@ -117,6 +118,8 @@ class Scheduler:
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         preempted = False
         spare = draft_rows(len(decode))  # verification rows the step may add
+        # Where every row's full K drafts fit the floor they cost about nothing: no row is held back.
+        self.full_drafts = len(decode) * (1 + self.num_speculative_tokens) <= DRAFT_ROWS
         if self.drafter is not None:
             self.drafter.prepare(self._draft_wants(decode, budget, spare))
         for request in decode:  # one token each, as admitted: they keep streams moving
@@ -178,7 +181,8 @@ class Scheduler:
         return len(request.draft_token_ids)
 
     def _draft_room(self, request: Request, budget: int) -> int:
-        """Drafts a decode row may verify: at most its draft length, the step's `budget` and its output
+        """Drafts a decode row may verify: at most its draft length (num_speculative_tokens while the step's
+        rows fit DRAFT_ROWS with every row's), the step's `budget` and its output
         budget less the one token it always produces, and no more than its own pages and the free ones hold
         (a guess never preempts anyone). 0 for a request whose every token must be sampled alone: one
         with logprobs or forks to start."""
@@ -190,7 +194,9 @@ class Scheduler:
         return max(
             0,
             min(
-                self.draft_lengths.length(request.request_id, len(request.output_token_ids)),
+                self.num_speculative_tokens
+                if self.full_drafts
+                else self.draft_lengths.length(request.request_id, len(request.output_token_ids)),
                 budget,
                 request.params.max_tokens - len(request.output_token_ids) - 1,
                 held - request.num_computed_tokens - 1,

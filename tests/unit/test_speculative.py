@@ -71,12 +71,20 @@ def test_ngram_speculation_on_a_model_that_repeats_itself() -> None:
     assert engine.spec_stats.accepted_tokens > 0
 
 
-@pytest.mark.parametrize("streams", [1, 4, 16])
-def test_adaptive_draft_lengths_keep_greedy_output_at_every_batch_size(streams: int) -> None:
+# The drafts verified by a request whose drafts are all wrong, over its 23 decode steps: K each (less its
+# output budget at the end) while the step's rows fit DRAFT_ROWS with K drafts each (1 + 1 requests);
+# otherwise its draft length halves to 0, then it probes with one draft after pauses of 1 and 2 tokens
+# (verified at output positions 1, 2, 3, then 5 and 8; K again once the others have finished).
+FULL, ADAPTED = [4] * 19 + [3, 2, 1], [4, 2, 1, 1, 1]
+
+
+@pytest.mark.parametrize(("streams", "wrong_ones"), [(1, FULL), (4, ADAPTED), (16, ADAPTED)])
+def test_adaptive_draft_lengths_keep_greedy_output_at_every_batch_size(
+    streams: int, wrong_ones: list[int]
+) -> None:
     """`streams` requests with drafts right for 0 to K positions as their lengths go, beside one whose drafts
-    are all wrong: every row's tokens are what it decodes without drafts; the wrong one's draft length halves
-    to 0, then it probes with one draft after pauses of 1, 2, 4, 8 tokens (the fixed length would verify K
-    drafts at each of its 23 decode steps); a step's drafts stay within `draft_rows`."""
+    are all wrong: every row's tokens are what it decodes without drafts; the wrong one's verifications are
+    `wrong_ones`; a step's drafts stay within `draft_rows`."""
     model = tiny_model()
     prompts = [PROMPTS[0] + [19]] + [PROMPTS[i % len(PROMPTS)] + [20 + i] for i in range(streams)]
     plain, _ = greedy_tokens(model, prompts, num_pages=256)
@@ -98,8 +106,7 @@ def test_adaptive_draft_lengths_keep_greedy_output_at_every_batch_size(streams: 
     assert [r.output_token_ids for r in requests] == plain
     stats = engine.spec_stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens and all(stats.accepted_per_position)
-    # Verified at output positions 1, 2, 3, then 5, 8, 13 and 22 (pauses of 1, 2, 4 and 8 tokens).
-    assert [k for k in drafter.asked[requests[0].request_id] if k] == [4, 2, 1, 1, 1, 1, 1]
+    assert [k for k in drafter.asked[requests[0].request_id] if k][: len(wrong_ones)] == wrong_ones
     assert all(drafts <= draft_rows(decode) for decode, drafts in steps)
     assert engine.allocator.num_free_pages == engine.pool.num_pages
 
