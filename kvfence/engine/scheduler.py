@@ -10,7 +10,7 @@ pays for it.
 
 With a drafter (speculative decoding), a decode row also carries the draft tokens it verifies this step
 (`Request.draft_token_ids`): as many as its adaptive draft length (draft_lengths.py: from its own
-acceptance so far), the step's draft rows (`draft_rows`: they grow with the batch), the step's token
+acceptance so far), the step's draft rows (`draft_rows`), the step's token
 budget, the request's output budget and the pages it holds plus the free ones allow (a guess never
 preempts anyone).
 
@@ -32,20 +32,19 @@ from kvfence.request import Request, Status
 from kvfence.trail.events import EventLog
 from kvfence.trail.faults import FaultInjector
 
-# Rows a step's decode rows and drafts may come to, at least: below it a few rows cost about what one does
-# on CPU (the weights read once for a tile of them), so drafts are nearly free.
+# Rows a step's decode rows and drafts may come to before no more drafts are added: past it a step is
+# compute-bound on CPU (more rows cost more time, where a few rows cost about what one does, the weights
+# read once for a tile of them), so drafts that may be rejected would slow every stream. SmolLM2, 16
+# streams on 2 cores: 4 drafts each took 0.95-1.03x the tokens/s of none. Letting drafts grow past it (one
+# per decode row, adaptive lengths) at 16 streams on copy tasks cut steps 68 -> 61 for rows 1008 -> 1125
+# (481 of 598 drafts kept, in process): about 0.94x if a step costs a fixed ~4.65 rows' worth plus one a
+# row (the estimate the 4-draft measurement gives), so it stays the cap.
 DRAFT_ROWS = 16
-# Past DRAFT_ROWS a step is compute-bound (each row costs about the same), so a draft pays only where it is
-# likely kept: a step adds at most this many draft rows per decode row, in the decode rows' order, and a
-# request whose draft length (draft_lengths.py) fell to 0 takes none. SmolLM2, 16 streams on 2 cores: 4
-# drafts each, every request alike, took 0.95-1.03x the tokens/s of none.
-DRAFTS_PER_ROW = 1
 
 
 def draft_rows(decode_rows: int) -> int:
-    """Draft rows a step with `decode_rows` decode rows may add: up to DRAFT_ROWS rows in all, and at most
-    DRAFTS_PER_ROW per decode row beyond that (16 streams are not starved by the fixed floor)."""
-    return max(DRAFT_ROWS - decode_rows, DRAFTS_PER_ROW * decode_rows)
+    """Draft rows a step with `decode_rows` decode rows may add: up to DRAFT_ROWS rows in all."""
+    return max(0, DRAFT_ROWS - decode_rows)
 
 
 @dataclass

@@ -72,15 +72,15 @@ def test_ngram_speculation_on_a_model_that_repeats_itself() -> None:
 
 
 # The drafts verified by a request whose drafts are all wrong, over its 23 decode steps: K each (less its
-# output budget at the end) while the step's rows fit DRAFT_ROWS with K drafts each (1 + 1 requests);
+# output budget at the end) while the step's rows fit DRAFT_ROWS with K drafts each (up to 1 + 2 requests);
 # otherwise its draft length halves to 0, then it probes with one draft after pauses of 1 and 2 tokens
 # (verified at output positions 1, 2, 3, then 5 and 8; K again once the others have finished).
 FULL, ADAPTED = [4] * 19 + [3, 2, 1], [4, 2, 1, 1, 1]
 
 
-@pytest.mark.parametrize(("streams", "wrong_ones"), [(1, FULL), (4, ADAPTED), (16, ADAPTED)])
+@pytest.mark.parametrize(("streams", "wrong_ones"), [(1, FULL), (2, FULL), (4, ADAPTED), (16, None)])
 def test_adaptive_draft_lengths_keep_greedy_output_at_every_batch_size(
-    streams: int, wrong_ones: list[int]
+    streams: int, wrong_ones: list[int] | None
 ) -> None:
     """`streams` requests with drafts right for 0 to K positions as their lengths go, beside one whose drafts
     are all wrong: every row's tokens are what it decodes without drafts; the wrong one's verifications are
@@ -106,7 +106,8 @@ def test_adaptive_draft_lengths_keep_greedy_output_at_every_batch_size(
     assert [r.output_token_ids for r in requests] == plain
     stats = engine.spec_stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens and all(stats.accepted_per_position)
-    assert [k for k in drafter.asked[requests[0].request_id] if k][: len(wrong_ones)] == wrong_ones
+    if wrong_ones is not None:  # at 16 + 1 rows no step drafts until some have finished
+        assert [k for k in drafter.asked[requests[0].request_id] if k][: len(wrong_ones)] == wrong_ones
     assert all(drafts <= draft_rows(decode) for decode, drafts in steps)
     assert engine.allocator.num_free_pages == engine.pool.num_pages
 
