@@ -16,14 +16,11 @@ Two `kvfence serve` processes on the same model, defaults otherwise: one with
 changed, a quoted passage, in turn; fresh names each request) and `fresh` (random-token prompts of 246 tokens:
 nothing to copy). Greedy, `ignore_eos`, `--max-tokens` each; a row runs plain, ngram, ngram, plain (fresh
 prompts each), so a machine drifting at a steady pace cancels. Prints output tok/s of both, the ratio, and
-the speculating server's acceptance per draft position over the row (from /metrics); writes
-bench/results/speculative.json. Exit status 1 when a verdict fails: copy at one stream >= 2x, fresh at one
-stream >= 0.95x, and copy at the largest stream count no slower: >= 1.0x less the row's spread (the larger
-gap between one server's two runs of the row, over their mean). Why the spread there: at 16 streams (the
-default's largest) a step's decode rows already come to `DRAFT_ROWS` (scheduler.py), so the speculating
-server adds drafts only while a stream is between requests and otherwise runs the same steps as the other:
-its ratio is 1.0 but for noise, and a bare 1.0 target fails every run that the machine's noise (+-5%
-between two runs of one server here) tips below it.
+the speculating server's acceptance per draft position over the row (from /metrics) and the row's spread
+(the larger gap between one server's two runs of the row, over their mean: the machine's noise); writes
+bench/results/speculative.json. Exit status 1 when a verdict fails (issue 63's): copy at one stream >= 2x,
+copy at the largest stream count >= 1.3x, fresh at every stream count >= 0.97x. Each request's draft length
+adapts to its acceptance and a step's drafts grow with the batch (engine/draft_lengths.py, scheduler.py).
 """
 
 from __future__ import annotations
@@ -126,18 +123,15 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def verdicts(rows: list[dict[str, Any]], streams: list[int]) -> list[str]:
-    targets = {("copy", max(streams)): 1.0, ("copy", 1): 2.0, ("fresh", 1): 0.95}  # x1 wins where both
+    targets = {("copy", max(streams)): 1.3, ("copy", 1): 2.0} | {("fresh", n): 0.97 for n in streams}
     found = []
     for r in rows:
         target = targets.get((r["workload"], r["streams"]))
         if target is None:
             continue
         name = f"{r['model']} {r['workload']} x{r['streams']}: ngram / plain tok/s"
-        if r["streams"] > 1:  # no slower: the module docstring says why the spread is allowed here alone
-            detail = f"{r['ratio']:.2f}x (target >= {target}x less the spread {r['spread']:.1%})"
-            found.append(verdict(name, r["ratio"] >= target - r["spread"], detail))
-        else:
-            found.append(verdict(name, r["ratio"] >= target, f"{r['ratio']:.2f}x (target >= {target}x)"))
+        detail = f"{r['ratio']:.2f}x (target >= {target}x; spread {r['spread']:.1%})"
+        found.append(verdict(name, r["ratio"] >= target, detail))
     return found
 
 

@@ -401,6 +401,9 @@ class LLMEngine:
         end = request.num_computed_tokens + n
         request.draft_token_ids, request.draft_tail = [], end - keep
         self.spec_stats.count(drafted, accepted)
+        self.scheduler.draft_lengths.record(
+            request.request_id, len(request.output_token_ids), drafted, accepted
+        )
         if keep == end:
             return None
         size = self.pool.page_size

@@ -16,6 +16,7 @@ from conftest import make_engine, tiny_model
 from kvfence.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from kvfence.engine.drafter import Drafted, Drafter, NgramDrafter
 from kvfence.engine.engine import LLMEngine
+from kvfence.engine.scheduler import Batch, draft_rows
 from kvfence.model.transformer import Transformer
 from kvfence.request import Status
 from kvfence.sampling import SamplingParams
@@ -44,11 +45,13 @@ def test_greedy_output_is_token_for_token_what_decoding_alone_gives(quantized: b
     engine = make_engine(
         model, page_size=4, max_model_len=64, max_num_batched_tokens=budget, speculative=NGRAM
     )
-    engine.scheduler.drafter = Following(PROMPTS, plain, wrong_after=lambda n: n % 5)
+    # Right for 0 to K positions as the length goes (n % 7, at most K): the adaptive draft lengths see full
+    # accepts and cut ones, and verification reaches every position.
+    engine.scheduler.drafter = Following(PROMPTS, plain, wrong_after=lambda n: min(n % 7, 4))
     requests = engine.generate(PROMPTS, GREEDY)
     assert [r.output_token_ids for r in requests] == plain
     stats = engine.spec_stats
-    assert 0 < stats.accepted_tokens < stats.draft_tokens and all(stats.accepted_per_position[:3])
+    assert 0 < stats.accepted_tokens < stats.draft_tokens and all(stats.accepted_per_position)
     assert engine.num_steps < alone.num_steps
     engine.check_integrity()
     assert engine.allocator.num_free_pages == engine.pool.num_pages
@@ -66,6 +69,63 @@ def test_ngram_speculation_on_a_model_that_repeats_itself() -> None:
     spec, engine = greedy_tokens(model, PROMPTS, speculative=NGRAM)
     assert spec == plain
     assert engine.spec_stats.accepted_tokens > 0
+
+
+# The drafts verified by a request whose drafts are all wrong, over its 23 decode steps: K each (less its
+# output budget at the end) while the step's rows fit DRAFT_ROWS with K drafts each (up to 1 + 2 requests);
+# otherwise its draft length halves to 0, then it probes with one draft after pauses of 1 and 2 tokens
+# (verified at output positions 1, 2, 3, then 5 and 8; K again once the others have finished).
+FULL, ADAPTED = [4] * 19 + [3, 2, 1], [4, 2, 1, 1, 1]
+
+
+@pytest.mark.parametrize(("streams", "wrong_ones"), [(1, FULL), (2, FULL), (4, ADAPTED), (16, None)])
+def test_adaptive_draft_lengths_keep_greedy_output_at_every_batch_size(
+    streams: int, wrong_ones: list[int] | None
+) -> None:
+    """`streams` requests with drafts right for 0 to K positions as their lengths go, beside one whose drafts
+    are all wrong: every row's tokens are what it decodes without drafts; the wrong one's verifications are
+    `wrong_ones`; a step's drafts stay within `draft_rows`."""
+    model = tiny_model()
+    prompts = [PROMPTS[0] + [19]] + [PROMPTS[i % len(PROMPTS)] + [20 + i] for i in range(streams)]
+    plain, _ = greedy_tokens(model, prompts, num_pages=256)
+    engine = make_engine(model, page_size=4, max_model_len=64, num_pages=256, speculative=NGRAM)
+    right, wrong = (Following(prompts, plain, wrong_after=f) for f in (lambda n: min(n % 7, 4), lambda _: 0))
+    drafter = Asked(right, wrong, prompts[0])
+    engine.scheduler.drafter = drafter
+    steps: list[tuple[int, int]] = []  # (decode rows as the step is scheduled, its drafts)
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> Batch:
+        decode = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in engine.scheduler.running)
+        batch = schedule()
+        steps.append((decode, sum(len(r.draft_token_ids) for r in batch.requests)))
+        return batch
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    requests = engine.generate(prompts, GREEDY)
+    assert [r.output_token_ids for r in requests] == plain
+    stats = engine.spec_stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens and all(stats.accepted_per_position)
+    if wrong_ones is not None:  # at 16 + 1 rows no step drafts until some have finished
+        assert [k for k in drafter.asked[requests[0].request_id] if k][: len(wrong_ones)] == wrong_ones
+    assert all(drafts <= draft_rows(decode) for decode, drafts in steps)
+    assert engine.allocator.num_free_pages == engine.pool.num_pages
+
+
+class Asked(Drafter):
+    """`right`'s drafts, but `wrong`'s for the request of prompt `first`, whose drafts are all wrong; records
+    the drafts each verification was given, by request."""
+
+    def __init__(self, right: Drafter, wrong: Drafter, first: list[int]) -> None:
+        self.right, self.wrong, self.first = right, wrong, first
+        self.asked: dict[str, list[int]] = {}
+
+    def propose(self, request: Drafted, k: int) -> list[int]:
+        tokens = request.all_token_ids
+        drafter = self.wrong if tokens[: len(self.first)] == self.first else self.right
+        drafts = drafter.propose(request, k)
+        self.asked.setdefault(request.request_id, []).append(len(drafts))
+        return drafts
 
 
 class Following(Drafter):
@@ -125,9 +185,10 @@ def test_rejected_drafts_are_taken_back_zeroed_and_on_the_trail(keep: int) -> No
     request = engine.add_request(prompt, GREEDY)
     size = engine.pool.page_size
     while not request.is_finished:
+        verifications = engine.spec_stats.drafts
         engine.step()
-        if request.is_finished or not request.draft_tail:
-            continue
+        if request.is_finished or not request.draft_tail or engine.spec_stats.drafts == verifications:
+            continue  # the tail is the last verification's: check it on the step that made it
         mark, tail = request.num_computed_tokens, request.draft_tail
         for position in range(mark, mark + tail):  # every slot past the kept tokens: zero, unreadable
             page = request.record.entry(position // size)[0]
