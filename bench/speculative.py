@@ -20,7 +20,7 @@ the speculating server's acceptance per draft position over the row (from /metri
 (the larger gap between one server's two runs of the row, over their mean: the machine's noise); writes
 bench/results/speculative.json. Exit status 1 when a verdict fails (issue 63's): copy at one stream >= 2x,
 copy at the largest stream count >= 1.3x, fresh at every stream count >= 0.97x. Each request's draft length
-adapts to its acceptance and a step's drafts grow with the batch (engine/draft_lengths.py, scheduler.py).
+adapts to its acceptance past the step's 16-row floor (engine/draft_lengths.py, scheduler.py).
 """
 
 from __future__ import annotations
