@@ -31,9 +31,10 @@ def main() -> int:
     parser.add_argument("--model", required=True, help="the served model name ($model_name)")
     parser.add_argument("--dashboard", type=Path, default=DASHBOARD, help="the dashboard JSON")
     parser.add_argument("--interval", default="1m", help="what $__rate_interval stands for")
+    parser.add_argument("--replica", default=".*", help="$replica, a regex (Grafana's All: every replica)")
     args = parser.parse_args()
     dashboard = json.loads(args.dashboard.read_text())
-    found = expressions(dashboard, {"model_name": args.model}, args.interval)
+    found = expressions(dashboard, {"model_name": args.model, "replica": args.replica}, args.interval)
     empty = [expr for expr in found if empty_in_prometheus(args.prometheus, expr)]
     print_table(["expression", "data"], [[expr, "no" if expr in empty else "yes"] for expr in found])
     print(f"{len(found) - len(empty)} of {len(found)} expressions return data")

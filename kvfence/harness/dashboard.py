@@ -3,9 +3,10 @@
 
 Contracts:
 - `expressions(dashboard, variables)` lists each panel target's `expr` with the dashboard's variables
-  (`$model_name`) and Grafana's interval (`$__rate_interval`) filled in.
+  (`$model_name`, `$replica`) and Grafana's interval (`$__rate_interval`) filled in.
 - `unanswered(expr, exposition)` names each metric selector of `expr` that no sample of the exposition
-  matches: the metric name, every `label="value"` matcher, and every label the expression groups `by`.
+  matches: the metric name, every `label="value"` matcher, every `label=~"regex"` matcher (the whole
+  value, an absent label read as "", as Prometheus reads it), and every label the expression groups `by`.
   A selector with data passes even where the rest of the expression would be empty (a rate over one
   scrape is): the question is whether the series exist, with their labels.
 - `empty_in_prometheus(url, expr)` is True when a Prometheus answers the instant query with no series.
@@ -25,6 +26,7 @@ _SELECTOR = re.compile(
     r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}|\b([a-zA-Z_:][a-zA-Z0-9_:]*_(?:total|sum|count|bucket|seconds|ratio|perc|running|waiting))\b(?!\s*\()"
 )
 _MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"([^"]*)"')
+_REGEX_MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=~\s*"([^"]*)"')
 _BY = re.compile(r"\bby\s*\(([^)]*)\)")
 _FUNCTIONS = {"sum", "rate", "increase", "histogram_quantile", "by", "label_values"}
 
@@ -34,9 +36,10 @@ class Selector:
     metric: str
     labels: tuple[tuple[str, str], ...]  # equality matchers
     by: tuple[str, ...]  # labels the expression groups by: the series must carry them
+    regexes: tuple[tuple[str, str], ...] = ()  # regex matchers
 
     def describe(self) -> str:
-        matchers = ",".join(f'{k}="{v}"' for k, v in self.labels)
+        matchers = ",".join([f'{k}="{v}"' for k, v in self.labels] + [f'{k}=~"{v}"' for k, v in self.regexes])
         return f"{self.metric}{{{matchers}}}" + (f" by ({', '.join(self.by)})" if self.by else "")
 
 
@@ -59,8 +62,9 @@ def selectors(expr: str) -> list[Selector]:
         metric = match.group(1) or match.group(3)
         if metric in _FUNCTIONS:
             continue
-        labels = tuple(_MATCHER.findall(match.group(2) or ""))
-        found.append(Selector(metric, labels, by))
+        inside = match.group(2) or ""
+        labels, regexes = tuple(_MATCHER.findall(inside)), tuple(_REGEX_MATCHER.findall(inside))
+        found.append(Selector(metric, labels, by, regexes))
     return found
 
 
@@ -79,6 +83,7 @@ def unanswered(expr: str, exposition: str) -> list[str]:
         if not any(
             name == selector.metric
             and wanted.items() <= labels.items()
+            and all(re.fullmatch(regex, labels.get(label, "")) for label, regex in selector.regexes)
             and all(label in labels for label in selector.by)
             for name, labels in samples
         ):

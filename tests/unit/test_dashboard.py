@@ -1,7 +1,8 @@
 """The dashboards find their data: every expression of the shipped Grafana dashboard
 (dashboards/grafana.json), and every series vLLM's own dashboard reads (with `--metrics-compat vllm`),
 matched against a real scrape after traffic: metric name, `model_name`, and each label the expression
-groups by."""
+groups by; and the dashboard's `replica` variable against a Ray fleet's /metrics (every replica's series
+labelled with it)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from test_grammar import tiny_engine, tiny_tokenizer
 
 from kvfence.api.server import build_app
 from kvfence.engine.async_engine import AsyncEngine
-from kvfence.harness.dashboard import expressions, unanswered
+from kvfence.harness.dashboard import expressions, selectors, unanswered
+from kvfence.ray.fleet_views import labelled_metrics
 
 DASHBOARD = Path(__file__).parents[2] / "dashboards" / "grafana.json"
 MODEL = "tiny-dash"
@@ -61,10 +63,24 @@ def scrape() -> Iterator[str]:
 
 def test_every_expression_of_the_shipped_dashboard_has_data(scrape: str) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
-    found = expressions(dashboard, {"model_name": MODEL})
+    found = expressions(dashboard, {"model_name": MODEL, "replica": ".*"})  # Grafana's All: one server
     assert len(found) >= 25
     missing = {expr: gaps for expr in found if (gaps := unanswered(expr, scrape))}
     assert not missing, missing
+
+
+def test_the_replica_variable_picks_one_replica_of_a_fleet(scrape: str) -> None:
+    """Every selector of the dashboard carries `replica=~"$replica"`: on a fleet's /metrics (two replicas'
+    series, each labelled `replica` as kvfence.ray.fleet_views labels them) a replica that is there has
+    data in every panel, one that is not has none, and All has data."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    every = [s for expr in expressions(dashboard, {}) for s in selectors(expr)]
+    assert every and all(("replica", "$replica") in s.regexes for s in every), every
+    fleet = labelled_metrics({"r0": scrape, "r1": scrape}).decode()
+    for replica, has_data in (("r1", True), ("r0|r1", True), (".*", True), ("r9", False)):
+        found = expressions(dashboard, {"model_name": MODEL, "replica": replica})
+        gaps = [expr for expr in found if unanswered(expr, fleet)]
+        assert (not gaps) if has_data else len(gaps) == len(found), (replica, gaps)
 
 
 def test_vllms_dashboard_reads_kvfence_with_metrics_compat(scrape: str) -> None:
