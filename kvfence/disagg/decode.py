@@ -36,6 +36,7 @@ from kvfence.disagg.connector import Connector, LinkEvent
 from kvfence.disagg.handoff import HandoffEngine
 from kvfence.disagg.inbound import Inbound, Phase
 from kvfence.disagg.landing import LandingError
+from kvfence.disagg.landing_slots import LandingSlots
 from kvfence.disagg.landing_wire import Notification
 from kvfence.disagg.messages import (
     KV_UNAVAILABLE,
@@ -51,7 +52,7 @@ from kvfence.disagg.messages import (
 )
 from kvfence.disagg.nixl_transport import OneSidedAgent
 from kvfence.disagg.outputs import to_wire
-from kvfence.disagg.seal import TAG_BYTES, new_key, open_into
+from kvfence.disagg.seal import new_key
 from kvfence.disagg.worker import Worker, log
 from kvfence.engine.engine import AdmissionError
 from kvfence.engine.output import RequestOutput
@@ -80,10 +81,7 @@ class DecodeWorker(Worker):
     ) -> None:
         super().__init__(engine, connector)
         self.agent = agent  # its landing area, one slot per pool page, is what prefill workers WRITE into
-        # Where a sealed page is copied and opened: reused, so no page-sized buffer is allocated per page.
-        slot_bytes = agent.area.shape[1] if agent is not None else 0
-        self._sealed = np.empty(slot_bytes, dtype=np.uint8)
-        self._plain = np.empty(max(0, slot_bytes - TAG_BYTES), dtype=np.uint8)
+        self._slots = LandingSlots(agent.area.shape[1] if agent is not None else 0)
         self.announced: set[tuple[str, int]] = set()  # (prefill, our agent's incarnation) told of it
         self.withdrawn: set[str] = set()  # prefills told to forget our replaced agent, not yet of the new
         # Requests whose KV is on the way, or whose abort awaits a drain.
@@ -408,17 +406,14 @@ class DecodeWorker(Worker):
             page, generation = record.entry(logical)
             slots = self.engine.page_slots(tokens, logical)
             plain_bytes = slots * self.engine.pool.token_bytes
-            # A copy first: the landing process may rewrite its area while the page is opened.
-            sealed, plain = self._sealed[: plain_bytes + TAG_BYTES], self._plain[:plain_bytes]
-            np.copyto(sealed, self.agent.area[page, : plain_bytes + TAG_BYTES])
-            self.agent.area[page] = 0
-            opened = open_into(inbound.key, request_id, logical, page, generation, sealed, plain.data)
+            key = inbound.key
+            plain = self._slots.take(self.agent.area, page, plain_bytes, key, request_id, logical, generation)
             if not self.isolation:
-                if opened:
-                    self._write(page, slots, plain.data)
+                if plain is not None:
+                    self._write(page, slots, plain)
                 continue
-            if not opened:
-                torn = xxhash.xxh3_64_intdigest(sealed) != checksums[logical]
+            if plain is None:
+                torn = self._slots.torn(checksums[logical])
                 self._refuse(request_id, page, "torn or lost in transport" if torn else "does not open")
                 return CHECKSUM_MISMATCH
             if not self._authorized(record.tenant, page, generation):
@@ -426,7 +421,7 @@ class DecodeWorker(Worker):
                     request_id, "write_refused", page=page, why="stale generation or owner"
                 )
                 return STALE_WRITE
-            self._write(page, slots, plain.data)
+            self._write(page, slots, plain)
             self.engine.events.emit(
                 request_id, "page_received", page=page, generation=generation, slots=slots, sealed=True
             )
