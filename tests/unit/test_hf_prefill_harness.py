@@ -37,4 +37,4 @@ def test_rounds_call_every_run_in_turn() -> None:
     calls: list[str] = []
     best = interleaved_best({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=2)
     assert calls == ["a", "b"] * 3 and best.keys() == {"a", "b"}
-    assert all(0 <= seconds < float("inf") for seconds in best.values())
+    assert all(seconds >= 0 for seconds in best.values())  # a monotonic clock's differences
