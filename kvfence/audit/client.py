@@ -231,22 +231,29 @@ class ProbeClient:
     def stream_and_drop(
         self, label: str, key_index: int, endpoint: str, prompt: str, max_tokens: int
     ) -> Exchange:
-        """Open a stream, read its first data event, and close the connection (a client going away)."""
+        """Open a stream, read its first data event, and close the connection (a client going away).
+        A connection that fails before any answer is retried once on a fresh one, as in `send`."""
         exchange = self._new(label, key_index, endpoint, prompt, max_tokens, True)
         body = self.body(endpoint, prompt, max_tokens, stream=True)
-        with (
-            _Timed(exchange),
-            self.http.stream("POST", _path(endpoint), json=body, headers=self.headers(key_index)) as r,
-        ):
+        for _ in range(2):
+            exchange.transport_error = None
+            timed = _Timed(exchange)
+            with timed:
+                self._first_event(exchange, endpoint, body, key_index)
+            if not timed.unanswered:
+                break
+        return exchange
+
+    def _first_event(self, exchange: Exchange, endpoint: str, body: dict[str, Any], key_index: int) -> None:
+        with self.http.stream("POST", _path(endpoint), json=body, headers=self.headers(key_index)) as r:
             _read_head(exchange, r)
             if r.status_code != 200:
                 _read_body(exchange, r)
-                return exchange
+                return
             lines = r.iter_lines()
             first = next((line for line in lines if line.startswith("data:")), None)
             _read_events(exchange, [first] if first else [])
             exchange.cancelled = exchange.finish_reason is None and not exchange.has_error
-        return exchange
 
     def drop_early(self, label: str, key_index: int, endpoint: str, prompt: str, max_tokens: int) -> Exchange:
         """Send a stream request and give up before any answer arrives (its request id stays unknown)."""
