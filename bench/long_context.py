@@ -92,7 +92,7 @@ def specs(args: argparse.Namespace, model: str, sizing: Sizing) -> list[PeerSpec
 
     def vllm(_path: Path, _a: argparse.Namespace) -> AbstractContextManager[Peer]:
         extra = ["--max-model-len", str(sizing.window)]  # after the script's own: argparse's last wins
-        return vllm_server(args.serve_vllm, extra, args.vllm_start_timeout)
+        return vllm_server(args.serve_vllm, extra, start_timeout_s=args.vllm_start_timeout)
 
     found = [PeerSpec("llama-server", llama, lambda path: path.stem)]
     if model in VLLM_MODELS:
