@@ -1,17 +1,21 @@
 """The vLLM plugin's written lengths without vLLM (plugins/vllm, issue 62): each record's written length,
 kept apart from vLLM's num_computed_tokens, and the worker's check that a step starts where its request's
 KV was written. Synthetic steps: the scheduler side plans, the worker side checks its rows and starts (rows
-equal to the records unless a test says otherwise), and the step's commit advances what was written."""
+equal to the records unless a test says otherwise), and the step's commit advances what was written. And
+the faults that break it in the worker (faults.py) on a stand-in for vLLM's input batch."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 
 import numpy as np
 
 from kvfence.trail.reasons import UNWRITTEN_READ
+from kvfence_vllm.faults import WorkerFaults
 from kvfence_vllm.records import SchedulerRecords, StepPlan
 from kvfence_vllm.rows import check_rows
+from kvfence_vllm.settings import Settings, from_environ
 from kvfence_vllm.tags import BlockTags
 
 SIZE = 16  # tokens per block
@@ -123,3 +127,55 @@ def test_rejected_draft_tokens_are_rolled_back_as_vllm_rolls_back_its_count() ->
     assert records.written["a"] == 22 and records.tags.written[2] == 6
     assert run_step(records, [("a", [1, 2], 1)], {"a": 22})[1] == {}
     assert run_step(records, [("a", [1, 2], 1)], {"a": 25})[1] == {"a": UNWRITTEN_READ}
+
+
+class FakeTables(list):
+    """vLLM's MultiGroupBlockTable as the faults use it: `[0].block_size` and `swap_row`."""
+
+    def __init__(self) -> None:
+        super().__init__([SimpleNamespace(block_size=SIZE)])
+        self.swaps: list[tuple[int, int]] = []
+
+    def swap_row(self, first: int, second: int) -> None:
+        self.swaps.append((first, second))
+
+
+def batch_of(computed: list[int], prompts: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        num_reqs=len(computed),
+        req_ids=[f"r{i}" for i in range(len(computed))],
+        num_computed_tokens_cpu=np.array(computed, dtype=np.int64),
+        num_prompt_tokens=np.array(prompts, dtype=np.int64),
+        block_table=FakeTables(),
+    )
+
+
+def test_inflate_computed_moves_one_decoding_start_a_block_ahead_once_and_never_a_request_alone() -> None:
+    faults = WorkerFaults(Settings(inflate_probability=1.0))
+    alone = batch_of([30], [20])
+    faults.inject(alone, {"r0": 1}, window=1024)
+    assert alone.num_computed_tokens_cpu.tolist() == [30] and faults.inflated is None
+    batch = batch_of([30, 0, 1010], [20, 12, 900])  # decoding, prefilling, decoding too near the window
+    faults.inject(batch, {"r0": 1, "r1": 12, "r2": 1}, window=1024)
+    assert batch.num_computed_tokens_cpu.tolist() == [30 + SIZE, 0, 1010] and faults.inflated == "r0"
+    faults.inject(batch, {"r0": 1, "r1": 12, "r2": 1}, window=2048)
+    assert batch.num_computed_tokens_cpu.tolist() == [30 + SIZE, 0, 1010]  # at most once
+
+
+def test_the_swap_spares_the_inflated_request_and_the_move_spares_a_swapped_one() -> None:
+    faults = WorkerFaults(Settings(swap_probability=1.0, inflate_probability=1.0))
+    batch = batch_of([30, 40], [20, 12])
+    batch.num_prompt_tokens[:] = [50, 50]  # both still prefilling: nothing to move, the swap fires
+    faults.inject(batch, {"r0": 1, "r1": 1}, window=1024)
+    assert batch.block_table.swaps == [(0, 1)] or batch.block_table.swaps == [(1, 0)]
+    three = batch_of([30, 40, 25], [20, 12, 10])
+    faults.inject(three, {"r0": 1, "r1": 1, "r2": 1}, window=1024)
+    assert faults.inflated == "r2" and three.num_computed_tokens_cpu.tolist() == [30, 40, 25 + SIZE]
+    assert three.block_table.swaps in ([(0, 1)], [(1, 0)])  # r2 is spared
+
+
+def test_a_fault_spec_arms_both_faults_and_their_draws_are_repeatable() -> None:
+    settings = from_environ({"KVFENCE_INJECT_FAULT": "swap_block_tables:0.5,inflate_computed:0.5"})
+    first, second = WorkerFaults(settings), WorkerFaults(settings)
+    draws = [[f.swap_rng.random() for _ in range(3)] + [f.inflate_rng.random()] for f in (first, second)]
+    assert draws[0] == draws[1] and draws[0][0] != draws[0][3]

@@ -21,9 +21,9 @@ API server:
   check raises `FenceAbort` for them, and its stream error event is typed `kv_integrity_error` (aborts.py).
 Worker (GPUModelRunner, which the CPU runner is):
 - `_update_states`: once vLLM has brought its persistent block table and start positions up to the step,
-  the faults (if set) swap two running rows or move one decoding request's start a block ahead, then every
-  planned row and start is checked (rows.py); a condemned row is pointed at the null block before
-  `_prepare_inputs` builds the slot mapping, so it reads and writes no one's KV.
+  the faults (if armed: faults.py) move one decoding request's start a block ahead or swap two running
+  rows, then every planned row and start is checked (rows.py); a condemned row is pointed at the null
+  block before `_prepare_inputs` builds the slot mapping, so it reads and writes no one's KV.
 - `sample_tokens`: the worker's verdict rides on the ModelRunnerOutput as `kvfence_verdict`, and the
   seconds its hooks took as `kvfence_seconds`.
 The plan, the verdict and the seconds are attributes on vLLM's own objects, which vLLM's executor carries
@@ -37,14 +37,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kvfence_vllm.aborts import INTEGRITY_ERROR, FencedRequests, error_body, mark_outputs, message
+from kvfence_vllm.faults import WorkerFaults
 from kvfence_vllm.records import SchedulerRecords, StepPlan
-from kvfence_vllm.rows import check_rows, choose_rows, neutralise
+from kvfence_vllm.rows import check_rows, neutralise
 from kvfence_vllm.settings import INFLATE, SWAP, PluginRefused, Settings
 from kvfence_vllm.tags import BlockTags
 from kvfence_vllm.tenants import TenantSalt, tenant_keys
@@ -224,10 +224,7 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
 def _patch_runner(cls: type, settings: Settings) -> None:
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-    rng = random.Random(settings.fault_seed)
-    inflate_rng = random.Random(
-        f"{INFLATE}:{settings.fault_seed}"
-    )  # its own: the swap's draws stay as they were
+    faults = WorkerFaults(settings)
 
     def update_states(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, scheduler_output: Any) -> Any:
@@ -235,13 +232,7 @@ def _patch_runner(cls: type, settings: Settings) -> None:
             started = time.perf_counter()
             batch = self.input_batch
             table = batch.block_table[0]
-            if settings.swap_probability:
-                _inject_swap(rng, settings.swap_probability, batch)
-            if settings.inflate_probability:
-                scheduled = scheduler_output.num_scheduled_tokens
-                _inject_inflate(
-                    inflate_rng, settings.inflate_probability, batch, scheduled, self.max_model_len
-                )
+            faults.inject(batch, scheduler_output.num_scheduled_tokens, self.max_model_len)
             plan: StepPlan | None = getattr(scheduler_output, "kvfence_plan", None)
             if plan is not None:
                 array, lengths = table.block_table.np, table.num_blocks_per_row
@@ -355,42 +346,6 @@ def _rejected(scheduler_output: Any, runner_output: Any, sampled_per_step: int) 
         if drafts and (generated or sampled_per_step == 0):
             rejected[req_id] = len(drafts) - max(len(generated) - sampled_per_step, 0)
     return rejected
-
-
-def _inject_swap(rng: random.Random, probability: float, batch: Any) -> None:
-    """The fault: two running requests (KV already computed) trade block-table rows."""
-    running = [i for i in range(batch.num_reqs) if batch.num_computed_tokens_cpu[i] > 0]
-    pair = choose_rows(rng, probability, running, 2)
-    if pair is not None:
-        batch.block_table.swap_row(*pair)
-        ids = batch.req_ids
-        log.warning(
-            "kvfence-vllm: fault swap_block_tables swapped the rows of %s and %s", ids[pair[0]], ids[pair[1]]
-        )
-
-
-def _inject_inflate(
-    rng: random.Random, probability: float, batch: Any, scheduled: dict[str, int], window: int
-) -> None:
-    """The fault: one decoding request's start (num_computed_tokens) moves a block ahead, where no step
-    wrote its KV; only where the moved step still fits the window (past it vLLM's own arrays end)."""
-    size, computed = batch.block_table[0].block_size, batch.num_computed_tokens_cpu
-    decoding = [
-        i
-        for i in range(batch.num_reqs)
-        if 0 < batch.num_prompt_tokens[i] <= computed[i]
-        and computed[i] + scheduled.get(batch.req_ids[i], 0) + size <= window
-    ]
-    chosen = choose_rows(rng, probability, decoding, 1)
-    if chosen is not None:
-        row = chosen[0]
-        computed[row] += size
-        log.warning(
-            "kvfence-vllm: fault inflate_computed moved the start of %s from %d to %d",
-            batch.req_ids[row],
-            computed[row] - size,
-            computed[row],
-        )
 
 
 def _mode(settings: Settings) -> str:

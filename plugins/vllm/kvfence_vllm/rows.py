@@ -68,8 +68,17 @@ def neutralise(table: np.ndarray, rows: list[int]) -> None:
 
 
 def choose_rows(rng: random.Random, probability: float, running: list[int], count: int) -> list[int] | None:
-    """A fault's draw for one step: `count` distinct rows of the `running` ones (those with KV), or None.
-    Only in a step that runs two or more, so a request asked alone is never hit."""
-    if len(running) < 2 or rng.random() >= probability:
+    """A fault's draw for one step: `count` distinct rows of the candidate `running` ones, or None (no
+    draw is made while there are fewer than `count`)."""
+    if len(running) < count or rng.random() >= probability:
         return None
     return rng.sample(running, count)
+
+
+def decoding_rows(
+    computed: np.ndarray, prompt: np.ndarray, scheduled: np.ndarray, block_size: int, window: int
+) -> list[int]:
+    """Rows past their prompt whose step, its start moved a block ahead, still fits the window (beyond it
+    vLLM's own per-request arrays end): the rows the fault inflate_computed may move."""
+    fits = computed + scheduled + block_size <= window
+    return np.flatnonzero((prompt > 0) & (computed >= prompt) & fits).tolist()
