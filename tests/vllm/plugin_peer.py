@@ -28,10 +28,13 @@ needs_vllm = pytest.mark.skipif(not SERVE, reason="vLLM's CPU build and the plug
 START_TIMEOUT_S = 900.0  # a busy 2-core machine
 BASE = ["--optimization-level", "0", "--max-model-len", "1024"]
 KEYS = ("sk-tenant-a", "sk-tenant-b")  # vLLM's --api-key: the plugin's tenants api-key-1 and api-key-2
-# The fault at a rate the audit can compare answers under (most requests beside others survive it), with a
-# seed whose first draw fires: the first step that runs two requests with KV swaps their rows.
-FAULT = {"KVFENCE_INJECT_FAULT": "swap_block_tables:0.1", "KVFENCE_FAULT_SEED": "31"}
+# The swap at a rate the audit can compare answers under (most requests beside others survive it), with a
+# seed whose first draw fires: the first step that runs two requests with KV (the start-moved one spared)
+# swaps their rows. And the start of the first request seen decoding beside another (the scenario's long
+# one, as the others join it) moved a block ahead, once per server.
+FAULT = {"KVFENCE_INJECT_FAULT": "swap_block_tables:0.1,inflate_computed:1", "KVFENCE_FAULT_SEED": "31"}
 SWAPPED = "fault swap_block_tables swapped"
+INFLATED = "fault inflate_computed moved the start of "
 ABORTED = "kvfence-vllm: aborted request"
 LONG = "long"
 PROMPTS = {
@@ -55,27 +58,35 @@ class Answer:
     error: str | None = None  # the OpenAI error's type
 
 
-def headers(key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
+def headers(key: str | None, request_id: str | None = None) -> dict[str, str]:
+    """The key's bearer header, and `request_id` as vLLM's X-Request-Id: its log then names the request
+    cmpl-REQUEST_ID-0-..."""
+    return ({"Authorization": f"Bearer {key}"} if key else {}) | (
+        {"X-Request-Id": request_id} if request_id else {}
+    )
 
 
-def ask(url: str, name: str, key: str | None) -> Answer:
+def ask(url: str, name: str, key: str | None, request_id: str | None = None) -> Answer:
     body = {"model": VLLM_MODEL, "prompt": PROMPTS[name], "max_tokens": MAX_TOKENS[name], "temperature": 0}
-    return complete(url, {**body, "ignore_eos": True}, key)
+    return complete(url, {**body, "ignore_eos": True}, key, request_id=request_id)
 
 
-def complete(url: str, body: Mapping[str, object], key: str | None, timeout: float = 600) -> Answer:
-    reply = httpx.post(f"{url}/v1/completions", json=dict(body), headers=headers(key), timeout=timeout)
+def complete(
+    url: str, body: Mapping[str, object], key: str | None, timeout: float = 600, request_id: str | None = None
+) -> Answer:
+    reply = httpx.post(
+        f"{url}/v1/completions", json=dict(body), headers=headers(key, request_id), timeout=timeout
+    )
     if reply.status_code != 200:
         return Answer(reply.status_code, "", reply.json()["error"]["type"])
     return Answer(200, reply.json()["choices"][0]["text"])
 
 
-def stream(url: str, name: str, started: threading.Event, key: str | None) -> Answer:
+def stream(url: str, name: str, started: threading.Event, key: str | None, request_id: str) -> Answer:
     body = {"model": VLLM_MODEL, "prompt": PROMPTS[name], "max_tokens": MAX_TOKENS[name], "temperature": 0}
     body = {**body, "ignore_eos": True, "stream": True}
-    text = ""
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers(key), timeout=600) as reply:
+    text, sent = "", headers(key, request_id)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=sent, timeout=600) as reply:
         if reply.status_code != 200:
             started.set()
             return Answer(reply.status_code, "", json.loads(reply.read())["error"]["type"])
@@ -95,14 +106,18 @@ def stream(url: str, name: str, started: threading.Event, key: str | None) -> An
 
 def scenario(peer: Peer, key: str | None = KEYS[0]) -> tuple[dict[str, Answer], dict[str, Answer]]:
     """(references asked alone, answers asked together). Each prompt alone first (one running request:
-    the fault cannot fire), then the long request, and once it streams the others beside it."""
+    no fault fires), then the long request, and once it streams the others beside it; each asked together
+    is logged as cmpl-together-NAME-0-... (`named`)."""
     references = {name: ask(peer.url, name, key) for name in PROMPTS}
     assert all(a.status == 200 and a.text for a in references.values()), references
     together: dict[str, Answer] = {}
     started = threading.Event()
 
     def run(name: str) -> None:
-        together[name] = stream(peer.url, name, started, key) if name == LONG else ask(peer.url, name, key)
+        rid = f"together-{name}"
+        together[name] = (
+            stream(peer.url, name, started, key, rid) if name == LONG else ask(peer.url, name, key, rid)
+        )
 
     threads = [threading.Thread(target=run, args=(LONG,))]
     threads[0].start()
@@ -113,6 +128,11 @@ def scenario(peer: Peer, key: str | None = KEYS[0]) -> tuple[dict[str, Answer], 
     for thread in threads:
         thread.join(600)
     return references, together
+
+
+def named(line: str, after: str) -> str:
+    """The request id a trail line names right after `after`."""
+    return line.split(after, 1)[1].split()[0]
 
 
 def trail(peer: Peer, phrase: str) -> list[str]:

@@ -1,13 +1,27 @@
-"""The vLLM plugin with its fence off and the fault `swap_block_tables` armed (plugin_peer.FAULT), inside a
-real `vllm serve` (CPU, SmolLM2): the swapped requests answer 200 with text that is not theirs, and
-`kvfence audit --black-box` FAILS the server. One server for both checks (module-scoped)."""
+"""The vLLM plugin with its fence off and the faults `swap_block_tables` and `inflate_computed` armed
+(plugin_peer.FAULT), inside a real `vllm serve` (CPU, SmolLM2): the swapped requests answer 200 with text
+that is not theirs, the request whose start moved ahead of its written KV answers 200 with text that is
+not its answer alone, and `kvfence audit --black-box` FAILS the server. One server for all checks
+(module-scoped)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
-from plugin_peer import ABORTED, FAULT, KEYS, SWAPPED, needs_vllm, scenario, served, trail
+from plugin_peer import (
+    ABORTED,
+    FAULT,
+    INFLATED,
+    KEYS,
+    LONG,
+    SWAPPED,
+    named,
+    needs_vllm,
+    scenario,
+    served,
+    trail,
+)
 
 from kvfence.audit.black_box import audit_black_box
 from kvfence.harness.peers import Peer
@@ -29,6 +43,13 @@ def test_the_swapped_rows_leak_into_200s(peer: Peer) -> None:
     assert all(a.status == 200 for a in together.values()), together
     leaked = [name for name, a in together.items() if a.text != references[name].text]
     assert leaked, "the fault fired but every answer was its own"
+    # The long request's start moved a block ahead once (and it was never swapped): its 200 read KV no
+    # step wrote for it, and differs from its answer alone.
+    inflated = trail(peer, INFLATED)
+    print(f"fence off: {inflated}")
+    assert len(inflated) == 1 and named(inflated[0], INFLATED).startswith(f"cmpl-together-{LONG}-"), inflated
+    assert not [line for line in swaps if named(inflated[0], INFLATED) in line], swaps
+    assert together[LONG].status == 200 and together[LONG].text != references[LONG].text
 
 
 def test_the_black_box_audit_fails_the_server(peer: Peer) -> None:

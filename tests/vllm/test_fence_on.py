@@ -1,14 +1,28 @@
-"""The vLLM plugin with its fence on and the same fault armed (plugin_peer.FAULT), inside a real `vllm
+"""The vLLM plugin with its fence on and the same faults armed (plugin_peer.FAULT), inside a real `vllm
 serve` (CPU, SmolLM2): the swapped requests end in a 500 `kv_integrity_error` (an error event on a
-stream), the trail (vLLM's log) names each, every 200 is the request's own, and `kvfence audit
---black-box` PASSES the server, every check, with the fault still firing. One server for both checks."""
+stream), and so does the request whose start moved ahead of its written KV (unwritten_read); the trail
+(vLLM's log) names each, every 200 is the request's own, and `kvfence audit --black-box` PASSES the
+server, every check, with the swap still firing. One server for both checks."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
-from plugin_peer import ABORTED, FAULT, KEYS, SWAPPED, ask, needs_vllm, scenario, served, trail
+from plugin_peer import (
+    ABORTED,
+    FAULT,
+    INFLATED,
+    KEYS,
+    LONG,
+    SWAPPED,
+    ask,
+    named,
+    needs_vllm,
+    scenario,
+    served,
+    trail,
+)
 
 from kvfence.audit.black_box import audit_black_box
 from kvfence.harness.peers import Peer
@@ -37,6 +51,13 @@ def test_the_swapped_requests_end_in_an_integrity_error_and_every_200_is_their_o
         if answer.status == 200:
             assert answer.text == references[name].text, name
     assert after == references["count"]
+    # The long request's start moved a block ahead once: it aborts as reading unwritten KV, that alone.
+    inflated = trail(peer, INFLATED)
+    moved = named(inflated[0], INFLATED) if len(inflated) == 1 else ""
+    assert moved.startswith(f"cmpl-together-{LONG}-"), inflated
+    lines = [line for line in aborts if f"{ABORTED} {moved}:" in line]
+    assert len(lines) == 1 and f"{moved}: unwritten_read" in lines[0], aborts
+    assert together[LONG].status == 500 and together[LONG].error == "kv_integrity_error"
 
 
 def test_the_black_box_audit_passes_the_server_with_the_fault_firing(peer: Peer) -> None:

@@ -2,13 +2,17 @@
 
 Scheduler process (vLLM's EngineCore):
 - `BlockPool`: tags (tags.py) on its blocks; `get_new_blocks`, `touch` and `free_blocks` bump them.
-- `Scheduler.__init__`: refuses anything but one full-attention KV cache group; creates the records.
+- `Scheduler.__init__`: refuses anything but one full-attention KV cache group, async scheduling (a step
+  scheduled before the last one's output is read) and a KV connector (KV no step of this engine wrote);
+  creates the records.
 - `KVCacheManager.free` / `pop_blocks_for_free`: the request's record is forgotten (finish, preemption).
 - `Scheduler.schedule`: after vLLM's own schedule, the records of every scheduled request are synced and
   judged (records.py); the plan rides on the SchedulerOutput as `kvfence_plan` (None with the fence off).
-- `Scheduler.update_from_output`: the condemned requests' sampled tokens are dropped before vLLM reads
-  them, and the requests go to vLLM's own finish-with-error path (FinishReason.ERROR), one warning line
-  each, their error outputs marked with the reason (aborts.py); the rest of the batch is untouched.
+- `Scheduler.update_from_output`: the step ran, so the records' written lengths advance (less the drafts
+  vLLM rejected), before vLLM frees the finished requests' blocks; the condemned requests' sampled tokens
+  are dropped before vLLM reads them, and the requests go to vLLM's own finish-with-error path
+  (FinishReason.ERROR), one warning line each, their error outputs marked with the reason (aborts.py); the
+  rest of the batch is untouched.
 API server:
 - `init_entrypoints_middleware` (as vLLM's app module calls it): TenantSalt is added outermost where
   tenant keys are known (tenants.py), so every request's cache_salt is its tenant's; and the handler
@@ -16,9 +20,10 @@ API server:
 - `OutputProcessor.process_outputs` notes the marked outputs' requests; `GenerateBaseServing`'s error
   check raises `FenceAbort` for them, and its stream error event is typed `kv_integrity_error` (aborts.py).
 Worker (GPUModelRunner, which the CPU runner is):
-- `_update_states`: once vLLM has brought its persistent block table up to the step, the fault (if set)
-  swaps two running rows, then every planned row is checked (rows.py); a condemned row is pointed at the
-  null block before `_prepare_inputs` builds the slot mapping, so it reads and writes no one's KV.
+- `_update_states`: once vLLM has brought its persistent block table and start positions up to the step,
+  the faults (if armed: faults.py) move one decoding request's start a block ahead or swap two running
+  rows, then every planned row and start is checked (rows.py); a condemned row is pointed at the null
+  block before `_prepare_inputs` builds the slot mapping, so it reads and writes no one's KV.
 - `sample_tokens`: the worker's verdict rides on the ModelRunnerOutput as `kvfence_verdict`, and the
   seconds its hooks took as `kvfence_seconds`.
 The plan, the verdict and the seconds are attributes on vLLM's own objects, which vLLM's executor carries
@@ -32,15 +37,15 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kvfence_vllm.aborts import INTEGRITY_ERROR, FencedRequests, error_body, mark_outputs, message
+from kvfence_vllm.faults import WorkerFaults
 from kvfence_vllm.records import SchedulerRecords, StepPlan
-from kvfence_vllm.rows import check_rows, choose_swap, neutralise
-from kvfence_vllm.settings import PluginRefused, Settings
+from kvfence_vllm.rows import check_rows, neutralise
+from kvfence_vllm.settings import INFLATE, SWAP, PluginRefused, Settings
 from kvfence_vllm.tags import BlockTags
 from kvfence_vllm.tenants import TenantSalt, tenant_keys
 
@@ -139,6 +144,11 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
                 raise SystemExit(
                     f"kvfence-vllm: only one full-attention KV cache group is supported, not {kinds}"
                 )
+            if self.scheduler_config.async_scheduling or self.connector is not None:
+                raise SystemExit(
+                    "kvfence-vllm: async scheduling and KV connectors are not supported (a record's written "
+                    "length counts what this engine's steps that ran wrote)"
+                )
             manager = self.kv_cache_manager
             manager.kvfence_records = SchedulerRecords(
                 manager.block_pool.kvfence_tags, groups[0].kv_cache_spec.block_size
@@ -166,11 +176,13 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
             started = time.perf_counter()
             manager, requests = self.kv_cache_manager, self.requests
             scheduled = [
-                (req_id, requests[req_id].cache_salt or "", manager.get_block_ids(req_id)[0])
-                for req_id in output.num_scheduled_tokens
+                (req_id, requests[req_id].cache_salt or "", manager.get_block_ids(req_id)[0], count)
+                for req_id, count in output.num_scheduled_tokens.items()
             ]
             plan = records.plan(scheduled)  # records are kept (and tags claimed) with the fence off too
             output.kvfence_plan = plan if settings.fence else None
+            # For update_from_output, fence on or off; one step at a time (no async scheduling, no PP).
+            records.in_flight = {id(output): plan}
             records.stats.scheduler_s += time.perf_counter() - started
             return output
 
@@ -178,9 +190,14 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
 
     def update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+            records: SchedulerRecords = self.kv_cache_manager.kvfence_records
             plan: StepPlan | None = getattr(scheduler_output, "kvfence_plan", None)
             verdict = dict(plan.condemned) if plan is not None else {}
             verdict.update(getattr(model_runner_output, "kvfence_verdict", {}))
+            ran = records.in_flight.pop(id(scheduler_output), None)
+            if ran is not None and hasattr(model_runner_output, "req_id_to_index"):
+                rejected = _rejected(scheduler_output, model_runner_output, self.num_sampled_tokens_per_step)
+                records.commit(ran, rejected, verdict)
             for req_id, reason in verdict.items():
                 index = model_runner_output.req_id_to_index.get(req_id)
                 if index is not None and index < len(model_runner_output.sampled_token_ids):
@@ -188,7 +205,7 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
                 log.warning("kvfence-vllm: aborted request %s: %s", req_id, reason)
             # vLLM's own path for a request that must end in an error (FINISHED_ERROR, never resumed).
             self.encoder_cache_mismatch_reqs.update(r for r in verdict if r in self.requests)
-            stats = self.kv_cache_manager.kvfence_records.stats
+            stats = records.stats
             if stats.end_step(getattr(model_runner_output, "kvfence_seconds", 0.0)) % STATS_EVERY == 0:
                 log.info("kvfence-vllm: %s", stats.line())
             outputs = original(self, scheduler_output, model_runner_output)
@@ -207,7 +224,7 @@ def _patch_scheduler(cls: type, settings: Settings) -> None:
 def _patch_runner(cls: type, settings: Settings) -> None:
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-    rng = random.Random(settings.fault_seed)
+    faults = WorkerFaults(settings)
 
     def update_states(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, scheduler_output: Any) -> Any:
@@ -215,15 +232,15 @@ def _patch_runner(cls: type, settings: Settings) -> None:
             started = time.perf_counter()
             batch = self.input_batch
             table = batch.block_table[0]
-            if settings.swap_probability:
-                _inject_swap(rng, settings.swap_probability, batch)
+            faults.inject(batch, scheduler_output.num_scheduled_tokens, self.max_model_len)
             plan: StepPlan | None = getattr(scheduler_output, "kvfence_plan", None)
             if plan is not None:
                 array, lengths = table.block_table.np, table.num_blocks_per_row
-                verdict = check_rows(plan, batch.req_id_to_index, array, lengths)
+                verdict = check_rows(
+                    plan, batch.req_id_to_index, array, lengths, batch.num_computed_tokens_cpu
+                )
                 verdict.update(plan.condemned)
-                rows = [batch.req_id_to_index[r] for r in verdict if r in batch.req_id_to_index]
-                neutralise(array, lengths, rows)
+                neutralise(array, [batch.req_id_to_index[r] for r in verdict if r in batch.req_id_to_index])
                 self.kvfence_verdict = verdict
             self.kvfence_seconds = time.perf_counter() - started
             return deferred
@@ -318,21 +335,26 @@ def _patch_front(app: Any, abort: type[Exception]) -> None:
     app.init_entrypoints_middleware = run
 
 
-def _inject_swap(rng: random.Random, probability: float, batch: Any) -> None:
-    """The fault: two running requests (KV already computed) trade block-table rows."""
-    running = [i for i in range(batch.num_reqs) if batch.num_computed_tokens_cpu[i] > 0]
-    pair = choose_swap(rng, probability, running)
-    if pair is not None:
-        batch.block_table.swap_row(*pair)
-        ids = batch.req_ids
-        log.warning(
-            "kvfence-vllm: fault swap_block_tables swapped the rows of %s and %s", ids[pair[0]], ids[pair[1]]
-        )
+def _rejected(scheduler_output: Any, runner_output: Any, sampled_per_step: int) -> dict[str, int]:
+    """Draft tokens each request's step wrote but vLLM rejected, as its update_from_output counts them
+    (it rolls num_computed_tokens back by as many)."""
+    rejected = {}
+    for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+        index = runner_output.req_id_to_index.get(req_id)
+        sampled = runner_output.sampled_token_ids
+        generated = sampled[index] if sampled and index is not None and index < len(sampled) else []
+        if drafts and (generated or sampled_per_step == 0):
+            rejected[req_id] = len(drafts) - max(len(generated) - sampled_per_step, 0)
+    return rejected
 
 
 def _mode(settings: Settings) -> str:
-    fault = f", fault swap_block_tables:{settings.swap_probability}" if settings.swap_probability else ""
-    return ("on" if settings.fence else "off") + fault
+    faults = [
+        f"{name}:{p}"
+        for name, p in ((SWAP, settings.swap_probability), (INFLATE, settings.inflate_probability))
+        if p
+    ]
+    return ("on" if settings.fence else "off") + (f", faults {','.join(faults)}" if faults else "")
 
 
 __all__ = ["PluginRefused", "install"]

@@ -8,14 +8,23 @@ generation: a block freed or reused under the request; foreign owner: a block an
 or one nobody holds) and returns a `StepPlan`: the records flattened for the worker, and the requests
 already condemned. A record is forgotten when vLLM frees the request's blocks (finish, abort, preemption).
 
-Not judged here: how far a block is written (vLLM keeps no per-block write counts), and a change of an
-entry already recorded: when vLLM replaces a block it handed out earlier (copy-on-write, a sliding window's
-null block), the record is rebuilt from vLLM's list and counted in `rebuilt`.
+Each record has a written length, kept apart from vLLM's num_computed_tokens: the tokens whose KV steps
+that ran wrote for the request. A new record starts at its leading blocks whose every slot is written (a
+prefix hit: blocks a step that ran filled, or an earlier request of the same step fills, up to the first
+block that is not; after a preemption this is the request's own cached blocks, or nothing). `commit`, once
+a step ran, advances it by the tokens the step scheduled for the request, less the draft tokens vLLM
+rejected (it rolls its own count back by as many), and raises the tags' per-block written counts to match;
+a request the step aborted is not advanced. The plan carries each request's written length and scheduled
+tokens for the worker's start check (rows.py).
+
+Not judged here: a change of an entry already recorded: when vLLM replaces a block it handed out earlier
+(copy-on-write, a sliding window's null block), the record is rebuilt from vLLM's list and counted in
+`rebuilt` (its written length is kept).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,11 +38,16 @@ from kvfence_vllm.tags import BlockTags
 @dataclass(frozen=True)
 class StepPlan:
     """What the worker needs to validate one step: request `req_ids[i]` must run on exactly the blocks
-    `pages[starts[i]:starts[i+1]]`. `condemned` (request id -> reason) are aborted whatever their rows say."""
+    `pages[starts[i]:starts[i+1]]` (of `block_size` tokens each), starting at token `written[i]` (its record's
+    written length) and running `scheduled[i]` tokens. `condemned` (request id -> reason) are aborted
+    whatever their rows say."""
 
     req_ids: tuple[str, ...]
     starts: np.ndarray
     pages: np.ndarray
+    written: np.ndarray
+    scheduled: np.ndarray
+    block_size: int
     condemned: dict[str, str] = field(default_factory=dict)
 
 
@@ -43,6 +57,8 @@ class SchedulerRecords:
         self.block_size = block_size
         self.table = BlockTable()
         self.records: dict[str, MappingRecord] = {}
+        self.written: dict[str, int] = {}  # request id -> its record's written length, in tokens
+        self.in_flight: dict[int, StepPlan] = {}  # id(SchedulerOutput) -> its plan, until the step ran
         self._tenants: dict[str, int] = {}
         self.rebuilt = 0
         self.stats = FenceStats()  # kept here, beside the records, by the scheduler hooks (patches.py)
@@ -51,13 +67,17 @@ class SchedulerRecords:
         """A small integer per tenant name (a request's cache_salt; '' for none), stable for the process."""
         return self._tenants.setdefault(name, len(self._tenants))
 
-    def sync(self, req_id: str, tenant: str, block_ids: Sequence[int]) -> MappingRecord:
-        """The request's record, brought up to `block_ids` (vLLM's list for it, in logical order)."""
+    def sync(
+        self, req_id: str, tenant: str, block_ids: Sequence[int], filling: Mapping[int, int] | None = None
+    ) -> MappingRecord:
+        """The request's record, brought up to `block_ids` (vLLM's list for it, in logical order); a new
+        record's written length is its prefix hit (`filling`: blocks an earlier request of the step fills)."""
         record = self.records.get(req_id)
+        ids = np.asarray(block_ids, dtype=np.int64)
         if record is None:
             record = self.records[req_id] = MappingRecord(self.tenant_id(tenant), table=self.table)
+            self.written[req_id] = self._full_prefix(ids, filling or {})
         held = len(record)
-        ids = np.asarray(block_ids, dtype=np.int64)
         if held > ids.size or not np.array_equal(self.table.pages[record.row, :held], ids[:held]):
             record.clear()
             held, self.rebuilt = 0, self.rebuilt + 1
@@ -68,15 +88,30 @@ class SchedulerRecords:
                 record.append(block, generation)
         return record
 
+    def _full_prefix(self, ids: np.ndarray, filling: Mapping[int, int]) -> int:
+        """Tokens in the leading blocks of `ids` whose every slot is written, up to the first that is not."""
+        full, written = 0, self.tags.written
+        for block in ids.tolist():
+            if not 0 <= block < written.size or filling.get(block, written[block]) < self.block_size:
+                break
+            full += 1
+        return full * self.block_size
+
     def forget(self, req_id: str) -> None:
+        self.written.pop(req_id, None)
         record = self.records.pop(req_id, None)
         if record is not None:
             record.clear()
 
-    def plan(self, scheduled: Sequence[tuple[str, str, Sequence[int]]]) -> StepPlan:
-        """Sync each scheduled (request id, tenant, block ids) and judge the records in one check."""
-        records = [self.sync(req_id, tenant, ids) for req_id, tenant, ids in scheduled]
-        req_ids = tuple(req_id for req_id, _, _ in scheduled)
+    def plan(self, scheduled: Sequence[tuple[str, str, Sequence[int], int]]) -> StepPlan:
+        """Sync each scheduled (request id, tenant, block ids, tokens scheduled) and judge the records in
+        one check."""
+        records, filling = [], {}  # filling: blocks this step writes to their last slot
+        for req_id, tenant, ids, count in scheduled:
+            record = self.sync(req_id, tenant, ids, filling)
+            records.append(record)
+            self._note_filled(record, self.written[req_id], count, filling)
+        req_ids = tuple(req_id for req_id, _, _, _ in scheduled)
         counts = np.array([len(r) for r in records], dtype=np.int64)
         rows = np.array([r.row for r in records], dtype=np.int64)
         held = counts > 0
@@ -97,4 +132,34 @@ class SchedulerRecords:
         )
         tags = self.tags
         verdict = check_reads(layout, tags.generation, tags.owner, tags.state, None, self.block_size)
-        return StepPlan(req_ids, starts, pages, {req_ids[row]: reason for row, reason in verdict.items()})
+        return StepPlan(
+            req_ids,
+            starts,
+            pages,
+            np.array([self.written[req_id] for req_id in req_ids], dtype=np.int64),
+            np.array([count for _, _, _, count in scheduled], dtype=np.int64),
+            self.block_size,
+            {req_ids[row]: reason for row, reason in verdict.items()},
+        )
+
+    def _note_filled(self, record: MappingRecord, start: int, count: int, filling: dict[int, int]) -> None:
+        size = self.block_size
+        for logical in range(start // size, min((start + count) // size, len(record))):
+            filling[int(self.table.pages[record.row, logical])] = size
+
+    def commit(self, plan: StepPlan, rejected: Mapping[str, int], aborted: Container[str]) -> None:
+        """`plan`'s step ran: each request it did not abort has its scheduled tokens written, less its
+        `rejected` draft tokens; the blocks those tokens fill have their written counts raised."""
+        size, written = self.block_size, self.tags.written
+        for req_id, count in zip(plan.req_ids, plan.scheduled.tolist(), strict=True):
+            record = self.records.get(req_id)
+            if record is None or req_id in aborted:
+                continue
+            start = self.written[req_id]
+            end = start + count - rejected.get(req_id, 0)
+            first, last = start // size, min(-(-end // size), len(record))
+            if first < last:
+                blocks = self.table.pages[record.row, first:last]
+                filled = np.clip(end - np.arange(first, last) * size, 0, size)
+                written[blocks] = np.maximum(written[blocks], filled)
+            self.written[req_id] = end

@@ -1,9 +1,11 @@
 """The plugin's settings, read from the environment of each vLLM process, and the versions it supports.
 
 `KVFENCE_FENCE=on|off` (default on): validate every step's block-table rows, or only tag and record.
-`KVFENCE_INJECT_FAULT=swap_block_tables:P` (P in [0, 1]): before a model step, with probability P, swap
-two running requests' block-table rows in the worker (the bookkeeping bug the fence exists for).
-`KVFENCE_FAULT_SEED` (default 0): the fault's random draws, so a run can be repeated.
+`KVFENCE_INJECT_FAULT=NAME:P[,NAME:P]` (P in [0, 1], each fault at most once): before a model step that runs
+two or more requests with KV, with probability P, the worker's bookkeeping goes wrong as the fence exists
+to catch: `swap_block_tables` swaps two running requests' block-table rows; `inflate_computed` moves one
+running request's num_computed_tokens a block ahead (its step attends over KV nobody wrote for it).
+`KVFENCE_FAULT_SEED` (default 0): the faults' random draws (one generator each), so a run can be repeated.
 Anything else in these variables is refused with one line naming the variable (`PluginRefused`).
 """
 
@@ -13,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 SUPPORTED = "0.32."  # vLLM's v1 engine as of 0.32.x: the internals patched in patches.py
-FAULT = "swap_block_tables"
+SWAP, INFLATE = "swap_block_tables", "inflate_computed"
+FAULTS = (SWAP, INFLATE)
 
 
 class PluginRefused(Exception):
@@ -25,6 +28,7 @@ class Settings:
     fence: bool = True
     swap_probability: float = 0.0  # 0: no fault injected
     fault_seed: int = 0
+    inflate_probability: float = 0.0
 
 
 def check_version(version: str) -> None:
@@ -36,20 +40,25 @@ def from_environ(env: Mapping[str, str]) -> Settings:
     fence = env.get("KVFENCE_FENCE", "on")
     if fence not in ("on", "off"):
         raise PluginRefused(f"KVFENCE_FENCE must be 'on' or 'off', not {fence!r}")
-    return Settings(fence == "on", _swap_probability(env.get("KVFENCE_INJECT_FAULT", "")), _seed(env))
+    faults = _faults(env.get("KVFENCE_INJECT_FAULT", ""))
+    return Settings(fence == "on", faults.get(SWAP, 0.0), _seed(env), faults.get(INFLATE, 0.0))
 
 
-def _swap_probability(spec: str) -> float:
-    if not spec:
-        return 0.0
-    name, _, value = spec.partition(":")
-    try:
-        probability = float(value)
-    except ValueError:
-        probability = -1.0
-    if name != FAULT or not 0.0 <= probability <= 1.0:
-        raise PluginRefused(f"KVFENCE_INJECT_FAULT must be '{FAULT}:P' with P in [0, 1], not {spec!r}")
-    return probability
+def _faults(spec: str) -> dict[str, float]:
+    faults: dict[str, float] = {}
+    for part in spec.split(",") if spec else ():
+        name, _, value = part.partition(":")
+        try:
+            probability = float(value)
+        except ValueError:
+            probability = -1.0
+        if name not in FAULTS or name in faults or not 0.0 <= probability <= 1.0:
+            raise PluginRefused(
+                f"KVFENCE_INJECT_FAULT must be 'NAME:P[,NAME:P]' with NAME one of {', '.join(FAULTS)} "
+                f"(each once) and P in [0, 1], not {spec!r}"
+            )
+        faults[name] = probability
+    return faults
 
 
 def _seed(env: Mapping[str, str]) -> int:
