@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -111,6 +112,12 @@ class KVTiers:
     def flush(self) -> None:
         """Wait until every page offered so far is stored (tests; a shutdown that keeps the tier warm)."""
         self._queue.join()
+
+    def writer_cpu_seconds(self) -> float:
+        """CPU seconds the writer thread has used so far (its copies, seals and puts): what it can take from
+        the steps on a machine whose cores they keep busy."""
+        assert self._writer.ident is not None  # started in __init__
+        return time.clock_gettime(time.pthread_getcpuclockid(self._writer.ident))
 
     def describe(self) -> list[dict[str, Any]]:
         """Each tier as /v1/audit/info names it: its kind and spec, what it holds, and its seal."""
