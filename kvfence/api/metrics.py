@@ -197,6 +197,7 @@ _ENGINE_FAMILIES = (
             ("errors", "store operations that failed (a miss or a dropped store)"),
             ("skipped", "store operations not tried: the store failed within the last few seconds"),
             ("dropped", "pages not stored: the writer's queue was full (the step never waits)"),
+            ("stale", "pages not stored: reallocated before the writer copied them (the fence's generation)"),
         )
     ),
     _Family(

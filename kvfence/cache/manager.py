@@ -20,6 +20,7 @@ from kvfence.cache.allocator import PageAllocator
 from kvfence.cache.block_table import BlockTable
 from kvfence.cache.fence import MappingRecord
 from kvfence.cache.pool import KVPool, PageState
+from kvfence.cache.pool_page import PoolPage
 from kvfence.cache.prefix import PrefixCache, extend_chain
 from kvfence.trail.events import EventLog
 from kvfence.trail.reasons import STALE_WRITE
@@ -210,24 +211,20 @@ class KVCacheManager:
             return
         extend_chain(seq.prefix_namespace, seq.page_hashes, seq.all_token_ids, self.page_size)
         for logical in range(seq.num_published_pages, full):
-            page, _ = seq.record.entry(logical)
+            page, generation = seq.record.entry(logical)
             if self._holds(seq.record, logical) and not self.prefix.is_cached(page):
                 chain = seq.page_hashes[logical]
                 tiers = self.tiers
                 new_here = tiers is not None and not tiers.holds(seq.tenant, chain)  # not what a tier gave
                 if self.prefix.insert(page, chain) and new_here:
-                    tiers.offer(seq.tenant, chain, logical, self.page_size, self.pool.page_bytes(page))
+                    source = PoolPage(self.pool, page, generation, seq.record.tenant, self.fenced)
+                    tiers.offer(seq.tenant, chain, logical, self.page_size, source)
         seq.num_published_pages = full
 
     def _holds(self, record: MappingRecord, logical: int) -> bool:
         """The record's entry is still its page: same generation, owned by the record's tenant."""
         page, generation = record.entry(logical)
-        pool = self.pool
-        return bool(
-            pool.generation[page] == generation
-            and pool.state[page] == PageState.OWNED
-            and pool.owner[page] == record.tenant
-        )
+        return self.pool.is_current(page, generation, record.tenant)
 
     def fork_pages_needed(self, num_tokens: int, count: int) -> int:
         """Fresh pages a fork of `count` sequences after `num_tokens` tokens takes: a copy each of the

@@ -99,6 +99,28 @@ class KVPool:
             return self._host_bytes[:, :, page, :slots].tobytes()
         return self.kv[:, :, page, :slots].contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
+    def copy_page_into(self, page: int, out: np.ndarray) -> None:
+        """`page_bytes(page)`'s bytes into `out` (uint8, one page long), nothing allocated: on the host one
+        numpy copy, which runs outside the GIL (a KV tier's writer thread copies while a step runs); on a
+        device, torch's copy on the thread's stream, after the writes queued before it. The caller decides
+        whether the bytes are the page's (`is_current` once the copy is done)."""
+        source = self._host_bytes[:, :, page] if self._host_bytes is not None else None
+        if source is not None:
+            np.copyto(out.reshape(source.shape), source)
+            return
+        target = torch.from_numpy(out).view(self.kv.dtype)
+        target.view(self.kv[:, :, page].shape).copy_(self.kv[:, :, page])
+
+    def is_current(self, page: int, generation: int, tenant: int) -> bool:
+        """Whether `page` is still `tenant`'s at `generation`, OWNED (not freed, not quarantined): every
+        allocation starts a new generation, so a page still at the one a reference names was not handed out
+        again since it was taken."""
+        return bool(
+            self.generation[page] == generation
+            and self.state[page] == PageState.OWNED
+            and self.owner[page] == tenant
+        )
+
     def page_checksum(self, page: int) -> int:
         """xxh3_64 of `page_bytes(page)`; on the host hashed block by block where the page lies, without the
         two copies `page_bytes` makes (a one-sided handoff hashes every page on both sides)."""

@@ -21,10 +21,11 @@ import os
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from kvfence.cache.gcm import Gcm
+from kvfence.cache.gcm import Buffer, Gcm
 
 MASTER_KEY_BYTES = 32
 NONCE_BYTES = 12
@@ -81,18 +82,22 @@ class TierSeal:
         place = self._place + chain_hash.to_bytes(16, "little") + struct.pack(">QQ", index, slots)
         return place + tenant.encode()
 
-    def seal(self, tenant: str, chain_hash: int, index: int, slots: int, page: bytes) -> bytes:
+    def seal(self, tenant: str, chain_hash: int, index: int, slots: int, page: Buffer) -> memoryview:
+        """The value: nonce, ciphertext, tag, in a fresh buffer, read-only. Not zeroed, not copied into
+        bytes after: every byte is written by the cipher, outside the GIL where its kernel loads, fresh
+        memory's page faults included (a zeroed bytearray copied into bytes, both with the GIL held, cost
+        310 us of CPU per kept 0.4 MB page here; this 247)."""
         _, aead = self._tenant(tenant)
         nonce = os.urandom(NONCE_BYTES)
-        value = bytearray(NONCE_BYTES + len(page) + TAG_BYTES)
+        value = memoryview(np.empty(NONCE_BYTES + memoryview(page).nbytes + TAG_BYTES, dtype=np.uint8))
         value[:NONCE_BYTES] = nonce
         aead.encrypt_into(
-            nonce, page, self._associated(tenant, chain_hash, index, slots), memoryview(value)[NONCE_BYTES:]
+            nonce, page, self._associated(tenant, chain_hash, index, slots), value[NONCE_BYTES:]
         )
-        return bytes(value)
+        return value.toreadonly()
 
     def open_into(
-        self, tenant: str, chain_hash: int, index: int, slots: int, value: bytes, out: memoryview
+        self, tenant: str, chain_hash: int, index: int, slots: int, value: bytes | memoryview, out: memoryview
     ) -> str | None:
         """Open `value` into `out`, exactly the page's length: None when it opened, else why it cannot be
         used (then `out` holds bytes that must not be read). A value of any other length cannot be a seal
@@ -104,6 +109,7 @@ class TierSeal:
         _, aead = self._tenant(tenant)
         associated = self._associated(tenant, chain_hash, index, slots)
         # a view, not a slice: slicing bytes would copy the page
-        if not aead.decrypt_into(value[:NONCE_BYTES], memoryview(value)[NONCE_BYTES:], associated, out):
+        nonce = bytes(value[:NONCE_BYTES])
+        if not aead.decrypt_into(nonce, memoryview(value)[NONCE_BYTES:], associated, out):
             return DOES_NOT_OPEN
         return None

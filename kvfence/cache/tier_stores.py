@@ -26,6 +26,7 @@ REDIS_TIMEOUT_S = 0.5  # a store that does not answer by then is a miss: recompu
 # A page is ~0.4 MB: read in 1 MiB chunks, one GET is 2.9 GB/s instead of 2.0 with redis-py's 64 KiB.
 REDIS_READ_BYTES = 1 << 20
 DOWN_S = 5.0  # after a failure a network store is skipped this long, then asked again
+Value = bytes | memoryview  # a sealed value: what a store read back, or the writer's seal (not copied)
 
 
 class TierStore(ABC):
@@ -40,10 +41,10 @@ class TierStore(ABC):
         self.skipped = 0
 
     @abstractmethod
-    def get(self, name: bytes) -> bytes | None: ...
+    def get(self, name: bytes) -> Value | None: ...
 
     @abstractmethod
-    def put(self, name: bytes, value: bytes) -> bool: ...
+    def put(self, name: bytes, value: Value) -> bool: ...
 
     @abstractmethod
     def held_bytes(self) -> int:
@@ -58,18 +59,18 @@ class MemoryTier(TierStore):
     def __init__(self, spec: str, capacity: int) -> None:
         super().__init__(spec)
         self.capacity = capacity
-        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._entries: OrderedDict[bytes, Value] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, name: bytes) -> bytes | None:
+    def get(self, name: bytes) -> Value | None:
         with self._lock:
             value = self._entries.get(name)
             if value is not None:
                 self._entries.move_to_end(name)
             return value
 
-    def put(self, name: bytes, value: bytes) -> bool:
+    def put(self, name: bytes, value: Value) -> bool:
         if len(value) > self.capacity:
             return False
         with self._lock:
@@ -123,7 +124,7 @@ class DiskTier(TierStore):
             self.errors += 1
             return None
 
-    def put(self, name: bytes, value: bytes) -> bool:
+    def put(self, name: bytes, value: Value) -> bool:
         if len(value) > self.capacity:
             return False
         key = name.hex()
@@ -178,7 +179,7 @@ class RedisTier(TierStore):
         value = self._ask(lambda: self._client.get(name))
         return value if isinstance(value, bytes) else None
 
-    def put(self, name: bytes, value: bytes) -> bool:
+    def put(self, name: bytes, value: Value) -> bool:
         if self._ask(lambda: self._client.set(name, value)) is None:
             return False
         self._put += len(value)

@@ -2,7 +2,8 @@
 restored by another (a restart, another server) into fresh pages through the fence, for that tenant only;
 whatever a store operator does to an entry (a flipped byte, a cut, a swap, another tenant's entry under
 this one's name, another model's) is a miss, and the answer stays the cold one; a store that is down is a
-miss too."""
+miss too. A page reallocated between its offer and the writer's copy is never stored under the offerer's
+name."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import make_engine, tiny_model
 
+from kvfence.cache.prefix import extend_chain
 from kvfence.cache.tier_seal import DOES_NOT_OPEN, TOO_SHORT, Layout, TierSeal
-from kvfence.cache.tier_stores import DOWN_S, DiskTier, MemoryTier, RedisTier, TierStore, make_store
+from kvfence.cache.tier_stores import DOWN_S, DiskTier, MemoryTier, RedisTier, TierStore, Value, make_store
 from kvfence.cache.tiers import KVTiers
 from kvfence.config import EngineConfig
 from kvfence.engine.builder import read_tier_key
@@ -109,7 +112,8 @@ def test_restored_pages_are_the_requests_own_fresh_pages_written_through_the_fen
         assert pool.written[page] == pool.page_size
 
 
-def _flip(value: bytes) -> bytes:
+def _flip(stored: bytes | memoryview) -> bytes:
+    value = bytes(stored)
     return value[:40] + bytes([value[40] ^ 1]) + value[41:]
 
 
@@ -150,8 +154,6 @@ def test_an_entry_a_store_operator_changed_is_a_miss_and_the_answer_stays_cold(
 
 
 def _chain(tenant: str, engine: LLMEngine) -> list[int]:
-    from kvfence.cache.prefix import extend_chain
-
     hashes: list[int] = []
     extend_chain(tenant, hashes, PROMPT, engine.pool.page_size)
     return hashes
@@ -290,6 +292,73 @@ def test_a_restore_written_into_another_requests_page(model: Transformer, isolat
         assert "step" not in kinds and kinds.index("write_refused") < kinds.index("aborted")
     else:
         assert victim.output_token_ids != alone and not refused and restorer.output_token_ids
+
+
+class HeldTier(MemoryTier):
+    """A memory tier whose first put waits until the test lets it go: the writer is held mid-page, and the
+    offers after that one wait in its queue, their pages not yet copied."""
+
+    def __init__(self) -> None:
+        super().__init__("memory:4MiB", 4 * 2**20)
+        self.holding, self.go = threading.Event(), threading.Event()
+
+    def put(self, name: bytes, value: Value) -> bool:
+        if not self.holding.is_set():
+            self.holding.set()
+            self.go.wait(HOLD_S)
+        return super().put(name, value)
+
+
+HOLD_S = 120.0  # a bound on waiting for a state, so a broken writer fails the test instead of hanging it
+
+
+@pytest.mark.parametrize("isolation", [False, True], ids=["fence off: leak", "fence on: dropped"])
+def test_a_page_reallocated_before_the_writer_copies_it_is_never_stored_as_the_offerers(
+    model: Transformer, isolation: bool
+) -> None:
+    """The writer copies an offered page later, off the step. Tenant a's pages wait in its queue while b's
+    request takes them over (a small pool evicts a's cached pages). Fence off, the writer stores b's KV under
+    a's names; fence on, it sees their generation moved on and drops them (`stale`): a's entries are a's."""
+    store = HeldTier()
+    engine = make_engine(model, num_pages=16, max_model_len=48, isolation=isolation)
+    tiers = engine.kv_cache.tiers = tiers_over(store, engine)
+    try:
+        a = engine.add_request(PROMPT, PARAMS, tenant="a")
+        while not a.is_finished:
+            engine.step()
+        assert store.holding.wait(HOLD_S)  # the writer holds a's first page; the other ten wait, uncopied
+        events = engine.events.for_request(a.request_id)
+        allocated = [e for e in events if e["kind"] == "pages_allocated"]
+        pages = [(p, g) for e in allocated for p, g in zip(e["pages"], e["generations"], strict=True)]
+        full = pages[: (len(PROMPT) + len(a.output_token_ids)) // engine.pool.page_size]
+        offered = {logical: engine.pool.page_bytes(page) for logical, (page, _) in enumerate(full)}
+        b_prompt = [(5 * i + 11) % 200 + 1 for i in range(41)]
+        b = engine.add_request(b_prompt, PARAMS, tenant="b")
+        while not b.is_finished:
+            engine.step()
+    finally:
+        store.go.set()
+    tiers.flush()
+    chain: list[int] = []
+    extend_chain("a", chain, PROMPT + a.output_token_ids, engine.pool.page_size)
+    reused = [logical for logical, (page, g) in enumerate(full) if engine.pool.generation[page] != g]
+    assert len(reused) == 7  # 5 pages free after a: b's 12 take 7 of a's, the deepest first
+    b_id = engine.allocator.tenant_id("b")
+    for logical, (page, _) in enumerate(full):
+        value = store.get(tiers.seal.name("a", chain[logical]))
+        opened = bytearray(len(offered[logical]))
+        if logical in reused and isolation:
+            assert value is None
+            continue
+        assert value is not None
+        assert tiers.seal.open_into("a", chain[logical], logical, 4, value, memoryview(opened)) is None
+        if logical in reused:  # fence off: under a's name, the bytes of b's page
+            assert engine.pool.last_writer[page] == b_id
+            assert opened == engine.pool.page_bytes(page) and opened != offered[logical]
+        else:
+            assert opened == offered[logical]
+    assert tiers.stale == (len(reused) if isolation else 0)
+    assert tiers.totals()["stale"] == {"memory": tiers.stale}
 
 
 def test_a_cache_salt_splits_a_tenants_cached_kv_and_never_joins_two_tenants(model: Transformer) -> None:
