@@ -84,6 +84,7 @@ class Scheduler:
         limits: TenantLimits = TenantLimits(),
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 0,
+        alone_tokens: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.drafter = drafter  # speculative decoding: None, one token per decode row
@@ -95,6 +96,7 @@ class Scheduler:
         self.page_size = kv_cache.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.alone_tokens = max(alone_tokens or 0, max_num_batched_tokens)  # see `step_budget`
         self.limits = limits
         self.waiting = TenantQueues(limits.fair)
         self.running: list[Request] = []
@@ -112,7 +114,7 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         batch = Batch([], [])
-        budget = self.max_num_batched_tokens
+        budget = self.step_budget()
         decode = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         preempted = False
@@ -160,6 +162,20 @@ class Scheduler:
                 continue
             budget -= self._add(batch, running, n)
         return batch
+
+    def step_budget(self) -> int:
+        """The step's token budget: `alone_tokens` when its only work is one prompt's prefill (one request
+        in all, running or waiting, with more than its next token to compute), else
+        `max_num_batched_tokens`. Alone, a longer chunk delays nobody scheduled; a request arriving during
+        it waits for that step to end."""
+        if len(self.running) + len(self.waiting) != 1:
+            return self.max_num_batched_tokens
+        (request,) = self.running or self.waiting.heads()
+        return (
+            self.alone_tokens
+            if request.num_tokens - request.num_computed_tokens > 1
+            else self.max_num_batched_tokens
+        )
 
     def _draft_wants(self, decode: list[Request], budget: int, spare: int) -> list[tuple[Request, int]]:
         """The drafts each decode row will ask for this step if the drafter has them: the loop in `schedule`
