@@ -3,10 +3,11 @@
 Each step: running requests go first (a decode token each, then prefill chunks, least-served tenant
 first), then waiting requests join in weighted-fair order across tenants (fairness.py) while the token
 budget, the sequence limit, the free pages and the tenant's own limits (running requests, pages held)
-allow. When a running request needs a page and none is free, a running request of the tenant holding the
-most pages is preempted (its most recently admitted one): its pages are released and it restarts from
-its tokens later (recompute), so the pool running dry is never a crash, and the tenant over its share
-pays for it.
+allow. The budget is `max_num_batched_tokens`, or `alone_tokens` when the only request in all (running or
+waiting) has a prompt to prefill (`step_budget`). When a running request needs a page and none is free,
+a running request of the tenant holding the most pages is preempted (its most recently admitted one): its
+pages are released and it restarts from its tokens later (recompute), so the pool running dry is never a
+crash, and the tenant over its share pays for it.
 
 With a drafter (speculative decoding), a decode row also carries the draft tokens it verifies this step
 (`Request.draft_token_ids`): as many as its adaptive draft length (draft_lengths.py: from its own
