@@ -269,6 +269,7 @@ def build_parts(
         limits,
         build_drafter(config, model, tokenizer, pool, log),
         spec.num_speculative_tokens if spec is not None else 0,
+        alone_tokens=config.alone_tokens(model.device.type),
     )
     graphs = decode_graphs(config, model, pool, capacity.context_window)
     runner = ModelRunner(model, pool, fence, faults, graphs)

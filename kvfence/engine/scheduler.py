@@ -3,10 +3,11 @@
 Each step: running requests go first (a decode token each, then prefill chunks, least-served tenant
 first), then waiting requests join in weighted-fair order across tenants (fairness.py) while the token
 budget, the sequence limit, the free pages and the tenant's own limits (running requests, pages held)
-allow. When a running request needs a page and none is free, a running request of the tenant holding the
-most pages is preempted (its most recently admitted one): its pages are released and it restarts from
-its tokens later (recompute), so the pool running dry is never a crash, and the tenant over its share
-pays for it.
+allow. The budget is `max_num_batched_tokens`, or `alone_tokens` when the only request in all (running or
+waiting) has a prompt to prefill (`step_budget`). When a running request needs a page and none is free,
+a running request of the tenant holding the most pages is preempted (its most recently admitted one): its
+pages are released and it restarts from its tokens later (recompute), so the pool running dry is never a
+crash, and the tenant over its share pays for it.
 
 With a drafter (speculative decoding), a decode row also carries the draft tokens it verifies this step
 (`Request.draft_token_ids`): as many as its adaptive draft length (draft_lengths.py: from its own
@@ -84,6 +85,7 @@ class Scheduler:
         limits: TenantLimits = TenantLimits(),
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 0,
+        alone_tokens: int | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.drafter = drafter  # speculative decoding: None, one token per decode row
@@ -95,6 +97,7 @@ class Scheduler:
         self.page_size = kv_cache.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.alone_tokens = max(alone_tokens or 0, max_num_batched_tokens)  # see `step_budget`
         self.limits = limits
         self.waiting = TenantQueues(limits.fair)
         self.running: list[Request] = []
@@ -112,7 +115,7 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         batch = Batch([], [])
-        budget = self.max_num_batched_tokens
+        budget = self.step_budget()
         decode = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         preempted = False
@@ -160,6 +163,20 @@ class Scheduler:
                 continue
             budget -= self._add(batch, running, n)
         return batch
+
+    def step_budget(self) -> int:
+        """The step's token budget: `alone_tokens` when its only work is one prompt's prefill (one request
+        in all, running or waiting, with more than its next token to compute), else
+        `max_num_batched_tokens`. Alone, a longer chunk delays nobody scheduled; a request arriving during
+        it waits for that step to end."""
+        if len(self.running) + len(self.waiting) != 1:
+            return self.max_num_batched_tokens
+        (request,) = self.running or self.waiting.heads()
+        return (
+            self.alone_tokens
+            if request.num_tokens - request.num_computed_tokens > 1
+            else self.max_num_batched_tokens
+        )
 
     def _draft_wants(self, decode: list[Request], budget: int, spare: int) -> list[tuple[Request, int]]:
         """The drafts each decode row will ask for this step if the drafter has them: the loop in `schedule`
