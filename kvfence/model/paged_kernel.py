@@ -66,10 +66,7 @@ class PagedDecodeKernel:
         [rows, width] int64; context_lens [rows] int64. Returns [rows, heads, head_dim]."""
         rows, num_heads, head_dim = q.shape
         num_pages, page_size, num_kv_heads, _ = k_cache.shape
-        assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in (torch.float32, torch.float16)
-        assert q.device.type == k_cache.device.type == block_tables.device.type == "cpu"
-        assert q.stride(2) == 1 and q.stride(1) == head_dim, "heads of a row must be contiguous"
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+        _check_pool_inputs(q, k_cache, v_cache, block_tables)
         assert block_tables.dtype == context_lens.dtype == torch.int64
         assert block_tables.is_contiguous() and context_lens.is_contiguous()
         assert block_tables.shape[0] == context_lens.shape[0] == rows and num_heads % num_kv_heads == 0
@@ -115,10 +112,7 @@ class PagedDecodeKernel:
         [rows, heads, head_dim]; each row depends on its position and the pool's K/V alone."""
         rows, num_heads, head_dim = q.shape
         num_pages, page_size, num_kv_heads, _ = k_cache.shape
-        assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in (torch.float32, torch.float16)
-        assert q.device.type == k_cache.device.type == block_table.device.type == "cpu"
-        assert q.stride(2) == 1 and q.stride(1) == head_dim, "heads of a row must be contiguous"
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+        _check_pool_inputs(q, k_cache, v_cache, block_table)
         assert block_table.dtype == torch.int64 and block_table.is_contiguous() and block_table.dim() == 1
         assert num_heads % num_kv_heads == 0 and rows > 0
         out = torch.empty(rows, num_heads, head_dim, dtype=q.dtype)
@@ -145,6 +139,17 @@ class PagedDecodeKernel:
         if status:
             raise PagedAttentionError(f"paged prefill attention: {STATUS.get(status, status)}")
         return out
+
+
+def _check_pool_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor
+) -> None:
+    """What both kernels read: float32 queries, heads of a row contiguous, over one contiguous layer of a
+    float32 or float16 pool, everything on the CPU."""
+    assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in (torch.float32, torch.float16)
+    assert q.device.type == k_cache.device.type == tables.device.type == "cpu"
+    assert q.stride(2) == 1 and q.stride(1) == q.shape[2], "heads of a row must be contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
 
 
 @functools.cache
