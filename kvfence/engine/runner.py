@@ -218,19 +218,17 @@ def prefill_seqs(
     layout: StepLayout, rows: np.ndarray, new: np.ndarray, token_ends: np.ndarray, device: torch.device
 ) -> list[PrefillSeq]:
     """The prefill chunk of each of `rows` (the step's `new` tokens a row, ending at `token_ends`): its
-    tokens in the step, its context, and its pages where it attends over cached ones."""
+    tokens in the step, its context, its pages where it attends over cached ones, and its pages always (the
+    C prefill kernel reads a chunk's own K/V from them too)."""
     cached = layout.num_cached
-    return [
-        PrefillSeq(
-            int(token_ends[row] - new[row]),
-            int(token_ends[row]),
-            int(cached[row] + new[row]),
-            torch.from_numpy(layout.pages[layout.starts[row] : layout.starts[row + 1]]).to(device)
-            if cached[row]
-            else None,
+    seqs = []
+    for row in rows.tolist():
+        pages = torch.from_numpy(layout.pages[layout.starts[row] : layout.starts[row + 1]]).to(device)
+        start, end = int(token_ends[row] - new[row]), int(token_ends[row])
+        seqs.append(
+            PrefillSeq(start, end, int(cached[row] + new[row]), pages if cached[row] else None, pages)
         )
-        for row in rows.tolist()
-    ]
+    return seqs
 
 
 def row_spans(rows: np.ndarray, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -34,12 +34,15 @@ class PrefillSeq:
     """A prefill chunk: tokens [start, end) of the step, attending over `context_len` cached+new tokens.
 
     `block_table` is None when the chunk is the whole context (nothing cached): K/V then come straight
-    from the step and attention is plainly causal."""
+    from the step and attention is plainly causal. `pages`: the chunk's pages through its context whether
+    or not anything was cached (the runner's steps; None elsewhere), for a kernel that reads the chunk's own
+    K/V back from the pool (`PagedDecodeKernel.prefill`)."""
 
     start: int
     end: int
     context_len: int
     block_table: torch.Tensor | None
+    pages: torch.Tensor | None = None
 
 
 def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""The C decode-attention kernel (csrc/paged_attention.c), built and loaded by `native`.
+"""The C paged-attention kernels (csrc/paged_attention.c), built and loaded by `native`: decode rows, and
+prefill chunks whose rows compute alike however a prompt is chunked.
 
-`load()` returns None with the reason when the kernel cannot be used: the model then uses its torch
-(gather + SDPA) decode attention, which computes the same thing.
+`load()` returns None with the reason when the kernels cannot be used: the model then uses its torch
+(gather + SDPA) attention, which computes the same thing (prefill rounding with the chunk's shape).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ STATUS = {1: "a block table names a page outside the pool or a length beyond its
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64]
 _ARGTYPES += [ctypes.c_float, _i64, ctypes.c_int]
+_PREFILL_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i64]
+_PREFILL_ARGTYPES += [ctypes.c_float, _i64, ctypes.c_int]
 
 
 class PagedAttentionError(RuntimeError):
@@ -33,6 +36,9 @@ class PagedDecodeKernel:
         self._fn = library.paged_decode_attention
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = ctypes.c_int
+        self._prefill = library.paged_prefill_attention
+        self._prefill.argtypes = _PREFILL_ARGTYPES
+        self._prefill.restype = ctypes.c_int
         self._round_half = library.kvf_round_half
         self._round_half.argtypes = [_ptr, _ptr, _i64]
         self._round_half.restype = None
@@ -60,10 +66,7 @@ class PagedDecodeKernel:
         [rows, width] int64; context_lens [rows] int64. Returns [rows, heads, head_dim]."""
         rows, num_heads, head_dim = q.shape
         num_pages, page_size, num_kv_heads, _ = k_cache.shape
-        assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in (torch.float32, torch.float16)
-        assert q.device.type == k_cache.device.type == block_tables.device.type == "cpu"
-        assert q.stride(2) == 1 and q.stride(1) == head_dim, "heads of a row must be contiguous"
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+        _check_pool_inputs(q, k_cache, v_cache, block_tables)
         assert block_tables.dtype == context_lens.dtype == torch.int64
         assert block_tables.is_contiguous() and context_lens.is_contiguous()
         assert block_tables.shape[0] == context_lens.shape[0] == rows and num_heads % num_kv_heads == 0
@@ -93,6 +96,60 @@ class PagedDecodeKernel:
         if status:
             raise PagedAttentionError(f"paged decode attention: {STATUS.get(status, status)}")
         return out
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        start: int,
+        scale: float,
+        window: int = 0,
+    ) -> torch.Tensor:
+        """q [rows, heads, head_dim]: a chunk's queries at positions [start, start + rows), over their context
+        in the pages of `block_table` [pages] int64 (the chunk's own K/V written there already). Returns
+        [rows, heads, head_dim]; each row depends on its position and the pool's K/V alone."""
+        rows, num_heads, head_dim = q.shape
+        num_pages, page_size, num_kv_heads, _ = k_cache.shape
+        _check_pool_inputs(q, k_cache, v_cache, block_table)
+        assert block_table.dtype == torch.int64 and block_table.is_contiguous() and block_table.dim() == 1
+        assert num_heads % num_kv_heads == 0 and rows > 0
+        out = torch.empty(rows, num_heads, head_dim, dtype=q.dtype)
+        status = self._prefill(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            int(k_cache.dtype == torch.float16),
+            num_pages,
+            block_table.data_ptr(),
+            block_table.shape[0],
+            start,
+            rows,
+            out.data_ptr(),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            scale,
+            window,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise PagedAttentionError(f"paged prefill attention: {STATUS.get(status, status)}")
+        return out
+
+
+def _check_pool_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor
+) -> None:
+    """What both kernels read: float32 queries, heads of a row contiguous, over one contiguous layer of a
+    float32 or float16 pool, everything on the CPU."""
+    assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in (torch.float32, torch.float16)
+    assert q.device.type == k_cache.device.type == tables.device.type == "cpu"
+    assert q.stride(2) == 1 and q.stride(1) == q.shape[2], "heads of a row must be contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
 
 
 @functools.cache

@@ -4,8 +4,10 @@ One call runs a whole step: a flat list of tokens from many sequences (chunked p
 Each layer stores the new tokens' K/V into their pool slots, then attends over the pool (attention.py):
 decode rows through the paged-attention kernel, in place (C on CPU, Triton on CUDA; where neither runs:
 one padded SDPA over gathered slots, the pool's zero page past each row's context), prefill chunks through
-one SDPA each. Every row, prefill and decode, multiplies by the GGUF's quantized weights in a C kernel (the
-same float32 weights in about a third of the bytes, and the only copy of them: weights.py). Logits are
+the C prefill kernel where the C decode kernel runs (each query row computed from its position and the pool
+alone: a prompt's logits do not depend on its chunking), else one SDPA each. Every row, prefill and decode,
+multiplies by the GGUF's quantized weights in a C kernel (the same float32 weights in about a third of the
+bytes, and the only copy of them: weights.py). Logits are
 computed only at the rows that are sampled, because the LM head is the largest matmul of a prefill step.
 
 Architectures differ only in what `ModelConfig` and the layer's tensors say: Q/K/V biases (Qwen 2), per-head
@@ -364,7 +366,7 @@ class Transformer:
                     self._kernel, rows_q, k_cache, v_cache, tables, lens, spec, None
                 )
             for seq in inputs.prefills:
-                attn[seq.start : seq.end] = attention.prefill(q, k, v, k_cache, v_cache, seq, spec)
+                attn[seq.start : seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq, spec)
             c_layers.out(step, li, h)
         return h
 
@@ -404,8 +406,29 @@ class Transformer:
         if inputs.decode_rows.numel():
             out[inputs.decode_rows] = decode(q[inputs.decode_rows])
         for seq in inputs.prefills:
-            out[seq.start : seq.end] = attention.prefill(q, k, v, k_cache, v_cache, seq, spec)
+            out[seq.start : seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq, spec)
         return out.view(-1, nq * hd)
+
+    def _prefill_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq: PrefillSeq,
+        spec: LayerAttention,
+    ) -> torch.Tensor:
+        """A prefill chunk's attention [n, heads, head_dim]: the C kernel over the chunk's pages where it
+        runs and the step gave them, else SDPA. The kernel computes each query row from its position and
+        the pool alone, so a prompt's logits do not depend on how it is chunked; SDPA's rounding changes
+        with the chunk's shape, which int8 activations turned into logits 0.7 apart (SmolLM2, 300 tokens,
+        whole against chunks of 64)."""
+        if isinstance(self._kernel, PagedDecodeKernel) and seq.pages is not None:
+            start = seq.context_len - (seq.end - seq.start)
+            rows = q[seq.start : seq.end]
+            return self._kernel.prefill(rows, k_cache, v_cache, seq.pages, start, spec.scale, spec.window)
+        return attention.prefill(q, k, v, k_cache, v_cache, seq, spec)
 
     def _linear(self, x: torch.Tensor, weight: Projection) -> torch.Tensor:
         """`x @ weight` (+ bias): every row through the packed kernel where the weight is packed, else BLAS.

@@ -1,6 +1,7 @@
 """Speculative decoding on the real SmolLM2, on serving's default (fast) path: prompt lookup on a copy-heavy
 request gives the same greedy text as decoding without it, in fewer steps, and so do 8 requests batched
-when every prompt is prefilled whole (drafts move chunk boundaries otherwise: docs/configuration.md); over
+(prefilled whole: verification rows against decode rows; that chunking does not move a prompt's logits is
+test_chunk_invariance's); over
 HTTP, usage counts the tokens returned and /metrics counts drafts under kvfence's and (compat) vLLM's
 names."""
 
@@ -55,9 +56,8 @@ def test_prompt_lookup_keeps_the_greedy_text_in_fewer_steps(smollm2: GGUFModel) 
 
 
 def test_batched_verification_rows_keep_every_greedy_token(smollm2: GGUFModel) -> None:
-    # A step budget that prefills all 8 prompts (about 1,300 tokens) in the first step: the chunking, which
-    # rounds prefill attention differently, is then the same with and without drafts, and what is compared
-    # is the verification rows against decode rows, batched 8 requests wide
+    # A step budget that prefills all 8 prompts (about 1,300 tokens) in the first step: what is compared is
+    # the verification rows against decode rows, batched 8 requests wide
     params, outputs = SamplingParams(max_tokens=40), {}
     for name, spec in (("plain", None), ("ngram", NGRAM)):
         engine = fast_engine(smollm2, speculative=spec, num_pages=256, max_num_batched_tokens=4096)
