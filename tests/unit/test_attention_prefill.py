@@ -1,13 +1,14 @@
 """A prefill chunk over cached pages (kvfence.model.attention.prefill) against attention worked out in
 float64 over the same positions: causal over the whole context, or a sliding window that reads no page
-before the earliest position its first query sees."""
+before the earliest position its first query sees; a whole prompt (nothing cached) causal, its queries in
+one block and in several."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvfence.model.attention import LayerAttention, PrefillSeq, prefill
+from kvfence.model.attention import QUERY_BLOCK, LayerAttention, PrefillSeq, prefill
 
 PAGE, HEADS, KV_HEADS, HD = 16, 4, 2, 8
 
@@ -44,4 +45,16 @@ def test_a_chunk_over_cached_pages_is_attention_over_its_visible_positions(windo
     seq = PrefillSeq(0, n_new, ctx, table)
     out = prefill(q, k_new, values[ctx - n_new :], k_cache, v_cache, seq, spec)
     assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), reference(q, keys, values, spec), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [5, QUERY_BLOCK, 2 * QUERY_BLOCK + 7])
+def test_a_whole_prompt_in_blocks_of_queries_is_causal_attention(n: int) -> None:
+    """Nothing cached: the chunk's own K/V, its queries in blocks (`QUERY_BLOCK`) each over the keys up to
+    its last query, against float64 causal attention."""
+    torch.manual_seed(1)
+    q, keys, values = torch.randn(n, HEADS, HD), torch.randn(n, KV_HEADS, HD), torch.randn(n, KV_HEADS, HD)
+    k_cache = v_cache = torch.empty(1, PAGE, KV_HEADS, HD)  # float32 pool: nothing read from it
+    spec = LayerAttention(scale=HD**-0.5, window=0)
+    out = prefill(q, keys, values, k_cache, v_cache, PrefillSeq(0, n, n, None), spec)
     torch.testing.assert_close(out.double(), reference(q, keys, values, spec), rtol=1e-5, atol=1e-5)
