@@ -71,6 +71,28 @@ class StepInputs:
     zero_page: int | None
 
 
+def _logits_rows_out(
+    c_layers: DecoderLayers,
+    cfg: ModelConfig,
+    buffers: StepBuffers,
+    kv: torch.Tensor,
+    h: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """The last layer from its attention on (in `buffers`), for `rows` only: the other rows' results reach
+    no logits (their K/V are cached by then), so a prompt's chunk runs that layer's output projection and
+    MLP for its last token alone, as llama.cpp does (SmolLM2: a thirtieth of a prompt's output projections
+    and MLPs left out). Each row is computed alone in the C layer: a row's bits are what it gets among all."""
+    m = rows.numel()
+    h = h[rows]
+    buffers.attn[:m] = buffers.attn[rows]
+    views = (buffers.x, buffers.qkv, buffers.attn, buffers.gate_up, buffers.slots)
+    sub = StepBuffers(*(view[:m] for view in views), angles=[angle[:m] for angle in buffers.angles])
+    if m:
+        c_layers.out(DecoderLayers.step(cfg, sub, kv), cfg.num_layers - 1, h)
+    return h
+
+
 class Rope:
     """Rotate-half RoPE at one base: cos/sin for a step's positions, computed per step (a table over the
     whole window is 64 MB for Gemma's 32k x 256), with HF's arithmetic: each angle is one float32 product
@@ -304,7 +326,7 @@ class Transformer:
             h = h * torch.tensor(cfg.embedding_scale, dtype=h.dtype)
         angles = self._rope.cos_sin(inputs.positions, self.dtype)
         local = self._local_rope.cos_sin(inputs.positions, self.dtype) if self._local_rope else angles
-        if self._c_layers is not None:
+        if self._c_layers is not None:  # the logits rows only
             h = self._layers_in_c(self._c_layers, h.contiguous(), inputs, kv, (*angles, *local))
         else:
             slots = self._decode_slots(inputs, kv.shape[3])
@@ -317,7 +339,8 @@ class Transformer:
                 gate, up = self._linear(self._rms_norm(h, layer.ffn_norm), layer.gate_up).chunk(2, dim=-1)
                 out = self._linear(self._act(gate) * up, layer.down)
                 h = h + (out if layer.post_ffn_norm is None else self._rms_norm(out, layer.post_ffn_norm))
-        return self._rms_norm(h[inputs.logits_rows], self.norm)
+            h = h[inputs.logits_rows]
+        return self._rms_norm(h, self.norm)
 
     def _decode_slots(self, inputs: StepInputs, page_size: int) -> torch.Tensor | None:
         """What decode rows over SDPA gather (`attention.context_slots`), made once for every layer of the
@@ -338,7 +361,9 @@ class Transformer:
         angles: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
         """Every layer through the C layer: one call for the step when every row decodes, else per layer
-        the C layer around attention here (the paged kernel for decode rows, SDPA for prefill chunks)."""
+        the C layer around attention here (the paged kernel for decode rows, `_prefill_attention` for
+        prefill chunks), the last layer's output projection and MLP for the logits rows only. Returns the
+        hidden states of `inputs.logits_rows`."""
         cfg = self.config
         rows, nq, nkv, hd = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         buffers = StepBuffers(
@@ -352,8 +377,8 @@ class Transformer:
         if not inputs.prefills:
             tables, lens = inputs.decode_block_tables.contiguous(), inputs.decode_context_lens.contiguous()
             c_layers.decode(DecoderLayers.step(cfg, buffers, kv, tables, lens), h)
-            return h
-        step = DecoderLayers.step(cfg, buffers, kv)
+            return h[inputs.logits_rows]
+        step, last = DecoderLayers.step(cfg, buffers, kv), cfg.num_layers - 1
         q, k, v = buffers.qkv.view(rows, nq + 2 * nkv, hd).split([nq, nkv, nkv], dim=1)
         attn = buffers.attn.view(rows, nq, hd)
         for li in range(cfg.num_layers):
@@ -367,8 +392,9 @@ class Transformer:
                 )
             for seq in inputs.prefills:
                 attn[seq.start : seq.end] = self._prefill_attention(q, k, v, k_cache, v_cache, seq, spec)
-            c_layers.out(step, li, h)
-        return h
+            if li < last:
+                c_layers.out(step, li, h)
+        return _logits_rows_out(c_layers, cfg, buffers, kv, h, inputs.logits_rows)
 
     def _attend(
         self,
