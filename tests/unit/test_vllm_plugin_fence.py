@@ -11,7 +11,7 @@ import pytest
 from kvfence.trail.reasons import FOREIGN_OWNER, STALE_GENERATION
 from kvfence_vllm.records import SchedulerRecords, StepPlan
 from kvfence_vllm.rows import NULL_BLOCK, check_rows, choose_rows, neutralise
-from kvfence_vllm.settings import PluginRefused, Settings, check_version, from_environ
+from kvfence_vllm.settings import PluginRefused, Settings, check_engine, check_version, from_environ
 from kvfence_vllm.tags import BlockTags
 
 
@@ -186,3 +186,22 @@ def test_only_the_supported_vllm_versions_pass() -> None:
     for other in ("0.31.2", "0.33.0", "1.0.0"):
         with pytest.raises(PluginRefused, match=f"not {other}"):
             check_version(other)
+
+
+@pytest.mark.parametrize(
+    ("groups", "flags", "named"),
+    [
+        (["FullAttentionSpec", "SlidingWindowSpec"], (False, False, False), "one full-attention"),
+        (["MambaSpec"], (False, False, False), "one full-attention"),
+        (["FullAttentionSpec"], (True, False, False), "async scheduling"),
+        (["FullAttentionSpec"], (False, True, False), "pipeline parallelism"),
+        (["FullAttentionSpec"], (False, False, True), "a KV connector"),
+    ],
+)
+def test_engines_the_written_lengths_cannot_follow_are_refused_naming_why(
+    groups: list[str], flags: tuple[bool, bool, bool], named: str
+) -> None:
+    check_engine(["FullAttentionSpec"], False, False, False)
+    with pytest.raises(PluginRefused, match=named) as refused:
+        check_engine(groups, *flags)
+    assert "\n" not in str(refused.value)

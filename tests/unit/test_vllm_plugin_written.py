@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvfence.trail.reasons import UNWRITTEN_READ
+from kvfence.trail.reasons import FOREIGN_OWNER, UNWRITTEN_READ
 from kvfence_vllm.faults import WorkerFaults
 from kvfence_vllm.records import SchedulerRecords, StepPlan
-from kvfence_vllm.rows import check_rows
+from kvfence_vllm.rows import check_rows, judge
 from kvfence_vllm.settings import Settings, from_environ
 from kvfence_vllm.tags import BlockTags
 
@@ -30,17 +30,24 @@ def run_step(
     scheduled: Sequence[tuple[str, Sequence[int], int]],
     starts: Mapping[str, int],
     rejected: Mapping[str, int] | None = None,
+    rows: Mapping[str, Sequence[int]] | None = None,
+    spread: bool = True,
 ) -> tuple[StepPlan, dict[str, str]]:
-    """Plan (request id, block ids, tokens) for tenant "t", check the worker's rows (each its record's)
-    with the worker's start per request (`starts`), then commit the step as having run."""
+    """Plan (request id, block ids, tokens) for tenant "t", judge the worker's rows (each its record's, or
+    `rows` where given) with the worker's start per request (`starts`), then commit the step as having run.
+    `spread=False`: the verdict without StepPlan.spread (the protection a test turns off)."""
     plan = records.plan([(req_id, "t", ids, count) for req_id, ids, count in scheduled])
     table = np.zeros((len(scheduled), 8), dtype=np.int32)
     lengths = np.zeros(len(scheduled), dtype=np.int32)
-    for row, (_, ids, _) in enumerate(scheduled):
+    for row, (req_id, ids, _) in enumerate(scheduled):
+        ids = (rows or {}).get(req_id, ids)
         table[row, : len(ids)], lengths[row] = ids, len(ids)
     computed = np.array([starts[req_id] for req_id, _, _ in scheduled], dtype=np.int64)
     row_of = {req_id: row for row, (req_id, _, _) in enumerate(scheduled)}
-    verdict = check_rows(plan, row_of, table, lengths, computed) | plan.condemned
+    if spread:
+        verdict = judge(plan, row_of, table, lengths, computed)
+    else:
+        verdict = check_rows(plan, row_of, table, lengths, computed) | plan.condemned
     records.commit(plan, rejected or {}, verdict)
     return plan, verdict
 
@@ -117,6 +124,33 @@ def test_a_same_step_hit_on_a_block_an_earlier_request_of_the_step_fills_passes(
     # a block the step does not fill is not a hit: the prefill writes 10 of its 16 slots
     verdict = run_step(records, [("c", [4], 10), ("d", [4, 3], 1)], {"c": 0, "d": SIZE})[1]
     assert verdict == {"d": UNWRITTEN_READ}
+
+
+def test_a_same_step_hit_on_a_block_its_condemned_filler_never_wrote_is_aborted_too() -> None:
+    """a fills block 1 this step and b hits it; the worker condemns a (its row is not its record's), so a's
+    row reads and writes only the null block and block 1 stays unwritten. Without the spread b passes and
+    its record counts block 1 written; with it b is aborted, and c, hitting b's fill, after it."""
+    step = [("a", [1, 2], 32), ("b", [1, 3], 16), ("c", [1, 3, 4], 1)]
+    starts, wrong_row = {"a": 0, "b": SIZE, "c": 2 * SIZE}, {"a": [5, 2]}
+    records = records_with()
+    records.tags.handed_out([1, 2, 3, 4])
+    _, verdict = run_step(records, step, starts, rows=wrong_row, spread=False)
+    assert verdict == {"a": FOREIGN_OWNER}
+    assert records.written["b"] == 32 and records.tags.written[1] == 0  # counted, never written: the leak
+    records = records_with()
+    records.tags.handed_out([1, 2, 3, 4])
+    plan, verdict = run_step(records, step, starts, rows=wrong_row)
+    assert plan.fillers == {"b": {"a"}, "c": {"a", "b"}}
+    assert verdict == {"a": FOREIGN_OWNER, "b": UNWRITTEN_READ, "c": UNWRITTEN_READ}
+    assert records.tags.written[[1, 3, 4]].tolist() == [0, 0, 0]  # no commit counted the unwritten blocks
+
+
+def test_a_request_the_scheduler_condemns_takes_its_same_step_dependants_with_it() -> None:
+    records = records_with()
+    records.tags.handed_out([1, 2, 3, 4])
+    records.tags.freed([2])  # a's second block is free while a maps it
+    plan = records.plan([("a", "t", [1, 2], 32), ("b", "t", [1, 3], 16), ("d", "t", [4], 4)])
+    assert set(plan.condemned) == {"a", "b"} and plan.condemned["b"] == UNWRITTEN_READ
 
 
 def test_rejected_draft_tokens_are_rolled_back_as_vllm_rolls_back_its_count() -> None:

@@ -2,8 +2,9 @@
 
 Scheduler process (vLLM's EngineCore):
 - `BlockPool`: tags (tags.py) on its blocks; `get_new_blocks`, `touch` and `free_blocks` bump them.
-- `Scheduler.__init__`: refuses anything but one full-attention KV cache group, async scheduling (a step
-  scheduled before the last one's output is read) and a KV connector (KV no step of this engine wrote);
+- `Scheduler.__init__`: refuses anything but one full-attention KV cache group, async scheduling and
+  pipeline parallelism (a step scheduled before the last one's output is read) and a KV connector (KV no
+  step of this engine wrote);
   creates the records.
 - `KVCacheManager.free` / `pop_blocks_for_free`: the request's record is forgotten (finish, preemption).
 - `Scheduler.schedule`: after vLLM's own schedule, the records of every scheduled request are synced and
@@ -22,8 +23,8 @@ API server:
 Worker (GPUModelRunner, which the CPU runner is):
 - `_update_states`: once vLLM has brought its persistent block table and start positions up to the step,
   the faults (if armed: faults.py) move one decoding request's start a block ahead or swap two running
-  rows, then every planned row and start is checked (rows.py); a condemned row is pointed at the null
-  block before `_prepare_inputs` builds the slot mapping, so it reads and writes no one's KV.
+  rows, then every planned row and start is checked (rows.py `judge`); a condemned row is pointed at the
+  null block before `_prepare_inputs` builds the slot mapping, so it reads and writes no one's KV.
 - `sample_tokens`: the worker's verdict rides on the ModelRunnerOutput as `kvfence_verdict`, and the
   seconds its hooks took as `kvfence_seconds`.
 The plan, the verdict and the seconds are attributes on vLLM's own objects, which vLLM's executor carries
@@ -44,8 +45,8 @@ from typing import Any
 from kvfence_vllm.aborts import INTEGRITY_ERROR, FencedRequests, error_body, mark_outputs, message
 from kvfence_vllm.faults import WorkerFaults
 from kvfence_vllm.records import SchedulerRecords, StepPlan
-from kvfence_vllm.rows import check_rows, neutralise
-from kvfence_vllm.settings import INFLATE, SWAP, PluginRefused, Settings
+from kvfence_vllm.rows import judge, neutralise
+from kvfence_vllm.settings import INFLATE, SWAP, PluginRefused, Settings, check_engine
 from kvfence_vllm.tags import BlockTags
 from kvfence_vllm.tenants import TenantSalt, tenant_keys
 
@@ -133,22 +134,20 @@ def _patch_manager(cls: type) -> None:
 
 def _patch_scheduler(cls: type, settings: Settings) -> None:
     from vllm.v1.engine import FinishReason
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     def init(original: Callable[..., None]) -> Callable[..., None]:
         def run(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
             groups = self.kv_cache_config.kv_cache_groups
-            if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
-                kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-                raise SystemExit(
-                    f"kvfence-vllm: only one full-attention KV cache group is supported, not {kinds}"
+            try:
+                check_engine(
+                    [type(g.kv_cache_spec).__name__ for g in groups],
+                    self.scheduler_config.async_scheduling,
+                    self.use_pp,
+                    self.connector is not None,
                 )
-            if self.scheduler_config.async_scheduling or self.connector is not None:
-                raise SystemExit(
-                    "kvfence-vllm: async scheduling and KV connectors are not supported (a record's written "
-                    "length counts what this engine's steps that ran wrote)"
-                )
+            except PluginRefused as refused:
+                raise SystemExit(str(refused)) from None
             manager = self.kv_cache_manager
             manager.kvfence_records = SchedulerRecords(
                 manager.block_pool.kvfence_tags, groups[0].kv_cache_spec.block_size
@@ -236,10 +235,7 @@ def _patch_runner(cls: type, settings: Settings) -> None:
             plan: StepPlan | None = getattr(scheduler_output, "kvfence_plan", None)
             if plan is not None:
                 array, lengths = table.block_table.np, table.num_blocks_per_row
-                verdict = check_rows(
-                    plan, batch.req_id_to_index, array, lengths, batch.num_computed_tokens_cpu
-                )
-                verdict.update(plan.condemned)
+                verdict = judge(plan, batch.req_id_to_index, array, lengths, batch.num_computed_tokens_cpu)
                 neutralise(array, [batch.req_id_to_index[r] for r in verdict if r in batch.req_id_to_index])
                 self.kvfence_verdict = verdict
             self.kvfence_seconds = time.perf_counter() - started

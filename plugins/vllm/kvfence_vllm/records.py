@@ -17,6 +17,12 @@ rejected (it rolls its own count back by as many), and raises the tags' per-bloc
 a request the step aborted is not advanced. The plan carries each request's written length and scheduled
 tokens for the worker's start check (rows.py).
 
+A hit on a block an earlier request of the same step fills depends on that request's step: were it
+condemned, its row would be pointed at the null block and the block never written. So the plan keeps,
+per request, the requests of the step whose fills its written length counts, and `StepPlan.spread`
+condemns, with UNWRITTEN_READ, every request that counts a fill of a condemned one (transitively); the
+scheduler's verdict and the worker's both go through it.
+
 Not judged here: a change of an entry already recorded: when vLLM replaces a block it handed out earlier
 (copy-on-write, a sliding window's null block), the record is rebuilt from vLLM's list and counted in
 `rebuilt` (its written length is kept).
@@ -25,12 +31,13 @@ Not judged here: a change of an entry already recorded: when vLLM replaces a blo
 from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from kvfence.cache.block_table import BlockTable
 from kvfence.cache.mapping import MappingRecord, StepLayout, check_reads
+from kvfence.trail.reasons import UNWRITTEN_READ
 from kvfence_vllm.stats import FenceStats
 from kvfence_vllm.tags import BlockTags
 
@@ -40,7 +47,8 @@ class StepPlan:
     """What the worker needs to validate one step: request `req_ids[i]` must run on exactly the blocks
     `pages[starts[i]:starts[i+1]]` (of `block_size` tokens each), starting at token `written[i]` (its record's
     written length) and running `scheduled[i]` tokens. `condemned` (request id -> reason) are aborted
-    whatever their rows say."""
+    whatever their rows say. `fillers` (request id -> earlier requests of the step): whose writes in this
+    step a request's written length counts."""
 
     req_ids: tuple[str, ...]
     starts: np.ndarray
@@ -49,6 +57,16 @@ class StepPlan:
     scheduled: np.ndarray
     block_size: int
     condemned: dict[str, str] = field(default_factory=dict)
+    fillers: dict[str, frozenset[str]] = field(default_factory=dict)
+
+    def spread(self, verdict: Mapping[str, str]) -> dict[str, str]:
+        """`verdict`, and UNWRITTEN_READ for every request counting a block a condemned request of the step
+        was to fill (a filler comes earlier in the step, so one pass in order reaches every dependant)."""
+        spread = dict(verdict)
+        for req_id in self.req_ids:
+            if req_id not in spread and not self.fillers.get(req_id, frozenset()).isdisjoint(spread):
+                spread[req_id] = UNWRITTEN_READ
+        return spread
 
 
 class SchedulerRecords:
@@ -68,15 +86,16 @@ class SchedulerRecords:
         return self._tenants.setdefault(name, len(self._tenants))
 
     def sync(
-        self, req_id: str, tenant: str, block_ids: Sequence[int], filling: Mapping[int, int] | None = None
-    ) -> MappingRecord:
-        """The request's record, brought up to `block_ids` (vLLM's list for it, in logical order); a new
-        record's written length is its prefix hit (`filling`: blocks an earlier request of the step fills)."""
-        record = self.records.get(req_id)
+        self, req_id: str, tenant: str, block_ids: Sequence[int], filling: Mapping[int, str] | None = None
+    ) -> tuple[MappingRecord, frozenset[str]]:
+        """The request's record, brought up to `block_ids` (vLLM's list for it, in logical order), and the
+        requests whose fills its written length counts: a new record's written length is its prefix hit
+        (`filling`: block -> the earlier request of the step that fills it)."""
+        record, fillers = self.records.get(req_id), frozenset()
         ids = np.asarray(block_ids, dtype=np.int64)
         if record is None:
             record = self.records[req_id] = MappingRecord(self.tenant_id(tenant), table=self.table)
-            self.written[req_id] = self._full_prefix(ids, filling or {})
+            self.written[req_id], fillers = self._full_prefix(ids, filling or {})
         held = len(record)
         if held > ids.size or not np.array_equal(self.table.pages[record.row, :held], ids[:held]):
             record.clear()
@@ -86,16 +105,21 @@ class SchedulerRecords:
             self.tags.claim(fresh, record.tenant)
             for block, generation in zip(fresh.tolist(), self.tags.generation[fresh].tolist(), strict=True):
                 record.append(block, generation)
-        return record
+        return record, fillers
 
-    def _full_prefix(self, ids: np.ndarray, filling: Mapping[int, int]) -> int:
-        """Tokens in the leading blocks of `ids` whose every slot is written, up to the first that is not."""
-        full, written = 0, self.tags.written
+    def _full_prefix(self, ids: np.ndarray, filling: Mapping[int, str]) -> tuple[int, frozenset[str]]:
+        """Tokens in the leading blocks of `ids` whose every slot is written (by a step that ran, or by the
+        request `filling` names in this one), up to the first that is not; and those requests."""
+        full, written, fillers = 0, self.tags.written, set()
         for block in ids.tolist():
-            if not 0 <= block < written.size or filling.get(block, written[block]) < self.block_size:
+            if not 0 <= block < written.size:
                 break
+            if written[block] < self.block_size:
+                if block not in filling:
+                    break
+                fillers.add(filling[block])
             full += 1
-        return full * self.block_size
+        return full * self.block_size, frozenset(fillers)
 
     def forget(self, req_id: str) -> None:
         self.written.pop(req_id, None)
@@ -106,11 +130,11 @@ class SchedulerRecords:
     def plan(self, scheduled: Sequence[tuple[str, str, Sequence[int], int]]) -> StepPlan:
         """Sync each scheduled (request id, tenant, block ids, tokens scheduled) and judge the records in
         one check."""
-        records, filling = [], {}  # filling: blocks this step writes to their last slot
+        records, filling, fillers = [], {}, {}  # filling: block this step writes to its last slot -> by whom
         for req_id, tenant, ids, count in scheduled:
-            record = self.sync(req_id, tenant, ids, filling)
+            record, fillers[req_id] = self.sync(req_id, tenant, ids, filling)
             records.append(record)
-            self._note_filled(record, self.written[req_id], count, filling)
+            self._note_filled(req_id, record, self.written[req_id], count, filling)
         req_ids = tuple(req_id for req_id, _, _, _ in scheduled)
         counts = np.array([len(r) for r in records], dtype=np.int64)
         rows = np.array([r.row for r in records], dtype=np.int64)
@@ -132,20 +156,23 @@ class SchedulerRecords:
         )
         tags = self.tags
         verdict = check_reads(layout, tags.generation, tags.owner, tags.state, None, self.block_size)
-        return StepPlan(
+        plan = StepPlan(
             req_ids,
             starts,
             pages,
             np.array([self.written[req_id] for req_id in req_ids], dtype=np.int64),
             np.array([count for _, _, _, count in scheduled], dtype=np.int64),
             self.block_size,
-            {req_ids[row]: reason for row, reason in verdict.items()},
+            fillers={req_id: named for req_id, named in fillers.items() if named},
         )
+        return replace(plan, condemned=plan.spread({req_ids[row]: reason for row, reason in verdict.items()}))
 
-    def _note_filled(self, record: MappingRecord, start: int, count: int, filling: dict[int, int]) -> None:
+    def _note_filled(
+        self, req_id: str, record: MappingRecord, start: int, count: int, filling: dict[int, str]
+    ) -> None:
         size = self.block_size
         for logical in range(start // size, min((start + count) // size, len(record))):
-            filling[int(self.table.pages[record.row, logical])] = size
+            filling.setdefault(int(self.table.pages[record.row, logical]), req_id)
 
     def commit(self, plan: StepPlan, rejected: Mapping[str, int], aborted: Container[str]) -> None:
         """`plan`'s step ran: each request it did not abort has its scheduled tokens written, less its

@@ -9,7 +9,8 @@ input batch's num_computed_tokens, where the step's positions and attention begi
 record's written length, or whose row cannot hold the written and scheduled tokens, would attend over KV
 no step wrote for it (UNWRITTEN_READ). `neutralise` points a condemned row, its whole width, at vLLM's
 null block (id 0), so the step it still takes part in reads and writes no request's KV; its sampled token
-is dropped by the scheduler and the request ends in an error (patches.py).
+is dropped by the scheduler and the request ends in an error (patches.py). `judge` is the step's whole
+verdict: those, the scheduler's condemned, and the requests that counted a condemned one's fills.
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ def check_rows(
     ahead = (computed[safe] != plan.written) | (counts * plan.block_size < plan.written + plan.scheduled)
     verdict.update({plan.req_ids[i]: UNWRITTEN_READ for i in np.flatnonzero(ahead & ~bad).tolist()})
     return verdict
+
+
+def judge(
+    plan: StepPlan, row_of: Mapping[str, int], table: np.ndarray, lengths: np.ndarray, computed: np.ndarray
+) -> dict[str, str]:
+    """The step's verdict: `check_rows`, the scheduler's condemned, and the requests counting a fill of
+    one of those (StepPlan.spread)."""
+    return plan.spread(check_rows(plan, row_of, table, lengths, computed) | plan.condemned)
 
 
 def _entries(plan: StepPlan, chosen: np.ndarray) -> np.ndarray:

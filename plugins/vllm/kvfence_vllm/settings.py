@@ -7,6 +7,7 @@ to catch: `swap_block_tables` swaps two running requests' block-table rows; `inf
 running request's num_computed_tokens a block ahead (its step attends over KV nobody wrote for it).
 `KVFENCE_FAULT_SEED` (default 0): the faults' random draws (one generator each), so a run can be repeated.
 Anything else in these variables is refused with one line naming the variable (`PluginRefused`).
+`check_engine`: the engine configurations the fence's bookkeeping holds for, refused otherwise.
 """
 
 from __future__ import annotations
@@ -34,6 +35,29 @@ class Settings:
 def check_version(version: str) -> None:
     if not version.startswith(SUPPORTED):
         raise PluginRefused(f"kvfence-vllm supports vLLM {SUPPORTED}x only, not {version}: refusing to start")
+
+
+def check_engine(groups: list[str], async_scheduling: bool, pipeline: bool, connector: bool) -> None:
+    """One full-attention KV cache group (`groups`: the kinds of vLLM's KV cache specs), and one step at a
+    time, every block's KV written by this engine's steps: a record's written length counts what the
+    steps that ran wrote, so async scheduling and pipeline parallelism (a step scheduled before the last
+    one's output is read) and a KV connector (tokens another engine computed) are refused."""
+    if groups != ["FullAttentionSpec"]:
+        raise PluginRefused(f"kvfence-vllm: one full-attention KV cache group is supported, not {groups}")
+    refused = [
+        name
+        for name, on in (
+            ("async scheduling", async_scheduling),
+            ("pipeline parallelism", pipeline),
+            ("a KV connector", connector),
+        )
+        if on
+    ]
+    if refused:
+        raise PluginRefused(
+            f"kvfence-vllm: {', '.join(refused)} not supported (a record's written length counts what this "
+            "engine's steps wrote, one step at a time)"
+        )
 
 
 def from_environ(env: Mapping[str, str]) -> Settings:
