@@ -63,8 +63,11 @@ class StepPlan:
         """`verdict`, and UNWRITTEN_READ for every request counting a block a condemned request of the step
         was to fill (a filler comes earlier in the step, so one pass in order reaches every dependant)."""
         spread = dict(verdict)
+        if not spread or not self.fillers:  # most steps: nothing to spread, or no same-step hit
+            return spread
         for req_id in self.req_ids:
-            if req_id not in spread and not self.fillers.get(req_id, frozenset()).isdisjoint(spread):
+            fillers = self.fillers.get(req_id)
+            if fillers is not None and req_id not in spread and not fillers.isdisjoint(spread):
                 spread[req_id] = UNWRITTEN_READ
         return spread
 
