@@ -1,5 +1,7 @@
-"""The C paged-attention kernels (csrc/paged_attention.c), built and loaded by `native`: decode rows, and
-prefill chunks whose rows compute alike however a prompt is chunked.
+"""The C paged-attention kernels (csrc/paged_attention.c, csrc/paged_prefill.c), built and loaded by
+`native`: decode rows, and prefill chunks whose rows compute alike however a prompt is chunked. Decode is
+float32 arithmetic on every build; prefill's two inner products are bf16 (float32 accumulation) on a CPU
+with AVX512-BF16 unless `bf16=False` or KVFENCE_PREFILL_F32=1, float32 elsewhere.
 
 `load()` returns None with the reason when the kernels cannot be used: the model then uses its torch
 (gather + SDPA) attention, which computes the same thing (prefill rounding with the chunk's shape).

@@ -5,7 +5,8 @@ Each layer stores the new tokens' K/V into their pool slots, then attends over t
 decode rows through the paged-attention kernel, in place (C on CPU, Triton on CUDA; where neither runs:
 one padded SDPA over gathered slots, the pool's zero page past each row's context), prefill chunks through
 the C prefill kernel where the C decode kernel runs (each query row computed from its position and the pool
-alone: a prompt's logits do not depend on its chunking), else one SDPA each. Every row, prefill and decode,
+alone: a prompt's logits do not depend on its chunking; with int8 activations on AVX512-BF16 its q . k and
+p . v run in bf16, csrc/prefill_bf16.h), else one SDPA each. Every row, prefill and decode,
 multiplies by the GGUF's quantized weights in a C kernel (the same float32 weights in about a third of the
 bytes, and the only copy of them: weights.py). Logits are
 computed only at the rows that are sampled, because the LM head is the largest matmul of a prefill step.
