@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import tiny_model
 from test_attention_prefill import HEADS, KV_HEADS, PAGE, reference
 
 from kvfence.model import native, paged_kernel
@@ -123,3 +124,19 @@ def test_a_bad_table_is_refused(build: str, page: int, pages: int | None) -> Non
     q = torch.randn(CTX, HEADS, 8)
     with pytest.raises(paged_kernel.PagedAttentionError, match="outside the pool"):
         kernel(build).prefill(q, k_cache, v_cache, table, 0, 0.125)
+
+
+@needs_bf16
+def test_bf16_comes_with_int8_activations_and_the_variable_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fast path (int8 activations) gets the bf16 build, the exact float32 path keeps float32, and
+    KVFENCE_PREFILL_F32=1 (the documented fallback) gives float32 to both."""
+    monkeypatch.delenv(paged_kernel.PREFILL_F32_ENV, raising=False)
+    assert paged_kernel.bf16_prefill()
+    assert tiny_model(decode_matmul="kernel", activation_dtype="int8")._kernel is kernel("bf16")
+    assert tiny_model(decode_matmul="kernel", activation_dtype="float32")._kernel is kernel("this CPU")
+    monkeypatch.setenv(paged_kernel.PREFILL_F32_ENV, "1")
+    assert not paged_kernel.bf16_prefill()
+    assert tiny_model(decode_matmul="kernel", activation_dtype="int8")._kernel is kernel("this CPU")
+    assert kernel("bf16") is not kernel("this CPU")
