@@ -36,8 +36,12 @@ FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 # F16C is named beside AVX-512 too: -mavx512f does not imply it, and a build that turns AVX-512 off
 # (-mno-avx512f: the AVX2 path an AVX2-only machine runs) needs it for that path.
 _AVX512 = ({"avx512f", "avx512bw", "fma", "f16c"}, ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c"))
+_VNNI = (_AVX512[0] | {"avx512_vnni"}, (*_AVX512[1], "-mavx512vnni"))
+# AVX512-BF16 (vdpbf16ps: two bf16 products a lane, f32 accumulation) is what paged_prefill.c's bf16
+# attention runs on; the other kernels do not use it.
 _ISA = (
-    (_AVX512[0] | {"avx512_vnni"}, (*_AVX512[1], "-mavx512vnni")),
+    (_VNNI[0] | {"avx512_bf16"}, (*_VNNI[1], "-mavx512bf16")),
+    _VNNI,
     _AVX512,
     ({"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c")),
 )
@@ -70,9 +74,11 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> Path:
-    """One shared library from `sources` (the first names it), cached under a key of every source's text
-    and the flags."""
-    key = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in sources), " ".join(flags).encode()]))
+    """One shared library from `sources` (the first names it), cached under a key of every source's text,
+    every header beside them (what they may include) and the flags."""
+    headers = sorted({header for source in sources for header in source.parent.glob("*.h")})
+    texts = [path.read_bytes() for path in (*sources, *headers)]
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode()]))
     target = _cache_dir() / f"{sources[0].stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

@@ -1,5 +1,7 @@
-"""The C paged-attention kernels (csrc/paged_attention.c), built and loaded by `native`: decode rows, and
-prefill chunks whose rows compute alike however a prompt is chunked.
+"""The C paged-attention kernels (csrc/paged_attention.c, csrc/paged_prefill.c), built and loaded by
+`native`: decode rows, and prefill chunks whose rows compute alike however a prompt is chunked. Decode is
+float32 arithmetic on every build; prefill's two inner products are bf16 (float32 accumulation) on a CPU
+with AVX512-BF16 unless `bf16=False` or KVFENCE_PREFILL_F32=1, float32 elsewhere.
 
 `load()` returns None with the reason when the kernels cannot be used: the model then uses its torch
 (gather + SDPA) attention, which computes the same thing (prefill rounding with the chunk's shape).
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -152,10 +155,31 @@ def _check_pool_inputs(
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
 
 
-@functools.cache
-def load(portable: bool = False, avx512: bool = True) -> tuple[PagedDecodeKernel | None, str]:
+# Set to 1, the prefill kernel runs float32 on a CPU with AVX512-BF16 too (the build without it): the
+# documented fallback, and the baseline its benchmark compares against.
+PREFILL_F32_ENV = "KVFENCE_PREFILL_F32"
+
+
+def load(
+    portable: bool = False, avx512: bool = True, bf16: bool | None = None
+) -> tuple[PagedDecodeKernel | None, str]:
     """(the kernel, "") or (None, why not). `portable` builds the plain-C path; `avx512=False` the AVX2 one
-    (8-wide float16 conversions) on an AVX-512 machine: each must match the reference (tested)."""
+    (8-wide float16 conversions) on an AVX-512 machine: each must match the reference (tested). `bf16`:
+    the prefill's inner products in bf16 where the CPU has AVX512-BF16 (the default unless
+    KVFENCE_PREFILL_F32=1), False: float32 (the decode kernel is float32 in every build)."""
+    if bf16 is None:
+        bf16 = os.environ.get(PREFILL_F32_ENV) != "1"
     flags = ("-DKVF_PORTABLE",) if portable else () if avx512 else ("-mno-avx512f",)
-    library, why = native.load_library("paged_attention", flags)
+    return _load(flags if bf16 else (*flags, "-mno-avx512bf16"))
+
+
+def bf16_prefill() -> bool:
+    """Whether `load()`'s prefill kernel runs its inner products in bf16 (this CPU has AVX512-BF16 and
+    KVFENCE_PREFILL_F32 is not 1)."""
+    return "-mavx512bf16" in native.isa_flags() and os.environ.get(PREFILL_F32_ENV) != "1"
+
+
+@functools.cache
+def _load(flags: tuple[str, ...]) -> tuple[PagedDecodeKernel | None, str]:
+    library, why = native.load_library("paged_attention", flags, with_sources=("paged_prefill",))
     return (PagedDecodeKernel(library), "") if library is not None else (None, why)

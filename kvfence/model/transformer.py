@@ -5,7 +5,8 @@ Each layer stores the new tokens' K/V into their pool slots, then attends over t
 decode rows through the paged-attention kernel, in place (C on CPU, Triton on CUDA; where neither runs:
 one padded SDPA over gathered slots, the pool's zero page past each row's context), prefill chunks through
 the C prefill kernel where the C decode kernel runs (each query row computed from its position and the pool
-alone: a prompt's logits do not depend on its chunking), else one SDPA each. Every row, prefill and decode,
+alone: a prompt's logits do not depend on its chunking; with int8 activations on AVX512-BF16 its q . k and
+p . v run in bf16, csrc/prefill_bf16.h), else one SDPA each. Every row, prefill and decode,
 multiplies by the GGUF's quantized weights in a C kernel (the same float32 weights in about a third of the
 bytes, and the only copy of them: weights.py). Logits are
 computed only at the rows that are sampled, because the LM head is the largest matmul of a prefill step.
@@ -180,10 +181,6 @@ class Transformer:
         self.quantization = _storage_counts(tensors, quantized or {})
         norm = tensors["output_norm.weight"]
         self.device, self.dtype = norm.device, norm.dtype
-        self._kernel, self.decode_attention_note = self._choose_kernel(
-            "decode attention", decode_attention, DECODE_ATTENTION, self._attention_loader()
-        )
-        self.decode_attention = "kernel" if self._kernel else "sdpa"
         quantized = quantized or {}
         # 16-bit weights under a wider model (a Hugging Face directory's BF16 under float32) stay 16-bit.
         self.weight_dtype = _narrow_weights(tensors, self.dtype)
@@ -194,6 +191,10 @@ class Transformer:
         self._half_kernel = kernel if isinstance(kernel, HalfMatmulKernel) else None
         if activation_dtype == "auto":
             activation_dtype = "int8" if self._packed_kernel is not None else "float32"
+        self._kernel, self.decode_attention_note = self._choose_kernel(
+            "decode attention", decode_attention, DECODE_ATTENTION, self._attention_loader(activation_dtype)
+        )
+        self.decode_attention = "kernel" if self._kernel else "sdpa"
         half = self._half_kernel is not None
         binder = Binder(tensors, quantized, self._packed_kernel, activation_dtype == "int8", half)
         self.lm_head, self.layers = _bind(binder, config.num_layers, progress)
@@ -294,12 +295,14 @@ class Transformer:
             return self._on_cpu_float32(half_matmul.load)
         return lambda: (None, "the weights are not stored quantized")
 
-    def _attention_loader(self) -> Callable[[], tuple[PagedDecode | None, str]]:
+    def _attention_loader(self, activation_dtype: str) -> Callable[[], tuple[PagedDecode | None, str]]:
         """The device seam of decode attention: the C kernel on CPU, the Triton kernel on CUDA (the same
-        arguments, the same float32-accumulated result, each row alone)."""
+        arguments, the same float32-accumulated result, each row alone). The C prefill kernel's bf16
+        products (AVX512-BF16) come with int8 activations only: the float32 path stays exact."""
         if self.device.type == "cuda":
             return lambda: triton_attention.load(self.device.type)
-        return self._on_cpu_float32(paged_kernel.load)
+        bf16 = None if activation_dtype == "int8" else False  # None: paged_kernel's default (its variable)
+        return self._on_cpu_float32(lambda: paged_kernel.load(bf16=bf16))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # In float32 whatever the weights' dtype, as HF does; F.rms_norm is one fused kernel, and in

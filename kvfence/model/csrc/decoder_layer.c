@@ -75,7 +75,7 @@ typedef struct {
 
 #define KVF_OK 0
 
-/* Let the compiler call glibc's vector expf (libmvec) in the activation loop, as paged_attention.c does. */
+/* Let the compiler call glibc's vector expf (libmvec) in the activation loop, as paged_common.h does. */
 #pragma omp declare simd notinbranch
 extern float expf(float);
 
