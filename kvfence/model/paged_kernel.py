@@ -168,7 +168,7 @@ def load(
     the prefill's inner products in bf16 where the CPU has AVX512-BF16 (the default unless
     KVFENCE_PREFILL_F32=1), False: float32 (the decode kernel is float32 in every build)."""
     if bf16 is None:
-        bf16 = os.environ.get(PREFILL_F32_ENV) != "1"
+        bf16 = _bf16_wanted()
     flags = ("-DKVF_PORTABLE",) if portable else () if avx512 else ("-mno-avx512f",)
     return _load(flags if bf16 else (*flags, "-mno-avx512bf16"))
 
@@ -176,7 +176,11 @@ def load(
 def bf16_prefill() -> bool:
     """Whether `load()`'s prefill kernel runs its inner products in bf16 (this CPU has AVX512-BF16 and
     KVFENCE_PREFILL_F32 is not 1)."""
-    return "-mavx512bf16" in native.isa_flags() and os.environ.get(PREFILL_F32_ENV) != "1"
+    return "-mavx512bf16" in native.isa_flags() and _bf16_wanted()
+
+
+def _bf16_wanted() -> bool:
+    return os.environ.get(PREFILL_F32_ENV) != "1"
 
 
 @functools.cache

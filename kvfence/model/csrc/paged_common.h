@@ -15,10 +15,11 @@
 extern float expf(float);
 
 /* Float16 K and V widened to float32 (exactly: every float16 is a float32) inside a dot product and a
- * scaled add over one head (paged_attention.c's half_dot, half_axpy), and rounded from float32 as the C layer writes them: 16 or 8 at a time where
- * the CPU converts vectors (AVX-512, F16C). GCC converts _Float16 one element at a time (the kernel ran
- * 7.5x slower over a float16 pool than over a float32 one), so the vector loops are written out. The order
- * of the sums depends on head_dim alone: a row computes alike in any batch. */
+ * scaled add over one head (paged_attention.c's half_dot, half_axpy), and rounded from float32 as the C
+ * layer writes them: 16 or 8 at a time where the CPU converts vectors (AVX-512, F16C). GCC converts
+ * _Float16 one element at a time (the kernel ran 7.5x slower over a float16 pool than over a float32 one),
+ * so the vector loops are written out. The order of the sums depends on head_dim alone: a row computes
+ * alike in any batch. */
 #if defined(__AVX512F__) && !defined(KVF_PORTABLE)
 #include <immintrin.h>
 #define HALF_LANES 16

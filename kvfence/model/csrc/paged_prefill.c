@@ -185,7 +185,6 @@ static inline __attribute__((always_inline)) void prefill_rows(struct pre_row *r
             for (int64_t i = 0; i < head_dim; i++) rows[r].out[j * head_dim + i] /= total[r][j];
 }
 
-
 #else
 #include "prefill_bf16.h"
 #endif
