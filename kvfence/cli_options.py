@@ -122,8 +122,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="int8: the kernel multiplies the weights of every block format by rows "
         "quantized to int8 per 32 values with integer dot products, as llama.cpp does (faster; logits move "
         "by the rounding); float32: exact float products, and (with --kv-cache-dtype auto) a pool of the "
-        "model's dtype: the exact path; auto: int8 where the quantized kernel runs (a block-quantized GGUF "
-        "on CPU), float32 elsewhere (default: %(default)s)",
+        "model's dtype: the exact path; bfloat16: rows rounded to bfloat16 times a Hugging Face "
+        "directory's bfloat16 weights, float32 sums (faster on AVX512-BF16); auto: int8 where the "
+        "quantized kernel runs (a block-quantized GGUF on CPU), bfloat16 for bfloat16 weights on a CPU with "
+        "AVX512-BF16, float32 elsewhere (default: %(default)s)",
     )
     g.add_argument(
         "--kv-cache-dtype",

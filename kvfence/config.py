@@ -16,8 +16,10 @@ DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # auto: the kernel where it can r
 DECODE_MATMUL = ("auto", "kernel", "dense")  # auto: the kernel where it can run (float32 on CPU, quantized)
 # What the packed kernel multiplies codes in groups of 32 by: the float32 rows (exact weights and products),
 # or the rows quantized to int8 per 32 values, as llama.cpp does (integer dot products, ~4x less work);
-# auto: int8 wherever the packed kernel runs (a block-quantized GGUF on CPU), float32 elsewhere.
-ACTIVATION_DTYPES = ("auto", "float32", "int8")
+# auto: int8 wherever the packed kernel runs (a block-quantized GGUF on CPU), float32 elsewhere. bfloat16:
+# the rows rounded to bfloat16 times bfloat16 weights kept 16-bit (a Hugging Face directory's, on CPU), with
+# float32 sums (twice the multiply-adds a cycle on AVX512-BF16); auto picks it there on a CPU with the flag.
+ACTIVATION_DTYPES = ("auto", "float32", "int8", "bfloat16")
 # What the KV pool holds: float16 under a float32 model (half the bytes each decode step reads, twice the
 # tokens a pool holds; llama.cpp's default cache type; CPU only), or the model's own dtype. auto: float16
 # where the activations are int8 (the fast path, what llama.cpp computes), the model's dtype elsewhere: so
@@ -116,7 +118,7 @@ class EngineConfig:
     num_threads: int | None = None
     decode_attention: str = "auto"  # auto | kernel | sdpa (see DECODE_ATTENTION)
     decode_matmul: str = "auto"  # auto | kernel | dense (see DECODE_MATMUL)
-    activation_dtype: str = "auto"  # auto | float32 | int8 (see ACTIVATION_DTYPES)
+    activation_dtype: str = "auto"  # auto | float32 | int8 | bfloat16 (see ACTIVATION_DTYPES)
     kv_cache_dtype: str = "auto"  # auto | float16 (see KV_CACHE_DTYPES)
     speculative: SpeculativeConfig | None = None  # None: one token per request and step
     # KV tiers below the pool (cache/tier_stores.py specs), searched in order, sealed under the key read

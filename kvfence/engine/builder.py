@@ -75,15 +75,16 @@ def check_start(
 
 
 def numerics_line(model: Transformer, kv_dtype: torch.dtype) -> str:
-    """The start-up line that says which arithmetic serves: the fast path (llama.cpp's: int8 activations
-    and a float16 pool) or the exact one, and the option that gives the other."""
+    """The start-up line that says which arithmetic serves: a fast path (llama.cpp's: int8 activations
+    and a float16 pool; for bfloat16 weights, bfloat16 activations) or the exact one, and the option that
+    gives the other."""
     name = str(kv_dtype).removeprefix("torch.")
     what = f"{model.activation_dtype} activations, {name} KV cache"
     if model.weight_dtype is not None:  # 16-bit weights multiplied by float32 rows, no float32 copy held
         how = "16-bit kernel" if model.decode_matmul == "kernel" else "widened per matmul"
         weights = str(model.weight_dtype).removeprefix("torch.")
         what = f"{model.activation_dtype} activations x {weights} weights ({how}), {name} KV cache"
-    if model.activation_dtype == "int8":
+    if model.activation_dtype in ("int8", "bfloat16"):
         return f"numerics: fast ({what}; --activation-dtype float32 for the exact float32 path)"
     return f"numerics: {what}"
 

@@ -48,7 +48,8 @@ class _Weight(ctypes.Structure):
     ]
 
 
-_PACKED, _KINDS = 0, {torch.bfloat16: 1, torch.float16: 2}  # decoder_layer.c's KVF_PACKED, KVF_BF16, KVF_FP16
+# decoder_layer.c's KVF_PACKED, KVF_BF16, KVF_FP16, KVF_BF16_PAIRS
+_PACKED, _KINDS, _PAIRS = 0, {torch.bfloat16: 1, torch.float16: 2}, 3
 
 
 class _Layer(ctypes.Structure):
@@ -114,7 +115,7 @@ def _weight(projection: Projection) -> _Weight:
             0,
             0,
             0,
-            _KINDS[half.dtype],
+            _PAIRS if half.pairs else _KINDS[half.dtype],
         )
     assert packed.codes.is_contiguous()
     return _Weight(

@@ -160,8 +160,12 @@ class Transformer:
     `decode_matmul="dense"`, every matmul runs on BLAS over dense weights. `activation_dtype="int8"`: the
     kernel multiplies the codes of every block format by int8-quantized rows
     (csrc/packed_matmul.c's KVF_DOT); other weights, and every weight on the dense path, take float32 rows
-    whatever it says. "auto" resolves to "int8" where the packed kernel runs, "float32" elsewhere (the
-    resolved name is `activation_dtype`)."""
+    whatever it says. `activation_dtype="bfloat16"`: the 16-bit kernel multiplies bfloat16 weights by rows
+    rounded to bfloat16 (half_matmul.py's pairs; ValueError where the weights are not bfloat16 in that
+    kernel). "auto" resolves to "int8" where the packed kernel runs, "bfloat16" where the 16-bit kernel
+    runs bfloat16 weights on a CPU with AVX512-BF16, "float32" elsewhere (the resolved name is
+    `activation_dtype`). With either narrow row the C prefill attention runs its products in bf16 where
+    the CPU has AVX512-BF16."""
 
     def __init__(
         self,
@@ -189,14 +193,14 @@ class Transformer:
         )
         self._packed_kernel = kernel if isinstance(kernel, PackedMatmulKernel) else None
         self._half_kernel = kernel if isinstance(kernel, HalfMatmulKernel) else None
-        if activation_dtype == "auto":
-            activation_dtype = "int8" if self._packed_kernel is not None else "float32"
+        activation_dtype = self._activations(activation_dtype)
         self._kernel, self.decode_attention_note = self._choose_kernel(
             "decode attention", decode_attention, DECODE_ATTENTION, self._attention_loader(activation_dtype)
         )
         self.decode_attention = "kernel" if self._kernel else "sdpa"
         half = self._half_kernel is not None
-        binder = Binder(tensors, quantized, self._packed_kernel, activation_dtype == "int8", half)
+        dot, pairs = activation_dtype == "int8", activation_dtype == "bfloat16"
+        binder = Binder(tensors, quantized, self._packed_kernel, dot, half, pairs)
         self.lm_head, self.layers = _bind(binder, config.num_layers, progress)
         packed = [self.lm_head.packed] + [p.packed for layer in self.layers for p in layer.projections()]
         if self._packed_kernel is not None and not any(packed):
@@ -295,13 +299,31 @@ class Transformer:
             return self._on_cpu_float32(half_matmul.load)
         return lambda: (None, "the weights are not stored quantized")
 
+    def _activations(self, asked: str) -> str:
+        """The activation dtype `asked` resolves to ("auto": the fastest this model's kernels run); bfloat16
+        where no 16-bit kernel multiplies bfloat16 weights is refused, never half applied."""
+        bf16_kernel = self._half_kernel is not None and self.weight_dtype == torch.bfloat16
+        if asked == "bfloat16" and not bf16_kernel:
+            weights = self.weight_dtype or self.dtype
+            where = "" if self._half_kernel else f" (a {self.dtype} model on {self.device}: no 16-bit kernel)"
+            raise ValueError(
+                "activation dtype 'bfloat16' multiplies bfloat16 weights kept 16-bit under a float32 model "
+                f"on CPU (a Hugging Face directory's); this model's 2-D weights are {weights}{where}"
+            )
+        if asked != "auto":
+            return asked
+        if self._packed_kernel is not None:
+            return "int8"
+        return "bfloat16" if bf16_kernel and half_matmul.pairs_native() else "float32"
+
     def _attention_loader(self, activation_dtype: str) -> Callable[[], tuple[PagedDecode | None, str]]:
         """The device seam of decode attention: the C kernel on CPU, the Triton kernel on CUDA (the same
         arguments, the same float32-accumulated result, each row alone). The C prefill kernel's bf16
-        products (AVX512-BF16) come with int8 activations only: the float32 path stays exact."""
+        products (AVX512-BF16) come with narrow activations only: the float32 path stays exact."""
         if self.device.type == "cuda":
             return lambda: triton_attention.load(self.device.type)
-        bf16 = None if activation_dtype == "int8" else False  # None: paged_kernel's default (its variable)
+        narrow = activation_dtype in ("int8", "bfloat16")
+        bf16 = None if narrow else False  # None: paged_kernel's default (its variable)
         return self._on_cpu_float32(lambda: paged_kernel.load(bf16=bf16))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ class Layer:
 class Binder:
     """Reads the named weights out of the loader's two dicts, packed where `kernel` runs (laid out for its
     int8 dot products where `dot` and the codes allow: `pack`); 16-bit weights under a wider model in the
-    16-bit kernel's panels where `half` (that kernel runs)."""
+    16-bit kernel's panels where `half` (that kernel runs), in pairs for bfloat16 rows where `pairs`."""
 
     def __init__(
         self,
@@ -70,11 +70,13 @@ class Binder:
         kernel: PackedMatmulKernel | None,
         dot: bool = False,
         half: bool = False,
+        pairs: bool = False,
     ) -> None:
         both = sorted(tensors.keys() & quantized.keys())
         if both:
             raise ValueError(f"weights given both dense and quantized: {both[:4]}")
         self.tensors, self.quantized, self.kernel, self.dot, self.half = tensors, quantized, kernel, dot, half
+        self.pairs = pairs
         norm = tensors["output_norm.weight"]  # never quantized: its dtype and device are the model's
         self.dtype, self.device = norm.dtype, norm.device
 
@@ -121,7 +123,7 @@ class Binder:
         weights = torch.cat([self.dense(n) for n in names])
         if weights.dtype == self.dtype:
             return weights.T.contiguous(), None
-        return (None, HalfWeight.from_rows(weights)) if self.half else (weights.T, None)
+        return (None, HalfWeight.from_rows(weights, self.pairs)) if self.half else (weights.T, None)
 
     def layer(self, i: int) -> Layer:
         p = f"blk.{i}."
@@ -151,7 +153,7 @@ class Binder:
             return Projection(None, packed)
         weight = self.dense(name)
         if self.half and weight.dtype != self.dtype:
-            return Projection(None, None, half=HalfWeight.from_rows(weight))
+            return Projection(None, None, half=HalfWeight.from_rows(weight, self.pairs))
         return Projection(weight.T, None)
 
 

@@ -18,6 +18,9 @@ from test_archs import ARCH, SHAPE, assert_engine_matches, hf_model
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
+from kvfence.config import EngineConfig
+from kvfence.engine.engine import LLMEngine
+from kvfence.model import half_matmul
 from kvfence.model.hf_dir import model_path, read_dir, served_name
 from kvfence.model.hf_load import load_hf_dir
 from kvfence.model.tokenizer import Tokenizer
@@ -138,29 +141,58 @@ def decode(model: Transformer, prompts: list[list[int]]) -> tuple[list[list[int]
 
 
 @pytest.mark.parametrize(
-    ("variant", "dtype"), [(v, torch.bfloat16) for v in sorted(ARCH)] + [("qwen2", torch.float16)]
+    ("variant", "dtype", "activation"),
+    [(v, torch.bfloat16, "float32") for v in sorted(ARCH)]
+    + [("qwen2", torch.float16, "float32")]
+    + [(v, torch.bfloat16, "bfloat16") for v in ("llama", "gemma3")],
 )
 def test_the_c_layer_runs_16_bit_weights_as_the_torch_forward_does(
-    tmp_path: Path, variant: str, dtype: torch.dtype
+    tmp_path: Path, variant: str, dtype: torch.dtype, activation: str
 ) -> None:
     """16-bit projections run in the C decoder layer (whole decode steps in one call): the torch forward's
     tokens and logits within float32 rounding, and a row's logits bit for bit the same alone and beside
-    three others (each row alone, in a fixed order)."""
+    three others (each row alone, in a fixed order); with float32 rows, and with bfloat16 rows (pairs)."""
     directory = write_dir(tmp_path / variant, hf_model(variant), dtype=dtype)
-    fused = Transformer.from_gguf(load_hf_dir(directory), activation_dtype="float32")
+    fused = Transformer.from_gguf(load_hf_dir(directory), activation_dtype=activation)
     assert fused.weight_dtype == dtype and fused._c_layers is not None, (
         "16-bit weights under a CPU float32 model: the C layer runs"
     )
-    plain = Transformer.from_gguf(load_hf_dir(directory), activation_dtype="float32")
+    pairs = [p.half.pairs for layer in fused.layers for p in layer.projections()]
+    assert pairs == [activation == "bfloat16"] * len(pairs)
+    plain = Transformer.from_gguf(load_hf_dir(directory), activation_dtype=activation)
     plain._c_layers = None  # the same weights through the torch forward, op by op
     gen = torch.Generator().manual_seed(7)
     four = [torch.randint(0, SHAPE["vocab_size"], (n,), generator=gen).tolist() for n in (13, 5, 21, 9)]
     ours, our_logits = decode(fused, four)
     theirs, their_logits = decode(plain, four)
     assert ours == theirs
+    # bfloat16 rows: the two forwards' float32 rows differ in their last bits, which can move a row's
+    # rounding to bfloat16 by one step (2^-8 of it)
+    tolerance = 1e-4 if activation == "float32" else 2**-7
     for mine, reference in zip(our_logits, their_logits, strict=True):
         for a, b in zip(mine, reference, strict=True):
-            assert (a - b).abs().max() <= 1e-4 * max(1.0, float(b.abs().max()))
+            assert (a - b).abs().max() <= tolerance * max(1.0, float(b.abs().max()))
     alone, alone_logits = decode(fused, four[:1])
     assert alone[0] == ours[0]
     assert all(torch.equal(a, b) for a, b in zip(alone_logits[0], our_logits[0], strict=True))
+
+
+def test_bfloat16_weights_serve_bfloat16_rows_by_default_where_the_cpu_has_them(tmp_path: Path) -> None:
+    """The defaults over a bfloat16 directory: bfloat16 rows (pairs) on a CPU with AVX512-BF16, float32
+    rows elsewhere, and the start-up line says which; `--activation-dtype bfloat16` anywhere else (float16
+    weights, or weights not kept 16-bit) is refused by name, never half applied."""
+    directory = write_dir(tmp_path / "llama", hf_model("llama"))
+    model = Transformer.from_gguf(load_hf_dir(directory))
+    fast = half_matmul.pairs_native()
+    assert model.activation_dtype == ("bfloat16" if fast else "float32")
+    assert all(p.half.pairs == fast for layer in model.layers for p in layer.projections())
+    heard: list[str] = []
+    LLMEngine(EngineConfig(num_pages=64, page_size=4, max_model_len=48), model, log=heard.append)
+    rows = "bfloat16" if fast else "float32"
+    line = f"{rows} activations x bfloat16 weights (16-bit kernel), float32 KV cache"
+    assert any(line in said and said.startswith("numerics: fast" if fast else "numerics:") for said in heard)
+    halves = write_dir(tmp_path / "f16", hf_model("llama"), dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"activation dtype 'bfloat16' .* are torch\.float16"):
+        Transformer.from_gguf(load_hf_dir(halves), activation_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"bfloat16 \(a torch\.bfloat16 model on cpu: no 16-bit kernel\)"):
+        Transformer.from_gguf(load_hf_dir(directory, dtype=torch.bfloat16), activation_dtype="bfloat16")

@@ -7,9 +7,10 @@
  *
  * Contract:
  *   - Every row is computed alone, in a fixed order (RMSNorm sums a row left to right; the matmuls are
- *     packed_matmul.c's over packed codes and half_matmul.c's over 16-bit weights, chosen per weight by its
- *     kind; the attention is paged_attention.c's): a row's result does not depend on the other rows of the
- *     step, so prefill and decode steps alike use these functions for every row on CPU float32.
+ *     packed_matmul.c's over packed codes and half_matmul.c's over 16-bit weights (float32 rows, or
+ *     bfloat16 rows in pairs), chosen per weight by its kind; the attention is paged_attention.c's): a
+ *     row's result does not depend on the other rows of the step, so prefill and decode steps alike use
+ *     these functions for every row on CPU float32.
  *   - 16-bit products are split over every thread whatever their size: a step's calls come back to back and
  *     find the pool awake (SmolLM2's 120 bfloat16 projections at one row, 212 MB: 6.9 ms on one thread,
  *     5.2 on two, as fast as the machine then read memory). Packed products keep packed_matmul.c's own
@@ -37,9 +38,12 @@ int paged_decode_attention(const float *q, int64_t q_row_stride, const void *k_c
                            int64_t window, int num_threads);
 void half_matmul_threads(const float *x, int64_t x_stride, int64_t rows, const uint16_t *w, int64_t in_features,
                          int64_t out_features, int half, float *y, int num_threads);
+int half_matmul_pairs_threads(const float *x, int64_t x_stride, int64_t rows, const uint16_t *w,
+                              int64_t in_features, int64_t out_features, float *y, int num_threads);
 void kvf_round_half(_Float16 *out, const float *values, int64_t n);
 
-enum { KVF_PACKED, KVF_BF16, KVF_FP16 }; /* a weight's kind: which kernel multiplies by it */
+/* a weight's kind: which kernel multiplies by it (pairs: bfloat16 rows times bfloat16 weights) */
+enum { KVF_PACKED, KVF_BF16, KVF_FP16, KVF_BF16_PAIRS };
 
 typedef struct {
     const void *codes, *scales, *offsets; /* packed: as packed_matmul.c stores them, in `format`;
@@ -121,6 +125,9 @@ static int matmul(const kvf_step *s, const float *x, int64_t x_stride, const kvf
     if (w->kind == KVF_PACKED)
         status = packed_matmul(x, x_stride, s->rows, w->codes, w->scales, w->offsets, w->in_features, w->group,
                                w->panels, w->format, y, s->threads);
+    else if (w->kind == KVF_BF16_PAIRS)
+        status = half_matmul_pairs_threads(x, x_stride, s->rows, w->codes, w->in_features, w->out_features, y,
+                                           s->threads);
     else
         half_matmul_threads(x, x_stride, s->rows, w->codes, w->in_features, w->out_features,
                             w->kind == KVF_FP16, y, s->threads);
