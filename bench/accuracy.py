@@ -17,9 +17,13 @@ reference: kvfence's float32 log-probabilities are written as the tool's `--kl-d
 (kvfence.harness.accuracy.LlamaBaseLogits), and `llama-perplexity --kl-divergence` runs the same chunks
 against it (the perplexity it reads back for the base must be kvfence's float32 one, or the run fails).
 `llama-1b` (the 1.07B synthetic file, random weights) is a speed check only: seconds per chunk, kvfence's
-defaults against llama-perplexity's pass, no float32 path and no goal. Goals: kvfence fast within 1% of
-llama.cpp's perplexity, top-1 agreement >= 98%; exit status 1 when one fails. JSON in
-bench/results/accuracy.json, one row per model and context (a run replaces its own rows).
+defaults against llama-perplexity's pass, no float32 path and no goal. A packaged model's name with
+`-bf16-dir` (`smollm2-bf16-dir`, `gemma3-270m-bf16-dir`) scores the Hugging Face directory transformers
+writes of that file in bfloat16 (kvfence.harness.hf_dirs): kvfence's defaults there (bfloat16 rows on a CPU
+with AVX512-BF16) against its float32 rows over the same weights, no llama.cpp row. Goals: kvfence fast
+within 1% of llama.cpp's perplexity (a directory: of float32's), top-1 agreement >= 98%; exit status 1 when
+one fails. JSON in bench/results/accuracy.json, one row per model and context (a run replaces its own
+rows).
 """
 
 from __future__ import annotations
@@ -40,12 +44,14 @@ import torch
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine, load_engine
 from kvfence.harness.accuracy import Comparison, LlamaBaseLogits, Scorer, chunks, reference_text, sha256
+from kvfence.harness.hf_dirs import bf16_dir_from_gguf
 from kvfence.harness.peers import llama_server_binary, llama_tool
 from kvfence.harness.synthetic import SYNTHETIC, benchmark_file
 
 RESULTS = Path(__file__).parent / "results" / "accuracy.json"
 TEXT = RESULTS.parent / "accuracy_text.txt"
 PPL_GOAL, TOP1_GOAL = 0.01, 0.98
+DIRECTORY = "-bf16-dir"  # a packaged model's name with this: its bfloat16 Hugging Face directory
 
 
 def engine(model: Path, ctx: int, threads: int, activation_dtype: str) -> LLMEngine:
@@ -67,9 +73,11 @@ def timed(score: Scorer, chunk: list[int], seconds: list[float]) -> tuple[torch.
     return scored
 
 
-def kvfence_rows(model: Path, ctx: int, count: int, threads: int, base: Path | None) -> dict[str, Any]:
+def kvfence_rows(
+    model: Path, ctx: int, count: int, threads: int, base: Path | None, exact: bool = True
+) -> dict[str, Any]:
     """The fast path against float32 over `count` chunks, float32's log-probabilities written to `base`
-    for llama-perplexity; with no `base` (a speed check) the fast path alone, timed."""
+    for llama-perplexity (where given); without `exact` (a speed check) the fast path alone, timed."""
     fast = engine(model, ctx, threads, "auto")
     tokenizer = fast.tokenizer
     assert tokenizer is not None
@@ -77,7 +85,7 @@ def kvfence_rows(model: Path, ctx: int, count: int, threads: int, base: Path | N
     tokens = tokenizer.encode(reference_text())
     chunked = chunks(tokens, ctx, count, bos[0] if bos else None)
     fast_score, seconds = Scorer(fast), []
-    if base is None:
+    if not exact:
         for chunk in chunked:
             timed(fast_score, chunk, seconds)
         return {"text_tokens": len(tokens), "fast_s_per_chunk": statistics.median(seconds)}
@@ -85,10 +93,11 @@ def kvfence_rows(model: Path, ctx: int, count: int, threads: int, base: Path | N
     for chunk in chunked:
         path, reference = timed(fast_score, chunk, seconds), exact_score(chunk)
         compared.add(path, reference)
-        written = written or LlamaBaseLogits(str(base), ctx, reference[0].shape[1], chunked)
-        written.add(reference[0])
-    assert written is not None
-    written.close()
+        if base is not None:
+            written = written or LlamaBaseLogits(str(base), ctx, reference[0].shape[1], chunked)
+            written.add(reference[0])
+    if written is not None:
+        written.close()
     return {"text_tokens": len(tokens), "fast_s_per_chunk": statistics.median(seconds), **compared.summary()}
 
 
@@ -132,10 +141,23 @@ def llama_kl(
     }
 
 
+def directory_row(name: str, ctx: int, count: int, threads: int) -> dict[str, Any]:
+    """The bfloat16 directory of `name` (…-bf16-dir): kvfence's defaults against its float32 rows."""
+    with tempfile.TemporaryDirectory(prefix="kvfence-accuracy-") as scratch:
+        gguf = benchmark_file(name.removesuffix(DIRECTORY))
+        directory = bf16_dir_from_gguf(gguf, Path(scratch) / name)
+        row = {"model": name, "ctx": ctx, **kvfence_rows(directory, ctx, count, threads, None)}
+    row["ppl_vs_float32"] = row["ppl"] / row["reference_ppl"] - 1
+    row["pass"] = row["ppl_vs_float32"] <= PPL_GOAL and row["top1_agreement"] >= TOP1_GOAL
+    return row
+
+
 def measure(tool: Path, name: str, ctx: int, count: int, threads: int) -> dict[str, Any]:
+    if name.endswith(DIRECTORY):
+        return directory_row(name, ctx, count, threads)
     model = benchmark_file(name)
     if name in SYNTHETIC:
-        row = {"model": name, "ctx": ctx, **kvfence_rows(model, ctx, count, threads, None)}
+        row = {"model": name, "ctx": ctx, **kvfence_rows(model, ctx, count, threads, None, exact=False)}
         return {**row, **llama_ppl(tool, model, ctx, count, threads)}
     with tempfile.TemporaryDirectory(prefix="kvfence-accuracy-") as scratch:
         base = Path(scratch) / "float32.kld"  # 2 bytes a vocabulary entry a scored token: Gemma 2048 is 6 GB
@@ -148,6 +170,13 @@ def measure(tool: Path, name: str, ctx: int, count: int, threads: int) -> dict[s
 
 
 def line(row: dict[str, Any]) -> str:
+    if row["model"].endswith(DIRECTORY):
+        return (
+            f"{row['model']:>12} ctx {row['ctx']:>4} ({row['tokens']} tokens): PPL fast {row['ppl']:.3f}, "
+            f"float32 {row['reference_ppl']:.3f} ({row['ppl_vs_float32']:+.2%}); KL {row['kl_mean']:.5f} p99 "
+            f"{row['kl_p99']:.4f} top-1 {row['top1_agreement']:.2%}; s/chunk {row['fast_s_per_chunk']:.2f}; "
+            f"{'PASS' if row['pass'] else 'FAIL'}"
+        )
     speed = (
         f"s/chunk kvfence {row['fast_s_per_chunk']:.2f}, llama.cpp {row['llama_s_per_chunk']:.2f} "
         f"({row['llama_s_per_chunk'] / row['fast_s_per_chunk']:.2f}x)"

@@ -5,6 +5,7 @@
 From a float32 directory (default: SmolLM2's at ~/.cache/kvfence-peers/vllm/smollm2-hf) writes bfloat16
 and float16 copies into a temporary directory. For each prompt length: kvfence's TTFT (one output token,
 defaults) over each 16-bit directory and over the float32 one (whose weights kvfence multiplies on BLAS),
+and over the bfloat16 one on the exact path too (`--activation-dtype float32`: float32 rows),
 and torch's F.linear over every layer's weights at that many rows in float32 and bfloat16 (the matmuls
 alone). GFLOPS = 2 x layer weights x tokens / seconds for every row, so the ratios are like for like.
 Each row's figure is its best over --repeats rounds that run every row once in turn.
@@ -59,6 +60,8 @@ def main() -> None:
         for name, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
             directory = sixteen_bit_dir(args.source, Path(tmp) / name, dtype)
             engines[f"kvfence {name} dir"] = engine_for(directory)
+            if dtype == torch.bfloat16:
+                engines["kvfence bf16 dir, float32 rows"] = engine_for(directory, activation_dtype="float32")
         for tokens in (int(t) for t in args.tokens.split(",")):
             runs = {
                 "F.linear f32": linear_run(weights, tokens, torch.float32),
