@@ -26,6 +26,7 @@ class ModelShape:
     head_dim: int
     context_length: int
     block_quantized: bool  # any weight stored in a block format (what picks the fast path by default)
+    bf16_weights: bool = False  # 2-D weights stored bfloat16, none float16: what bfloat16 rows multiply
 
 
 def model_shape(metadata: dict[str, object], tensor_kinds: set[int]) -> ModelShape:
@@ -70,9 +71,13 @@ def hf_model_shape(path: Path) -> ModelShape:
     from kvfence.model.hf_dir import read_dir
 
     try:
-        config = read_dir(path).config
+        hf = read_dir(path)
+        config = hf.config
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise StartupError(
             f"--model {path}: not a model directory kvfence can serve ({reason(exc)})"
         ) from exc
-    return ModelShape(config.num_layers, config.num_kv_heads, config.head_dim, config.context_length, False)
+    stored = {t.dtype for t in hf.tensors.values() if len(t.shape) == 2}
+    bf16 = "BF16" in stored and "F16" not in stored
+    shape = config.num_layers, config.num_kv_heads, config.head_dim, config.context_length
+    return ModelShape(*shape, block_quantized=False, bf16_weights=bf16)

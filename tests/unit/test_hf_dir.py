@@ -18,6 +18,7 @@ from test_archs import ARCH, SHAPE, assert_engine_matches, hf_model
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
+from kvfence.cli_checks import check_engine
 from kvfence.config import EngineConfig
 from kvfence.engine.engine import LLMEngine
 from kvfence.model import half_matmul
@@ -26,6 +27,7 @@ from kvfence.model.hf_load import load_hf_dir
 from kvfence.model.tokenizer import Tokenizer
 from kvfence.model.transformer import Transformer
 from kvfence.sampling import SamplingParams
+from kvfence.startup import StartupError
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,3 +198,19 @@ def test_bfloat16_weights_serve_bfloat16_rows_by_default_where_the_cpu_has_them(
         Transformer.from_gguf(load_hf_dir(halves), activation_dtype="bfloat16")
     with pytest.raises(ValueError, match=r"bfloat16 \(a torch\.bfloat16 model on cpu: no 16-bit kernel\)"):
         Transformer.from_gguf(load_hf_dir(directory, dtype=torch.bfloat16), activation_dtype="bfloat16")
+
+
+def test_bfloat16_rows_without_bfloat16_weights_are_refused_before_the_load(tmp_path: Path) -> None:
+    """`kvfence serve --activation-dtype bfloat16` checks the model's stored dtypes from its headers: one
+    line naming why for a GGUF, a float16 directory or --dtype bfloat16; a bfloat16 directory starts."""
+    bf16 = write_dir(tmp_path / "bf16", hf_model("llama"))
+    check_engine(EngineConfig(model=bf16, activation_dtype="bfloat16"))
+    f16 = write_dir(tmp_path / "f16", hf_model("llama"), dtype=torch.float16)
+    refusals = [
+        (EngineConfig(activation_dtype="bfloat16"), "the model holds none"),  # the packaged GGUF
+        (EngineConfig(model=f16, activation_dtype="bfloat16"), "the model holds none"),
+        (EngineConfig(model=bf16, dtype="bfloat16", activation_dtype="bfloat16"), "--dtype bfloat16: they"),
+    ]
+    for config, why in refusals:
+        with pytest.raises(StartupError, match=f"^--activation-dtype bfloat16 multiplies .*: {why}"):
+            check_engine(config)
