@@ -1,5 +1,6 @@
 """What bench/disagg.py computes, now in kvfence/harness: the KV transfer rates read from audit trails, the
-worker names a `serve --disaggregated` command starts, and CURVE's cost against the plain transport."""
+worker names a `serve --disaggregated` command starts, and CURVE's cost against the plain transport; and
+bench/step_rows.py's ceiling for speculation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from kvfence.harness.curve_cost import CURVE_COST_TARGET, TransportSummary, compare
 from kvfence.harness.served_systems import worker_list
+from kvfence.harness.step_rows import ceiling
 from kvfence.harness.trail_transfer import transfer_rates
 
 PAGE = 1_000_000  # bytes per page: 1 MB, so MB and GB/s read off the timestamps
@@ -55,3 +57,13 @@ def test_curve_cost_against_its_target() -> None:
     over = compare(summary("CURVE", 100.0 * (1 - CURVE_COST_TARGET) - 1), summary("plain", 100.0, 0.5))
     assert not over["passed"] and over["contended"]
     assert over["transfer_gb_per_s_curve_over_plain"] == {"send": 1.0, "end_to_end": 1.0, "decode_burst": 1.0}
+
+
+def test_speculation_ceiling_follows_the_step_cost() -> None:
+    """A step linear in its rows leaves drafts nothing (1.0x whatever k); a step of fixed cost gives every
+    kept draft a token (1 + k); a measured mix in between."""
+    linear = {16: 0.016, 32: 0.032, 64: 0.064}
+    fixed = dict.fromkeys(linear, 0.016)
+    assert [ceiling(linear, 16, k) for k in (1, 3)] == pytest.approx([1.0, 1.0])
+    assert [ceiling(fixed, 16, k) for k in (1, 3)] == pytest.approx([2.0, 4.0])
+    assert ceiling({16: 0.015, 32: 0.025}, 16, 1) == pytest.approx(1.2)
