@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from kvfence.cli_model import ModelShape, check_model
+from kvfence.cli_model import check_bf16_rows, check_model
 from kvfence.config import (
     DTYPE_BYTES,
     CapacityError,
@@ -194,27 +194,9 @@ def check_device(device: str) -> None:
         raise StartupError(f"--device {device}: no such CUDA device on this machine; use --device cpu")
 
 
-def check_bf16_rows(config: EngineConfig, shape: ModelShape) -> None:
-    """`--activation-dtype bfloat16` only where its kernel has weights to multiply (the model refuses it
-    too, once loaded: here it is one line before the load)."""
-    if config.activation_dtype != "bfloat16":
-        return
-    why = None
-    if not shape.bf16_weights:
-        why = "the model holds none (a GGUF file, or a directory of float16 or float32 weights)"
-    elif config.dtype != "float32":
-        why = f"--dtype {config.dtype}: they are multiplied under a float32 model"
-    if why is not None:
-        raise StartupError(
-            f"--activation-dtype bfloat16 multiplies a Hugging Face directory's bfloat16 weights: {why}; "
-            "use --activation-dtype auto"
-        )
-
-
 def check_engine(config: EngineConfig) -> None:
-    """The device, the model file, bfloat16 rows where asked, and the pool against the window, before any
-    weight is loaded: the same capacity report and window check the engine runs once it has loaded, from
-    the GGUF header alone."""
+    """The device, the model file (bfloat16 rows where asked), and the pool against the window, before any
+    weight is loaded: the same capacity report and window check the engine runs once it has loaded."""
     check_device(config.device)
     shape = check_model(config.model)
     check_bf16_rows(config, shape)

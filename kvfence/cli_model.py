@@ -4,7 +4,8 @@ window depend on.
 
 Contract: `check_model` returns the shape or raises `StartupError` with one line naming `--model` and the
 fix (no such file, not a file, not a usable GGUF file, an architecture kvfence does not serve, not a model
-directory); it reads no tensor data and imports numpy only once a model is named.
+directory); it reads no tensor data and imports numpy only once a model is named. `check_bf16_rows` refuses
+`--activation-dtype bfloat16` in one line where the shape holds no bfloat16 weights for it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfence.config import UNBLOCKED_GGML_TYPES
+from kvfence.config import UNBLOCKED_GGML_TYPES, EngineConfig
 from kvfence.startup import StartupError, reason
 
 
@@ -81,3 +82,20 @@ def hf_model_shape(path: Path) -> ModelShape:
     bf16 = "BF16" in stored and "F16" not in stored
     shape = config.num_layers, config.num_kv_heads, config.head_dim, config.context_length
     return ModelShape(*shape, block_quantized=False, bf16_weights=bf16)
+
+
+def check_bf16_rows(config: EngineConfig, shape: ModelShape) -> None:
+    """`--activation-dtype bfloat16` only where its kernel has weights to multiply (the model refuses it
+    too, once loaded: here it is one line before the load)."""
+    if config.activation_dtype != "bfloat16":
+        return
+    why = None
+    if not shape.bf16_weights:
+        why = "the model holds none (a GGUF file, or a directory of float16 or float32 weights)"
+    elif config.dtype != "float32":
+        why = f"--dtype {config.dtype}: they are multiplied under a float32 model"
+    if why is not None:
+        raise StartupError(
+            f"--activation-dtype bfloat16 multiplies a Hugging Face directory's bfloat16 weights: {why}; "
+            "use --activation-dtype auto"
+        )
