@@ -228,7 +228,7 @@ static inline uint16_t to_bf16(float x) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
-/* One row of x rounded into out, zero past in_features: 32-bit word q holds k = 2q low, 2q + 1 high. */
+/* One row of x rounded into out, zero past in_features: pair q is out[2q], out[2q + 1]. */
 static void round_row(const float *x, int64_t in_features, int64_t pairs, uint16_t *out) {
 #pragma omp simd
     for (int64_t k = 0; k < in_features; k++) out[k] = to_bf16(x[k]);
@@ -237,7 +237,7 @@ static void round_row(const float *x, int64_t in_features, int64_t pairs, uint16
 
 #if defined(__AVX512BF16__)
 /* R rows x NP panels, as tile() above, one vdpbf16ps per two k. */
-INLINE void pair_tile(const uint32_t *xq, int64_t pairs, const uint16_t *w, float *y, int64_t out_features,
+INLINE void pair_tile(const uint16_t *xq, int64_t pairs, const uint16_t *w, float *y, int64_t out_features,
                       int64_t n0, const int R, const int NP) {
     __m512 acc[ROW_TILE][PANEL_TILE];
     for (int r = 0; r < R; r++)
@@ -248,7 +248,9 @@ INLINE void pair_tile(const uint32_t *xq, int64_t pairs, const uint16_t *w, floa
         for (int p = 0; p < NP; p++) wq[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_stride + q * 2 * PANEL);
 #pragma GCC unroll 6 /* as tile()'s */
         for (int r = 0; r < R; r++) {
-            const __m512bh xr = (__m512bh)_mm512_set1_epi32((int)xq[r * pairs + q]);
+            int32_t pair;
+            memcpy(&pair, xq + 2 * (r * pairs + q), sizeof pair);
+            const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
             for (int p = 0; p < NP; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xr, wq[p]);
         }
     }
@@ -260,7 +262,7 @@ INLINE void pair_tile(const uint32_t *xq, int64_t pairs, const uint16_t *w, floa
 }
 #else
 /* vdpbf16ps's order in plain C: per lane, the odd k's product added, then the even k's (each exact). */
-INLINE void pair_tile(const uint32_t *xq, int64_t pairs, const uint16_t *w, float *y, int64_t out_features,
+INLINE void pair_tile(const uint16_t *xq, int64_t pairs, const uint16_t *w, float *y, int64_t out_features,
                       int64_t n0, const int R, const int NP) {
     const int64_t panel_stride = pairs * 2 * PANEL;
     for (int p = 0; p < NP; p++) {
@@ -270,9 +272,12 @@ INLINE void pair_tile(const uint32_t *xq, int64_t pairs, const uint16_t *w, floa
                 float acc = 0.f;
                 for (int64_t q = 0; q < pairs; q++) {
                     const uint16_t *wq = w + p * panel_stride + q * 2 * PANEL + 2 * j;
-                    const uint32_t xr = xq[r * pairs + q];
-                    acc += widen((uint16_t)(xr >> 16), 0) * widen(wq[1], 0);
-                    acc += widen((uint16_t)xr, 0) * widen(wq[0], 0);
+                    /* One 32-bit read, as the vector path's: read as two uint16_t, GCC 12's -O3 vectorizer
+                     * summed this loop wrong (a one-hot row's even k counted twice; -O2 was right). */
+                    uint32_t pair;
+                    memcpy(&pair, xq + 2 * (r * pairs + q), sizeof pair);
+                    acc += widen((uint16_t)(pair >> 16), 0) * widen(wq[1], 0);
+                    acc += widen((uint16_t)pair, 0) * widen(wq[0], 0);
                 }
                 y[r * out_features + n + j] = acc;
             }
@@ -286,7 +291,7 @@ INLINE void pair_tile(const uint32_t *xq, int64_t pairs, const uint16_t *w, floa
         break;
 #define PAIR_TILES(R) PAIR_TILE(R, 1) PAIR_TILE(R, 2) PAIR_TILE(R, 3) PAIR_TILE(R, 4)
 
-static void any_pair_tile(const uint32_t *xq, int64_t pairs, int rows, const uint16_t *w, int panels, float *y,
+static void any_pair_tile(const uint16_t *xq, int64_t pairs, int rows, const uint16_t *w, int panels, float *y,
                           int64_t out_features, int64_t n0) {
     switch ((rows - 1) * PANEL_TILE + panels - 1) {
         PAIR_TILES(1) PAIR_TILES(2) PAIR_TILES(3) PAIR_TILES(4) PAIR_TILES(5) PAIR_TILES(6)
@@ -297,19 +302,19 @@ int half_matmul_pairs_threads(const float *x, int64_t x_stride, int64_t rows, co
                               int64_t in_features, int64_t out_features, float *y, int num_threads) {
     const int64_t pairs = (in_features + 1) / 2;
     const split s = split_of(rows, out_features);
-    uint32_t *xq = malloc(sizeof(uint32_t) * (size_t)(rows * pairs));
+    uint16_t *xq = malloc(2 * sizeof(uint16_t) * (size_t)(rows * pairs));
     if (xq == NULL) return NO_MEMORY;
     /* One team for both loops: each row rounded once (alone: the same bits whichever thread does it), and
      * the barrier between the loops hands every unit all of them. */
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) round_row(x + r * x_stride, in_features, pairs, (uint16_t *)(xq + r * pairs));
+        for (int64_t r = 0; r < rows; r++) round_row(x + r * x_stride, in_features, pairs, xq + 2 * r * pairs);
 #pragma omp for schedule(static)
         for (int64_t unit = 0; unit < s.units; unit++) {
             const unit_span u = unit_of(&s, unit, rows);
             for (int64_t r0 = u.r0; r0 < u.r1; r0 += ROW_TILE)
-                any_pair_tile(xq + r0 * pairs, pairs, tile_rows(r0, u.r1), w + u.p0 * pairs * 2 * PANEL, u.np,
+                any_pair_tile(xq + 2 * r0 * pairs, pairs, tile_rows(r0, u.r1), w + u.p0 * pairs * 2 * PANEL, u.np,
                               y + r0 * out_features, out_features, u.p0 * PANEL);
         }
     }
