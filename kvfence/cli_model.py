@@ -32,12 +32,15 @@ class ModelShape:
 
 def model_shape(metadata: dict[str, object], tensor_kinds: set[int]) -> ModelShape:
     """The shape as the model's architecture reads its header (ValueError for one kvfence does not serve),
-    and whether any of `tensor_kinds` (ggml type ids) is a block format."""
+    whether any of `tensor_kinds` (ggml type ids) is a block format, and whether the weights are BF16 (the
+    rest F32: norms)."""
     from kvfence.model.archs import architecture
     from kvfence.model.archs.base import Header
+    from kvfence.model.ggml_types import GGMLType
 
     architecture(metadata.get("general.architecture"))  # a one-line refusal naming the supported ones
-    return ModelShape(*Header(metadata, {}).kv_shape(), bool(tensor_kinds - UNBLOCKED_GGML_TYPES))
+    bf16 = GGMLType.BF16 in tensor_kinds and tensor_kinds <= {GGMLType.F32, GGMLType.BF16}
+    return ModelShape(*Header(metadata, {}).kv_shape(), bool(tensor_kinds - UNBLOCKED_GGML_TYPES), bf16)
 
 
 def check_model(path: Path | None) -> ModelShape:
@@ -91,7 +94,7 @@ def check_bf16_rows(config: EngineConfig, shape: ModelShape) -> None:
         return
     why = None
     if not shape.bf16_weights:
-        why = "the model holds none (a GGUF file, or a directory of float16 or float32 weights)"
+        why = "the model holds none (its weights are block-quantized, float16 or float32)"
     elif config.dtype != "float32":
         why = f"--dtype {config.dtype}: they are multiplied under a float32 model"
     if why is not None:

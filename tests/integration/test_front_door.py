@@ -467,6 +467,9 @@ def test_the_fast_header_read_agrees_with_gguf_py(tmp_path: Path) -> None:
         config.context_length,
     )
     assert not shape.block_quantized  # float32 tensors only: the pool is sized at the model's dtype
+    assert not shape.bf16_weights  # nothing for --activation-dtype bfloat16 to multiply
+    kinds = [{0, 30}, {0, 1, 30}, {0, 2, 30}]  # F32 norms beside BF16; and F16, Q4_0 among them
+    assert [model_shape(scalars, k).bf16_weights for k in kinds] == [True, False, False]
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:200])
     with pytest.raises(StartupError, match="not a usable GGUF file"):
