@@ -111,4 +111,4 @@ def load(avx512: bool = True, avx2: bool = True, bf16: bool = True) -> tuple[Hal
 def pairs_native() -> bool:
     """Whether `load()`'s pairs run on vdpbf16ps (this CPU has AVX512-BF16): where they repay the rows'
     rounding."""
-    return "-mavx512bf16" in native.isa_flags()
+    return native.has_bf16_dot()

@@ -38,9 +38,10 @@ FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 _AVX512 = ({"avx512f", "avx512bw", "fma", "f16c"}, ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c"))
 _VNNI = (_AVX512[0] | {"avx512_vnni"}, (*_AVX512[1], "-mavx512vnni"))
 # AVX512-BF16 (vdpbf16ps: two bf16 products a lane, f32 accumulation) is what paged_prefill.c's bf16
-# attention runs on; the other kernels do not use it.
+# attention and half_matmul.c's pairs run on; the other kernels do not use it.
+BF16_FLAG = "-mavx512bf16"
 _ISA = (
-    (_VNNI[0] | {"avx512_bf16"}, (*_VNNI[1], "-mavx512bf16")),
+    (_VNNI[0] | {"avx512_bf16"}, (*_VNNI[1], BF16_FLAG)),
     _VNNI,
     _AVX512,
     ({"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c")),
@@ -62,6 +63,11 @@ def isa_flags() -> tuple[str, ...]:
         return ()
     flags = cpu_flags()
     return next((isa for needed, isa in _ISA if needed <= flags), ())
+
+
+def has_bf16_dot() -> bool:
+    """Whether the kernels build with AVX512-BF16 here (`isa_flags` names it)."""
+    return BF16_FLAG in isa_flags()
 
 
 def _compiler() -> str | None:

@@ -176,7 +176,7 @@ def load(
 def bf16_prefill() -> bool:
     """Whether `load()`'s prefill kernel runs its inner products in bf16 (this CPU has AVX512-BF16 and
     KVFENCE_PREFILL_F32 is not 1)."""
-    return "-mavx512bf16" in native.isa_flags() and _bf16_wanted()
+    return native.has_bf16_dot() and _bf16_wanted()
 
 
 def _bf16_wanted() -> bool:
