@@ -196,6 +196,16 @@ def test_inflate_computed_moves_one_decoding_start_a_block_ahead_once_and_never_
     assert batch.num_computed_tokens_cpu.tolist() == [30 + SIZE, 0, 1010]  # at most once
 
 
+def test_inflate_computed_moves_the_decoding_request_furthest_along_the_earliest_on_a_tie() -> None:
+    """Whom the move hits is known before the step (tests/vllm's scenario names it): no draw among rows."""
+    for computed, moved in (([30, 0, 45, 40], 2), ([30, 45, 0, 45], 1), ([50, 45, 0, 45], 0)):
+        faults = WorkerFaults(Settings(inflate_probability=1.0))
+        batch = batch_of(computed, [20, 12, 20, 20])
+        faults.inject(batch, {f"r{i}": 1 for i in range(4)}, window=1024)
+        expected = [c + SIZE * (i == moved) for i, c in enumerate(computed)]
+        assert batch.num_computed_tokens_cpu.tolist() == expected and faults.inflated == f"r{moved}"
+
+
 def test_the_swap_spares_the_inflated_request_and_the_move_spares_a_swapped_one() -> None:
     faults = WorkerFaults(Settings(swap_probability=1.0, inflate_probability=1.0))
     batch = batch_of([30, 40], [20, 12])

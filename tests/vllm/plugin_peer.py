@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,15 +31,15 @@ BASE = ["--optimization-level", "0", "--max-model-len", "1024"]
 KEYS = ("sk-tenant-a", "sk-tenant-b")  # vLLM's --api-key: the plugin's tenants api-key-1 and api-key-2
 # The swap at a rate the audit can compare answers under (most requests beside others survive it), with a
 # seed whose first draw fires: the first step that runs two requests with KV (the start-moved one spared)
-# swaps their rows. And the start of the first request seen decoding beside another (the scenario's long
-# one, as the others join it) moved a block ahead, once per server.
+# swaps their rows. And the start of the request furthest along in the first step of two or more with one
+# decoding (the scenario's long one, its prompt the longest) moved a block ahead, once per server.
 FAULT = {"KVFENCE_INJECT_FAULT": "swap_block_tables:0.1,inflate_computed:1", "KVFENCE_FAULT_SEED": "31"}
 SWAPPED = "fault swap_block_tables swapped"
 INFLATED = "fault inflate_computed moved the start of "
 ABORTED = "kvfence-vllm: aborted request"
 LONG = "long"
 PROMPTS = {
-    LONG: "Write a long story about a lighthouse keeper named Tom who finds a message in a bottle.",
+    LONG: "Write a long story about a lighthouse keeper named Tom who finds a message in a bottle at dawn.",
     "count": "Count from one to twenty in words: one, two, three,",
     "fruit": "Here is a list of fruits, one per line:\n1. Apple\n2.",
 }
@@ -48,6 +49,16 @@ MAX_TOKENS = {LONG: 160, "count": 32, "fruit": 32}
 @contextmanager
 def served(extra: Sequence[str], env: Mapping[str, str]) -> Iterator[Peer]:
     with vllm_server(Path(SERVE), [*BASE, *extra], env, START_TIMEOUT_S) as peer:
+        yield peer
+
+
+@contextmanager
+def served_with_faults(fence: str) -> Iterator[Peer]:
+    """A server of the two tenants with FAULT armed and the fence `fence` ("on" or "off"), ready for
+    `scenario`: it holds vLLM's scheduler while its requests arrive (the dev server's /pause?mode=keep
+    and /resume) and reads their arrival on the log (--enable-log-requests: "Added request ID.")."""
+    env = {**FAULT, "KVFENCE_FENCE": fence, "VLLM_SERVER_DEV_MODE": "1"}
+    with served(["--api-key", *KEYS, "--enable-log-requests"], env) as peer:
         yield peer
 
 
@@ -82,52 +93,62 @@ def complete(
     return Answer(200, reply.json()["choices"][0]["text"])
 
 
-def stream(url: str, name: str, started: threading.Event, key: str | None, request_id: str) -> Answer:
+def stream(url: str, name: str, key: str | None, request_id: str) -> Answer:
     body = {"model": VLLM_MODEL, "prompt": PROMPTS[name], "max_tokens": MAX_TOKENS[name], "temperature": 0}
     body = {**body, "ignore_eos": True, "stream": True}
     text, sent = "", headers(key, request_id)
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=sent, timeout=600) as reply:
         if reply.status_code != 200:
-            started.set()
             return Answer(reply.status_code, "", json.loads(reply.read())["error"]["type"])
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
-                started.set()
                 return Answer(500, text, chunk["error"]["type"])
             text += chunk["choices"][0]["text"]
-            if text:
-                started.set()
-    started.set()
     return Answer(200, text)
 
 
 def scenario(peer: Peer, key: str | None = KEYS[0]) -> tuple[dict[str, Answer], dict[str, Answer]]:
     """(references asked alone, answers asked together). Each prompt alone first (one running request:
-    no fault fires), then the long request, and once it streams the others beside it; each asked together
-    is logged as cmpl-together-NAME-0-... (`named`)."""
+    no fault fires). Then, with the scheduler held, the long request (streamed), and the others one by one
+    once vLLM logs the one before added; then the scheduler resumes. So the three prefill in one step, the
+    long one in the first row, and decode side by side from the next: the order is the engine's, whatever
+    the machine's load (this client never races its steps). Each asked together is logged as
+    cmpl-together-NAME-0-... (`named`)."""
     references = {name: ask(peer.url, name, key) for name in PROMPTS}
     assert all(a.status == 200 and a.text for a in references.values()), references
     together: dict[str, Answer] = {}
-    started = threading.Event()
 
     def run(name: str) -> None:
         rid = f"together-{name}"
-        together[name] = (
-            stream(peer.url, name, started, key, rid) if name == LONG else ask(peer.url, name, key, rid)
-        )
+        together[name] = stream(peer.url, name, key, rid) if name == LONG else ask(peer.url, name, key, rid)
 
-    threads = [threading.Thread(target=run, args=(LONG,))]
-    threads[0].start()
-    assert started.wait(600)  # the long request is running: the others join its batch
-    threads += [threading.Thread(target=run, args=(name,)) for name in PROMPTS if name != LONG]
-    for thread in threads[1:]:
+    threads = [threading.Thread(target=run, args=(name,)) for name in PROMPTS]  # the long one first
+    scheduler(peer, "pause", key)
+    for thread, name in zip(threads, PROMPTS, strict=True):
         thread.start()
+        added(peer, f"cmpl-together-{name}-")
+    scheduler(peer, "resume", key)
     for thread in threads:
         thread.join(600)
     return references, together
+
+
+def scheduler(peer: Peer, action: str, key: str | None) -> None:
+    """Hold vLLM's scheduler (`pause`: requests kept, no step taken) or let it go (`resume`)."""
+    params = {"mode": "keep"} if action == "pause" else {}
+    reply = httpx.post(f"{peer.url}/{action}", params=params, headers=headers(key), timeout=600)
+    assert reply.status_code == 200, (action, reply.status_code, reply.text)
+
+
+def added(peer: Peer, prefix: str, timeout_s: float = 600) -> None:
+    """Wait until vLLM's log says a request whose id starts with `prefix` reached its engine."""
+    deadline = time.monotonic() + timeout_s
+    while not trail(peer, f"Added request {prefix}"):
+        assert time.monotonic() < deadline, f"vLLM never added {prefix}"
+        time.sleep(0.1)
 
 
 def named(line: str, after: str) -> str:

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import pytest
 from plugin_peer import (
     ABORTED,
-    FAULT,
     INFLATED,
     KEYS,
     LONG,
@@ -20,7 +19,7 @@ from plugin_peer import (
     named,
     needs_vllm,
     scenario,
-    served,
+    served_with_faults,
     trail,
 )
 
@@ -32,7 +31,7 @@ pytestmark = needs_vllm
 
 @pytest.fixture(scope="module")
 def peer() -> Iterator[Peer]:
-    with served(["--api-key", *KEYS], FAULT) as peer:
+    with served_with_faults("on") as peer:
         yield peer
 
 

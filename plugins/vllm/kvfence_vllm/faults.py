@@ -2,11 +2,11 @@
 after vLLM brought it up to the step and before the fence checks it: the bookkeeping bugs the fence exists
 to catch. Off unless armed; each draw comes from its own generator seeded by `KVFENCE_FAULT_SEED`.
 
-- `inflate_computed:P`: in a step of two or more requests, with probability P, one decoding request's
-  start (the batch's num_computed_tokens) moves a block ahead, so its step attends over slots no step
-  wrote for it and writes its token a block too far. At most once per process, on a request whose moved
-  step still fits the window: one firing shows the read, and leaves the rest of the server's run (an
-  audit) to the other fault. Drawn before the swap in a step.
+- `inflate_computed:P`: in a step of two or more requests, with probability P, the start (the batch's
+  num_computed_tokens) of the decoding request furthest along (the earliest row on a tie) moves a block
+  ahead, so its step attends over slots no step wrote for it and writes its token a block too far. At most
+  once per process, on a request whose moved step still fits the window: one firing shows the read, and
+  leaves the rest of the server's run (an audit) to the other fault. Drawn before the swap in a step.
 - `swap_block_tables:P`: in a step, with probability P, two running requests (KV already computed) trade
   block-table rows.
 The swap spares the request whose start moved, and the move spares a request swapped before, so that
@@ -48,10 +48,11 @@ class WorkerFaults:
         size = batch.block_table[0].block_size
         rows = decoding_rows(computed[:num], batch.num_prompt_tokens[:num], counts, size, window)
         rows = [row for row in rows if ids[row] not in self.swapped]
-        chosen = choose_rows(self.inflate_rng, self.settings.inflate_probability, rows, 1)
-        if chosen is None:
+        if not rows or self.inflate_rng.random() >= self.settings.inflate_probability:
             return
-        row = chosen[0]
+        # The furthest along, not a draw among them: whom the move hits is then known before the step (the
+        # tests' scenario: its long request, whose prompt is the longest of those starting beside it).
+        row = max(rows, key=lambda r: int(computed[r]))
         self.inflated = ids[row]
         self.swapped.clear()  # not needed any more
         computed[row] += size
