@@ -4,7 +4,7 @@ A prefix cache shared across tenants (a pool's, or a KV tier below it keyed by t
 storage path is) is a timing oracle: a tenant learns that somebody sent a prompt from how fast its own copy
 is answered. Black-box, with tenants 0 and 1 and prompts that share nothing from their first word:
 1. tenant 1 sends two fresh prompts of the probe's length: its cold time (`cold`, the lesser);
-2. tenant 0 sends a secret prompt twice: its own cache hit (`own`, the second);
+2. tenant 0 sends a secret prompt three times: its own cache hit (`own`, the lesser of the last two);
 3. tenant 1 sends tenant 0's secret prompt: `cross`.
 Every request asks for one token, so its time is its first token's. A request the fence aborts (a fault
 armed) is sent again; an aborted step 3 starts steps 2 and 3 again with a new secret prompt (the abort
@@ -13,7 +13,8 @@ may have left tenant 1 a cached copy of its own).
 Verdict (`judge`): INCONCLUSIVE when `own` is not under HIT_FRACTION x `cold` (no prefix cache shows at this
 length: nothing to tell apart); FAIL when `cross` is under the geometric mean of `own` and `cold` (nearer a
 hit than a computation: tenant 1 was served tenant 0's prefix); else PASS. The lesser cold time makes a
-FAIL harder, never easier: noise cannot fail a server that computes.
+FAIL harder, never easier: noise cannot fail a server that computes. The lesser hit makes a FAIL harder too,
+and keeps one hit slowed by a busy machine from reading as no cache at all.
 """
 
 from __future__ import annotations
@@ -44,16 +45,16 @@ def probe_prefix_timing(client: ProbeClient, window: int) -> CheckResult:
     for _ in range(RECOVERY_ATTEMPTS):
         secret = _prompt(words)  # a new one each try: an aborted try may have cached tenant 1's own copy
         answered(lambda secret=secret: _send(client, "plant", 0, secret))
-        own = answered(lambda secret=secret: _send(client, "own", 0, secret))
+        owns = [answered(lambda secret=secret: _send(client, "own", 0, secret)) for _ in range(2)]
         cross = _send(client, "cross", 1, secret)
         if not cross.fenced:
             break
-    exchanges = [*colds, own, cross]
+    exchanges = [*colds, *owns, cross]
     ids = [str(e.request_id) for e in exchanges if e.request_id]
     unanswered = sum(e.status != 200 for e in exchanges)
     if unanswered:
         return inconclusive(NAME, f"{unanswered} of the probe's timed requests were not answered")
-    return judge(min(e.elapsed_s for e in colds), own.elapsed_s, cross.elapsed_s, ids)
+    return judge(min(e.elapsed_s for e in colds), min(e.elapsed_s for e in owns), cross.elapsed_s, ids)
 
 
 def judge(cold: float, own: float, cross: float, request_ids: list[str] | None = None) -> CheckResult:
